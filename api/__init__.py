@@ -1,0 +1,1 @@
+"""The Phalanx control plane: FastAPI routes, schemas, auth and the store."""

@@ -1,0 +1,63 @@
+"""Control-plane settings, read once from `PHALANX_*` environment variables."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+from pydantic import Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+def _default_data_dir() -> Path:
+    return Path.home() / ".local" / "share" / "phalanx"
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="PHALANX_", extra="ignore")
+
+    database_url: str | None = Field(
+        default=None, description="SQLAlchemy URL; unset means a SQLite file in data_dir"
+    )
+    redis_url: str | None = Field(
+        default=None, description="Celery broker and hot blob store; unset means embedded"
+    )
+    admin_token: SecretStr | None = Field(
+        default=None, description="admin bearer token; generated, printed once and stored hashed when unset"
+    )
+    data_dir: Path = Field(default_factory=_default_data_dir)
+
+    # node lifecycle
+    lease_grace_s: float = 40.0
+    heartbeat_interval_s: float = 10.0
+    # telemetry
+    telemetry_retention_s: float = 7 * 24 * 3600.0
+    # request limits
+    max_body_bytes: int = 1 * 1024 * 1024
+    max_upload_bytes: int = 64 * 1024 * 1024
+    # enrollment tokens
+    enrollment_token_ttl_s: float = 24 * 3600.0
+    # scheduler
+    reconcile_interval_s: float = 2.0
+    checkpoint_every_steps: int = 50
+    work_long_poll_max_s: float = 30.0
+
+    @property
+    def resolved_database_url(self) -> str:
+        if self.database_url:
+            return self.database_url
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        return f"sqlite:///{self.data_dir / 'phalanx.sqlite'}"
+
+    @property
+    def artifacts_dir(self) -> Path:
+        return self.data_dir / "artifacts"
+
+    @property
+    def embedded(self) -> bool:
+        return self.redis_url is None
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    return Settings()

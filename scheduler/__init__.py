@@ -1,0 +1,1 @@
+"""The Phalanx scheduler: Celery app, reconcile loop, placement policy, step application."""
