@@ -1,0 +1,92 @@
+"""A real `phalanx server` subprocess on a free port, for tests that need a live control plane."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class LiveServer:
+    url: str
+    admin_token: str
+    process: subprocess.Popen
+    log_path: Path
+    env: dict[str, str] = field(default_factory=dict)
+
+    def client(self, token: str | None = None) -> httpx.Client:
+        headers = {"Authorization": f"Bearer {token or self.admin_token}"}
+        return httpx.Client(base_url=self.url, headers=headers, timeout=30)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def stop(self, kill: bool = False) -> None:
+        if self.process.poll() is None:
+            if kill:
+                self.process.kill()
+            else:
+                self.process.terminate()
+            try:
+                self.process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=5)
+
+
+def start_server(
+    *,
+    database_url: str,
+    data_dir: Path,
+    admin_token: str,
+    redis_url: str | None = None,
+    extra_env: dict[str, str] | None = None,
+    port: int | None = None,
+    args: list[str] | None = None,
+    timeout_s: float = 60.0,
+) -> LiveServer:
+    port = port or free_port()
+    data_dir.mkdir(parents=True, exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PHALANX_")}
+    env.update(
+        PHALANX_DATABASE_URL=database_url,
+        PHALANX_DATA_DIR=str(data_dir),
+        PHALANX_ADMIN_TOKEN=admin_token,
+        PYTHONUNBUFFERED="1",
+    )
+    if redis_url:
+        env["PHALANX_REDIS_URL"] = redis_url
+    env.update(extra_env or {})
+    log_path = data_dir / f"server-{port}.log"
+    cmd = [sys.executable, "-m", "phalanx.cli.main", "server", "--host", "127.0.0.1",
+           "--port", str(port), *(args or [])]
+    with log_path.open("ab") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    server = LiveServer(f"http://127.0.0.1:{port}", admin_token, proc, log_path, env)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"phalanx server exited with {proc.returncode}:\n{server.log()}")
+        try:
+            if httpx.get(f"{server.url}/healthz", timeout=1).status_code == 200:
+                return server
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    server.stop(kill=True)
+    raise RuntimeError(f"phalanx server did not answer /healthz within {timeout_s}s:\n{server.log()}")
