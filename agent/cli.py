@@ -1,0 +1,115 @@
+"""`phalanx-agent enroll | run | probe` (DESIGN.md fixes these command lines)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import socket
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+from agent import __version__
+from agent.client import Client, ClientError, StatusError
+from agent.config import AgentConfig, ConfigError, resolve_path, save
+from agent.hardware import collect_spec
+from agent.probes import Probes
+
+EXIT_STOPPED = 3  # token revoked / device deleted: re-enroll, do not just restart
+
+
+def _labels(pairs: list[str]) -> dict[str, str]:
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--label wants key=value, got {pair!r}")
+        out[key] = value
+    return out
+
+
+def cmd_enroll(args: argparse.Namespace) -> int:
+    path = resolve_path(args.config)
+    name = args.name or socket.gethostname()
+    spec = collect_spec()
+    try:
+        reply = Client(args.server, timeout_s=30).register(args.token, name, _labels(args.label), spec)
+    except StatusError as exc:
+        print(f"enrollment refused: {exc.detail} (HTTP {exc.status})", file=sys.stderr)
+        return 2
+    except ClientError as exc:
+        print(f"cannot reach {args.server}: {exc}", file=sys.stderr)
+        return 1
+    cfg = AgentConfig(server=args.server, device_id=str(reply["device_id"]),
+                      device_token=str(reply["device_token"]), name=name, labels=_labels(args.label))
+    interval = reply.get("heartbeat_interval_s")
+    if isinstance(interval, (int, float)):
+        cfg.heartbeat_interval_s = float(interval)
+    save(path, cfg)
+    print(json.dumps({"device_id": cfg.device_id, "name": name, "config": str(path)}))
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from agent.runtime.agent import AgentRuntime, AgentStopped  # numpy etc. only when running
+
+    try:
+        runtime = AgentRuntime(resolve_path(args.config))
+    except ConfigError as exc:
+        print(f"phalanx-agent: {exc}", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, lambda *_: stop.set())
+    logging.getLogger(__name__).info("agent %s running as %s against %s", __version__,
+                                     runtime.config.device_id, runtime.config.server)
+    try:
+        runtime.run(stop)
+    except AgentStopped as exc:
+        print(f"phalanx-agent stopped: {exc}", file=sys.stderr)
+        return EXIT_STOPPED
+    return 0
+
+
+def cmd_probe(args: argparse.Namespace) -> int:
+    out: dict[str, Any] = {"reading": Probes().read(), "spec": collect_spec()}
+    if args.config and Path(args.config).expanduser().exists():
+        out["config"] = str(resolve_path(args.config))
+    print(json.dumps(out, indent=2, sort_keys=True, default=str))
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="phalanx-agent", description="Phalanx phone agent")
+    p.add_argument("--version", action="version", version=__version__)
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = p.add_subparsers(dest="command", required=True)
+    help_config = "config file (default ~/.config/phalanx-agent/config.json)"
+    enroll = sub.add_parser("enroll", help="register this phone with the control plane")
+    enroll.add_argument("--server", required=True, help="control plane URL, http(s)://host:port")
+    enroll.add_argument("--token", required=True, help="enrollment token from an admin")
+    enroll.add_argument("--name", help="device name (default: hostname)")
+    enroll.add_argument("--label", action="append", default=[], metavar="K=V")
+    enroll.add_argument("--config", help=help_config)
+    enroll.set_defaults(func=cmd_enroll)
+    run = sub.add_parser("run", help="heartbeat and train until stopped")
+    run.add_argument("--config", help=help_config)
+    run.set_defaults(func=cmd_run)
+    probe = sub.add_parser("probe", help="print one reading of every probe as JSON")
+    probe.add_argument("--config", help=help_config)
+    probe.set_defaults(func=cmd_probe)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

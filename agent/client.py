@@ -1,0 +1,193 @@
+"""The agent's HTTP client: stdlib urllib, sync, one small exception tree (after httpx).
+
+    ClientError
+    ├── TransportError          the request may not have reached the server: retry with backoff
+    │   └── RequestTimeout
+    └── StatusError             the server answered 4xx/5xx (.status, .detail)
+        ├── Unauthorized        401: token revoked or device deleted: stop
+        ├── Conflict            409: e.g. a step that is no longer current
+        └── ServerError         5xx: retry with backoff
+
+Low-level errors (URLError, socket errors, HTTPException, bad JSON) are translated in `_send`
+only. `Backoff` is full-jitter exponential backoff (AWS architecture blog): a delay drawn
+uniformly from [0, min(cap, base * 2**attempt)], so a fleet reconnecting after a control-plane
+restart spreads out instead of retrying in lockstep.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import random
+import socket
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from agent import __version__
+
+
+class ClientError(Exception):
+    """Any failure talking to the control plane."""
+
+
+class TransportError(ClientError):
+    """No usable answer: refused, reset, DNS, TLS, garbled reply."""
+
+
+class RequestTimeout(TransportError):
+    pass
+
+
+class StatusError(ClientError):
+    def __init__(self, status: int, detail: Any, url: str) -> None:
+        super().__init__(f"{status} from {url}: {detail}")
+        self.status, self.detail, self.url = status, detail, url
+
+
+class Unauthorized(StatusError):
+    pass
+
+
+class Conflict(StatusError):
+    pass
+
+
+class ServerError(StatusError):
+    pass
+
+
+RETRYABLE = (TransportError, ServerError)
+
+
+@dataclass
+class Response:
+    status: int
+    headers: dict[str, str]
+    body: bytes
+
+    def json(self) -> Any:
+        try:
+            return json.loads(self.body)
+        except ValueError:
+            raise TransportError(f"server sent invalid JSON ({len(self.body)} bytes)") from None
+
+
+# (method, url, headers, body, timeout) -> Response; tests of this module may swap it
+Transport = Callable[[str, str, dict[str, str], "bytes | None", float], Response]
+
+
+def urllib_transport(method: str, url: str, headers: dict[str, str], body: bytes | None,
+                     timeout: float) -> Response:
+    req = urllib.request.Request(url, data=body, headers=headers, method=method)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:  # scheme checked in Client
+            return Response(resp.status, dict(resp.headers.items()), resp.read())
+    except urllib.error.HTTPError as err:
+        with err:
+            return Response(err.code, dict(err.headers.items()), err.read())
+
+
+def _status_error(status: int, detail: Any, url: str) -> StatusError:
+    if status == 401:
+        return Unauthorized(status, detail, url)
+    if status == 409:
+        return Conflict(status, detail, url)
+    if status >= 500:
+        return ServerError(status, detail, url)
+    return StatusError(status, detail, url)
+
+
+class Client:
+    def __init__(self, base_url: str, token: str | None = None, *, timeout_s: float = 30.0,
+                 transport: Transport | None = None) -> None:
+        scheme = urllib.parse.urlsplit(base_url).scheme
+        if scheme not in ("http", "https"):
+            raise ValueError(f"server URL must be http(s)://..., got {base_url!r}")
+        self.base_url = base_url.rstrip("/")
+        self.token = token
+        self.timeout_s = timeout_s
+        self.transport = transport or urllib_transport
+
+    # -- plumbing --------------------------------------------------------------------------
+    def _send(self, method: str, path: str, *, json_body: Any = None, body: bytes | None = None,
+              content_type: str = "application/octet-stream", timeout_s: float | None = None,
+              ) -> Response:
+        url = self.base_url + path
+        headers = {"User-Agent": f"phalanx-agent/{__version__}", "Accept": "application/json"}
+        if self.token:
+            headers["Authorization"] = f"Bearer {self.token}"
+        if json_body is not None:
+            body, content_type = json.dumps(json_body).encode(), "application/json"
+        if body is not None:
+            headers["Content-Type"] = content_type
+        try:
+            resp = self.transport(method, url, headers, body, timeout_s or self.timeout_s)
+        except TimeoutError as exc:
+            raise RequestTimeout(f"{method} {url} timed out") from exc
+        except urllib.error.URLError as exc:
+            if isinstance(exc.reason, (TimeoutError, socket.timeout)):
+                raise RequestTimeout(f"{method} {url} timed out") from exc
+            raise TransportError(f"{method} {url}: {exc.reason}") from exc
+        except (OSError, http.client.HTTPException, ValueError) as exc:
+            raise TransportError(f"{method} {url}: {exc!r}") from exc
+        if resp.status >= 400:
+            raise _status_error(resp.status, _detail(resp), url)
+        return resp
+
+    # -- the API ---------------------------------------------------------------------------
+    def register(self, enrollment_token: str, name: str, labels: dict[str, str],
+                 spec: dict[str, Any]) -> dict[str, Any]:
+        body = {"enrollment_token": enrollment_token, "name": name, "labels": labels, "spec": spec}
+        return self._send("POST", "/v1/devices/register", json_body=body).json()
+
+    def heartbeat(self, device_id: str, body: dict[str, Any]) -> dict[str, Any]:
+        return self._send("POST", f"/v1/devices/{_q(device_id)}/heartbeat", json_body=body).json()
+
+    def work(self, device_id: str, wait_s: float) -> dict[str, Any] | None:
+        resp = self._send("GET", f"/v1/devices/{_q(device_id)}/work?wait={wait_s:g}",
+                          timeout_s=wait_s + self.timeout_s)
+        return resp.json().get("assignment")
+
+    def weights(self, job_id: str, step: int) -> bytes:
+        return self._send("GET", f"/v1/jobs/{_q(job_id)}/weights?step={int(step)}").body
+
+    def shard_data(self, job_id: str, shard: int) -> bytes:
+        return self._send("GET", f"/v1/jobs/{_q(job_id)}/shards/{int(shard)}/data").body
+
+    def upload_gradients(self, job_id: str, step: int, body: bytes) -> dict[str, Any]:
+        path = f"/v1/jobs/{_q(job_id)}/steps/{int(step)}/gradients"
+        return self._send("POST", path, body=body).json()
+
+
+def _q(part: str) -> str:
+    return urllib.parse.quote(part, safe="")
+
+
+def _detail(resp: Response) -> Any:
+    try:
+        data = json.loads(resp.body)
+    except ValueError:
+        return resp.body[:200].decode("utf-8", errors="replace")
+    return data.get("detail", data) if isinstance(data, dict) else data
+
+
+class Backoff:
+    """Full-jitter exponential backoff: `delay()` then `reset()` after a success."""
+
+    def __init__(self, base_s: float = 0.5, cap_s: float = 60.0,
+                 rng: random.Random | None = None) -> None:
+        self.base_s, self.cap_s = base_s, cap_s
+        self.rng = rng or random.Random()  # seeded from os.urandom: no two agents alike
+        self.attempt = 0
+
+    def delay(self) -> float:
+        ceiling = min(self.cap_s, self.base_s * 2.0 ** min(self.attempt, 62))
+        self.attempt += 1
+        return self.rng.uniform(0.0, ceiling)
+
+    def reset(self) -> None:
+        self.attempt = 0

@@ -1,0 +1,117 @@
+"""The agent's config file: server, device identity, knobs. Written 0600, atomically.
+
+Android may kill the agent at any instant, so every file it writes goes through
+`atomic_write` (temp file in the same folder, fsync, rename): a reader sees the old file or the
+new one, never half of one. Leftover temp files are ignored and cleaned on the next write.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+DEFAULT_PATH = Path("~/.config/phalanx-agent/config.json")
+
+
+class ConfigError(Exception):
+    """The config is missing or unusable; the message says what to do."""
+
+
+def atomic_write(path: Path, data: bytes, mode: int = 0o600) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        os.fchmod(fd, mode)
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    with contextlib.suppress(OSError):  # make the rename itself durable
+        dfd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+
+
+def clean_temp_files(path: Path) -> None:
+    """Remove the temp files a killed writer of `path` left behind (only that file's)."""
+    with contextlib.suppress(OSError):
+        for tmp in path.parent.glob(f".{path.name}.*.tmp"):
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+
+
+@dataclass
+class AgentConfig:
+    server: str
+    device_id: str
+    device_token: str
+    name: str = ""
+    labels: dict[str, str] = field(default_factory=dict)
+    state_dir: str = ""  # caches and the upload ledger; default: beside the config file
+    heartbeat_interval_s: float = 10.0  # until the server says otherwise
+    telemetry_buffer: int = 1000  # samples kept while offline; the oldest go first
+    backends: list[str] | None = None  # restrict execution choice; None: all installed
+    power_limit_w: float | None = None  # prefer samples/J among configs under this draw
+    shared_mode: bool = False  # this phone has a user: pause while busy even if the job says not
+    termux_timeout_s: float = 5.0
+    request_timeout_s: float = 30.0
+
+    def state_path(self, config_path: Path) -> Path:
+        if self.state_dir:
+            return Path(self.state_dir).expanduser()
+        return config_path.with_name(config_path.stem + ".state")
+
+    def to_json(self) -> bytes:
+        return (json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True) + "\n").encode()
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> AgentConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        try:
+            cfg = cls(**{k: v for k, v in data.items() if k in known})
+        except TypeError as exc:
+            raise ConfigError(f"config lacks a required field: {exc}") from None
+        for key in ("server", "device_id", "device_token"):
+            if not isinstance(getattr(cfg, key), str) or not getattr(cfg, key):
+                raise ConfigError(f"config field {key!r} must be a non-empty string")
+        return cfg
+
+
+def resolve_path(path: str | os.PathLike[str] | None) -> Path:
+    return Path(path or DEFAULT_PATH).expanduser()
+
+
+def load(path: Path) -> AgentConfig:
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise ConfigError(f"no config at {path}: run `phalanx-agent enroll` first") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read config {path}: {exc}") from None
+    try:
+        data = json.loads(raw)
+    except ValueError:
+        raise ConfigError(
+            f"config {path} is not valid JSON (damaged?): enroll again with `phalanx-agent enroll`"
+        ) from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config {path} is not a JSON object")
+    return AgentConfig.from_dict(data)
+
+
+def save(path: Path, cfg: AgentConfig) -> None:
+    atomic_write(path, cfg.to_json(), mode=0o600)
+    clean_temp_files(path)

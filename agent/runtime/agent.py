@@ -1,0 +1,95 @@
+"""`AgentRuntime`: the whole agent (heartbeat thread + work loop) as a library entry point.
+
+    stop = threading.Event()
+    AgentRuntime("/path/config.json").run(stop)   # returns when stop is set or the token dies
+
+The CLI's `phalanx-agent run` is this plus signal handling; simulated phones (`phalanx sim`,
+the demo) run it in threads or subprocesses with their own config, PHALANX_SYSFS_ROOT tree and
+fake `termux-battery-status`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from agent.client import Client
+from agent.config import AgentConfig, clean_temp_files, load
+from agent.hardware import backends as installed_backends
+from agent.probes import Probes
+from agent.probes.busy import own_cpu_s
+from agent.probes.cpu import clusters, read_cores
+from agent.runtime import choice
+from agent.runtime.buffer import TelemetryBuffer
+from agent.runtime.cache import WorkCache
+from agent.runtime.execution import ExecutionManager
+from agent.runtime.executor import ExecConfig
+from agent.runtime.heartbeat import HeartbeatLoop
+from agent.runtime.ledger import UploadLedger
+from agent.runtime.monitor import Monitor
+from agent.runtime.state import AgentState
+from agent.runtime.work import WorkLoop
+
+log = logging.getLogger(__name__)
+ARCHS = ["logreg", "mlp", "cnn", "mobilenet_v1", "resnet"]
+
+
+class AgentStopped(Exception):
+    """The agent stopped for good (token revoked, device deleted); the message says why."""
+
+
+class AgentRuntime:
+    def __init__(self, config_path: str | Path, *, probes: Probes | None = None,
+                 candidates: Callable[[], list[ExecConfig]] | None = None,
+                 work_wait_s: float = 30.0) -> None:
+        self.config_path = Path(config_path).expanduser()
+        self.config: AgentConfig = load(self.config_path)
+        cfg = self.config
+        state_dir = cfg.state_path(self.config_path)
+        state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        clean_temp_files(self.config_path)
+        self.state = AgentState()
+        self.execution: ExecutionManager | None = None
+        self.probes = probes or Probes(termux_timeout_s=cfg.termux_timeout_s,
+                                       own_cpu=self._own_cpu)
+        self.monitor = Monitor(self.probes.read)
+        self.client = Client(cfg.server, cfg.device_token, timeout_s=cfg.request_timeout_s)
+        self.backends = [b for b in installed_backends() if not cfg.backends or b in cfg.backends]
+        self.execution = ExecutionManager(candidates or self._candidates,
+                                          read_power=self.monitor.power_w,
+                                          power_limit_w=cfg.power_limit_w)
+        self.heartbeat = HeartbeatLoop(self.client, cfg.device_id, self.monitor, self.state,
+                                       TelemetryBuffer(cfg.telemetry_buffer), self.capabilities,
+                                       interval_s=cfg.heartbeat_interval_s)
+        self.work = WorkLoop(self.client, cfg.device_id, self.monitor, self.state,
+                             WorkCache(state_dir / "cache"), UploadLedger(state_dir / "uploads.jsonl"),
+                             self.execution, shared_default=cfg.shared_mode, wait_s=work_wait_s)
+
+    def _own_cpu(self) -> float:
+        worker = self.execution.worker if self.execution else None
+        return own_cpu_s([worker.pid] if worker else [])
+
+    def _candidates(self) -> list[ExecConfig]:
+        return choice.candidates(clusters(read_cores(self.probes.fs)), self.backends)
+
+    def capabilities(self) -> dict[str, Any]:
+        return {"backends": self.backends, "archs": ARCHS}
+
+    def run(self, stop: threading.Event | None = None) -> None:
+        """Run until `stop` is set; raises AgentStopped if the control plane cut us off."""
+        stop = stop or threading.Event()
+        beat = threading.Thread(target=self.heartbeat.run, args=(stop,), daemon=True,
+                                name="phalanx-heartbeat")
+        beat.start()
+        try:
+            self.work.run(stop)
+        finally:
+            stop.set()
+            beat.join(timeout=30)
+            if self.execution:
+                self.execution.close()
+        if self.state.fatal:
+            raise AgentStopped(self.state.fatal)

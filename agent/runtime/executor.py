@@ -1,0 +1,104 @@
+"""The agent's handle on a compute worker subprocess (see `agent.runtime.worker`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from agent.runtime.worker import BACKEND_ENV, CORES_ENV, THREADS_ENV
+
+THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
+               "VECLIB_MAXIMUM_THREADS", "NUMEXPR_NUM_THREADS")
+
+
+class WorkerError(RuntimeError):
+    """The worker failed a request or died."""
+
+
+@dataclass(frozen=True)
+class ExecConfig:
+    backend: str = "numpy"
+    threads: int = 1
+    cores: tuple[int, ...] | None = None  # None: wherever the OS likes
+    label: str = "all"  # big | little | all | prime ...
+    extra_env: tuple[tuple[str, str], ...] = ()  # tests: e.g. a slowdown for one candidate
+
+    def describe(self) -> dict[str, Any]:
+        return {"threads": self.threads, "cores": list(self.cores) if self.cores else None,
+                "backend": self.backend, "core_set": self.label}
+
+
+class ComputeWorker:
+    def __init__(self, config: ExecConfig) -> None:
+        self.config = config
+        env = dict(os.environ)
+        env.update({var: str(config.threads) for var in THREAD_VARS})
+        env[THREADS_ENV] = str(config.threads)
+        env[BACKEND_ENV] = config.backend
+        env.pop(CORES_ENV, None)
+        if config.cores:
+            env[CORES_ENV] = ",".join(str(c) for c in config.cores)
+        env.update(dict(config.extra_env))
+        # the worker imports `agent` the way this process did, installed or from a checkout
+        pkg_parent = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_parent, env.get("PYTHONPATH")) if p)
+        self._lock = threading.Lock()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "agent.runtime.worker"], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, env=env, text=True, bufsize=1,
+        )
+        hello = self._read()
+        self.pinned = bool(hello.get("pinned"))
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def _read(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            code = self.proc.poll()
+            raise WorkerError(f"compute worker exited (code {code})")
+        try:
+            return json.loads(line)
+        except ValueError:
+            raise WorkerError(f"compute worker said something odd: {line[:200]!r}") from None
+
+    def request(self, req: dict[str, Any]) -> dict[str, Any]:
+        with self._lock:
+            assert self.proc.stdin is not None
+            try:
+                self.proc.stdin.write(json.dumps(req) + "\n")
+                self.proc.stdin.flush()
+            except (BrokenPipeError, OSError) as exc:
+                raise WorkerError(f"compute worker is gone: {exc}") from None
+            reply = self._read()
+        if not reply.get("ok"):
+            raise WorkerError(reply.get("error", "compute worker failed"))
+        return reply
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                assert self.proc.stdin is not None
+                self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
+                self.proc.stdin.flush()
+                self.proc.wait(timeout=5)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait(timeout=5)
+        for pipe in (self.proc.stdin, self.proc.stdout):
+            if pipe is not None:
+                try:
+                    pipe.close()
+                except OSError:
+                    pass

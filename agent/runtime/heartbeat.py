@@ -1,0 +1,94 @@
+"""The heartbeat loop: renew the lease, ship telemetry in order, obey commands."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from agent import __version__
+from agent.client import RETRYABLE, Backoff, Client, StatusError, Unauthorized
+from agent.probes import to_sample
+from agent.runtime.buffer import TelemetryBuffer
+from agent.runtime.monitor import Monitor
+from agent.runtime.state import AgentState
+
+log = logging.getLogger(__name__)
+BATCH = 100  # samples per request: an outage's backlog goes out in a few quick requests
+
+
+class HeartbeatLoop:
+    def __init__(self, client: Client, device_id: str, monitor: Monitor, state: AgentState,
+                 buffer: TelemetryBuffer, capabilities: Callable[[], dict[str, Any]],
+                 interval_s: float = 10.0, backoff: Backoff | None = None) -> None:
+        self.client, self.device_id = client, device_id
+        self.monitor, self.state, self.buffer = monitor, state, buffer
+        self.capabilities = capabilities
+        self.interval_s = interval_s
+        self.backoff = backoff or Backoff(base_s=1.0, cap_s=60.0)
+        self.beats = 0
+
+    def sample(self) -> None:
+        """Take a reading into the buffer (also while offline: it is sent later, in order)."""
+        self.buffer.append(to_sample(self.monitor.reading(fresh=True)))
+
+    def body(self, telemetry: list[dict[str, Any]]) -> dict[str, Any]:
+        pause = self.monitor.last_pause
+        return {"telemetry": telemetry, "agent_version": __version__,
+                "capabilities": self.capabilities(), "profiles": self.state.snapshot_profiles(),
+                "pause": pause.to_json() if pause else None}
+
+    def send(self) -> dict[str, Any]:
+        """Send the buffer oldest first until empty; the last response."""
+        resp: dict[str, Any] = {}
+        while True:
+            batch = self.buffer.peek(BATCH)
+            resp = self.client.heartbeat(self.device_id, self.body(batch))
+            self.buffer.confirm(batch)
+            self.beats += 1
+            if len(batch) < BATCH or not len(self.buffer):
+                return resp
+
+    def handle(self, resp: dict[str, Any]) -> None:
+        interval = resp.get("heartbeat_interval_s")
+        if isinstance(interval, (int, float)) and 0.05 <= interval <= 3600:
+            self.interval_s = float(interval)
+        self.state.device_state = resp.get("state")
+        drain = resp.get("state") == "Draining"
+        for cmd in resp.get("commands") or []:
+            kind = cmd.get("type") if isinstance(cmd, dict) else None
+            if kind == "drain":
+                drain = True
+            elif kind == "profile" and isinstance(cmd.get("arch"), str):
+                self.state.request_profile(cmd["arch"])
+            elif kind == "stop":
+                why = cmd.get("reason") or "the control plane told this agent to stop"
+                self.state.stop_for_good(str(why))
+        self.state.draining = drain  # lifted when the server no longer asks for it
+
+    def run(self, stop: threading.Event) -> None:
+        while not stop.is_set() and self.state.fatal is None:
+            self.sample()
+            try:
+                self.handle(self.send())
+                self.backoff.reset()
+                wait = self.interval_s
+            except Unauthorized as exc:
+                self.state.stop_for_good(
+                    f"the control plane refused this device's token ({exc.detail}): it was "
+                    "revoked or the device was deleted; enroll again with `phalanx-agent enroll`"
+                )
+                break
+            except RETRYABLE as exc:
+                wait = min(self.backoff.delay(), self.interval_s * 6)
+                log.warning("heartbeat failed (%s); %d samples buffered; retry in %.1fs",
+                            exc, len(self.buffer), wait)
+            except StatusError as exc:
+                wait = self.interval_s
+                log.error("heartbeat rejected: %s", exc)
+            if self.state.fatal is not None:
+                break
+            stop.wait(wait)
+        if self.state.fatal is not None:
+            stop.set()

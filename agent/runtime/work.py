@@ -1,0 +1,146 @@
+"""The work loop: long-poll for work, fetch inputs, compute shards, upload each result once."""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from typing import Any
+
+from agent.client import (
+    RETRYABLE,
+    Backoff,
+    Client,
+    ClientError,
+    Conflict,
+    StatusError,
+    Unauthorized,
+)
+from agent.runtime.cache import WorkCache
+from agent.runtime.execution import ExecutionManager
+from agent.runtime.guard import Limits
+from agent.runtime.ledger import UploadLedger
+from agent.runtime.monitor import Monitor
+from agent.runtime.state import AgentState
+
+log = logging.getLogger(__name__)
+CHUNK_TARGET_S = 2.0  # compute this long between guard checks and uploads
+PAUSED_POLL_S = 2.0
+
+
+class WorkLoop:
+    def __init__(self, client: Client, device_id: str, monitor: Monitor, state: AgentState,
+                 cache: WorkCache, ledger: UploadLedger, execution: ExecutionManager,
+                 shared_default: bool = False, wait_s: float = 30.0,
+                 backoff: Backoff | None = None) -> None:
+        self.client, self.device_id = client, device_id
+        self.monitor, self.state, self.cache, self.ledger = monitor, state, cache, ledger
+        self.execution, self.shared_default, self.wait_s = execution, shared_default, wait_s
+        self.backoff = backoff or Backoff(base_s=1.0, cap_s=60.0)
+        self.uploaded_shards = 0
+        self.steps_done = 0
+        self._per_shard_s: float | None = None
+        self._job: str | None = None
+        self._throttle_seen = 0
+
+    def run(self, stop: threading.Event) -> None:
+        while not stop.is_set() and self.state.fatal is None:
+            try:
+                wait = self.once(stop)
+                self.backoff.reset()
+            except Unauthorized as exc:
+                self.state.stop_for_good(f"the control plane refused this device's token ({exc.detail})")
+                stop.set()
+                return
+            except RETRYABLE as exc:
+                wait = self.backoff.delay()
+                log.warning("work loop: %s; retry in %.1fs", exc, wait)
+            except (StatusError, ClientError, ValueError, RuntimeError) as exc:
+                wait = self.backoff.delay()
+                log.error("work loop: %s", exc)
+            if wait:
+                stop.wait(wait)
+        self.execution.close()
+
+    def once(self, stop: threading.Event) -> float:
+        """One poll and what it asks for; returns how long to wait before the next."""
+        if self.state.draining:
+            return PAUSED_POLL_S
+        polled = time.monotonic()
+        a = self.client.work(self.device_id, self.wait_s)
+        if a is None:
+            quick = time.monotonic() - polled < 0.5  # a server that does not hold the poll
+            return 1.0 if quick else 0.0
+        job, step = str(a["job_id"]), int(a["step"])
+        if job != self._job:
+            self.cache.keep_only(job)
+            self._job, self._per_shard_s = job, None
+        self.ledger.forget_job(job, keep_from_step=step)
+        self.monitor.set_limits(Limits.from_job_spec(a.get("spec"), self.shared_default))
+        todo = [int(k) for k in a.get("shards") or [] if not self.ledger.uploaded(job, step, int(k))]
+        if not todo:
+            return 0.5  # everything of this step is in; wait for the next step
+        while todo and not stop.is_set():
+            if self.monitor.pause(fresh=True) is not None:
+                return PAUSED_POLL_S  # the heartbeat reports why; the scheduler moves shards
+            if self.state.draining or self.state.fatal:
+                return 0.0
+            chunk, todo = todo[: self._chunk_size()], todo[self._chunk_size():]
+            if not self._compute_and_upload(a, job, step, chunk):
+                return 0.0  # the step moved on: poll again at once
+        self.steps_done += 1
+        return 0.0
+
+    def _chunk_size(self) -> int:
+        if not self._per_shard_s:
+            return 1
+        return max(1, int(CHUNK_TARGET_S / self._per_shard_s))
+
+    def _request(self, a: dict[str, Any], job: str, step: int, shards: list[int]) -> dict[str, Any]:
+        weights = self.cache.weights(job, step, lambda: self.client.weights(job, step))
+        paths = {str(k): str(self.cache.shard(job, k, lambda k=k: self.client.shard_data(job, k)))
+                 for k in shards}
+        return {"job_id": job, "step": step, "spec": a.get("spec") or {},
+                "n_train": a.get("n_train"), "input_shape": a.get("input_shape"),
+                "num_classes": a.get("num_classes"), "weights_path": str(weights),
+                "shards": paths, "out_path": str(self.cache.result_path(job, step))}
+
+    def _ensure_choice(self, a: dict[str, Any], req: dict[str, Any]) -> None:
+        arch = str((a.get("spec") or {}).get("model", {}).get("arch", "?"))
+        key = json.dumps([a["job_id"], (a.get("spec") or {}).get("model")], sort_keys=True)
+        throttled = self.monitor.throttle_events > self._throttle_seen
+        self._throttle_seen = self.monitor.throttle_events
+        requested = self.state.take_profile_request(arch)
+        if self.execution.needs_profile(key, throttled, requested):
+            first = dict(req, shards=dict([next(iter(req["shards"].items()))]))
+            self.execution.profile(key, first)
+            self.state.set_profile(arch, self.execution.report())
+
+    def _compute_and_upload(self, a: dict[str, Any], job: str, step: int,
+                            shards: list[int]) -> bool:
+        try:
+            req = self._request(a, job, step, shards)
+        except Conflict:
+            return False  # weights of another step: this step is already applied
+        self._ensure_choice(a, req)
+        started = time.monotonic()
+        self.execution.step(req)
+        self._per_shard_s = (time.monotonic() - started) / len(shards)
+        out = self.cache.result_path(job, step)
+        try:
+            reply = self.client.upload_gradients(job, step, out.read_bytes())
+        except Conflict:
+            log.info("step %d of %s already applied: result dropped", step, job)
+            return False
+        except StatusError as exc:
+            if exc.status == 403:  # shards moved to another device meanwhile
+                log.info("shards %s of %s moved away: result dropped", shards, job)
+                return False
+            raise
+        finally:
+            out.unlink(missing_ok=True)
+        done = [int(k) for k in (reply.get("accepted") or []) + (reply.get("duplicates") or [])]
+        self.ledger.record(job, step, done or shards)
+        self.uploaded_shards += len(done or shards)
+        return True

@@ -1,0 +1,149 @@
+"""The compute worker: a subprocess that runs training steps under one execution choice.
+
+Why a subprocess: numpy's BLAS (OpenBLAS on Termux) sizes its thread pool once, when numpy is
+imported, from OPENBLAS_NUM_THREADS / OMP_NUM_THREADS and the CPUs the process may run on.
+Changing it later needs threadpoolctl, which the agent may not depend on. So each execution
+choice (backend, thread count, core set) is a fresh worker started with those variables set
+and `os.sched_setaffinity` applied *before* numpy is imported; torch additionally gets
+`torch.set_num_threads`. Switching choice means replacing the worker, which costs one numpy
+import (~0.3 s) and happens only when profiling.
+
+Protocol: one JSON object per line on stdin, one reply per line on stdout (stdout carries
+nothing else). Bulk data never crosses the pipe: weights, shard data and results are files in
+the agent's cache, so no pickling and no copies through the pipe.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from agent.config import atomic_write  # stdlib only: safe to import before pinning
+from agent.runtime import slowdown
+
+CORES_ENV = "PHALANX_WORKER_CORES"
+BACKEND_ENV = "PHALANX_WORKER_BACKEND"
+THREADS_ENV = "PHALANX_WORKER_THREADS"
+
+
+def _pin() -> bool:
+    cores = os.environ.get(CORES_ENV)
+    if not cores or not hasattr(os, "sched_setaffinity"):
+        return False
+    try:
+        os.sched_setaffinity(0, {int(c) for c in cores.split(",")})
+    except (OSError, ValueError):
+        return False  # not allowed here (some kernels/SELinux): run unpinned, report it
+    return True
+
+
+class Engine:
+    """Caches the model, weights and shard arrays between steps of one job."""
+
+    def __init__(self, backend: str) -> None:
+        self.backend = backend
+        self._model_key: str | None = None
+        self._model: Any = None
+        self._spec: Any = None
+        self._weights: tuple[str, Any, Any] | None = None
+        self._shards: dict[str, tuple[Any, Any]] = {}
+
+    def prepare(self, req: dict[str, Any]) -> None:
+        from agent.nn.models import build_model
+        from agent.nn.spec import TrainSpec
+
+        key = json.dumps([req["job_id"], req["spec"], req["input_shape"], req["num_classes"]],
+                         sort_keys=True)
+        if key != self._model_key:
+            spec = TrainSpec.from_job_spec(req["spec"], n_train=req["n_train"])
+            options = {k: v for k, v in (req["spec"].get("model") or {}).items() if k != "arch"}
+            self._model = build_model(spec.arch, tuple(req["input_shape"]),
+                                      int(req["num_classes"]), options)
+            self._spec, self._model_key, self._shards = spec, key, {}
+        if self._weights is None or self._weights[0] != req["weights_path"]:
+            from agent.wire import decode_weights
+
+            with open(req["weights_path"], "rb") as fh:
+                _, params, buffers = decode_weights(fh.read(), expect_job=req["job_id"],
+                                                    expect_step=req["step"])
+            self._weights = (req["weights_path"], params, buffers)
+
+    def shard(self, path: str) -> tuple[Any, Any]:
+        if path not in self._shards:
+            import numpy as np
+
+            with np.load(path, allow_pickle=False) as npz:
+                self._shards[path] = (npz["x"].astype(np.float32), npz["y"].astype(np.int64))
+        return self._shards[path]
+
+    def compute(self, req: dict[str, Any], shard: int, path: str) -> Any:
+        from agent.nn.sampler import select_microbatch, steps_per_epoch
+        from agent.nn.step import compute_shard
+
+        spec = self._spec
+        x, y = self.shard(path)
+        per_shard = spec.global_batch_size // spec.shards
+        spe = steps_per_epoch(int(req["n_train"]), spec.shards, spec.global_batch_size)
+        xb, yb = select_microbatch(x, y, per_shard, spec.seed, req["step"], shard, spe)
+        assert self._weights is not None
+        _, params, buffers = self._weights
+        return compute_shard(self._model, params, buffers, xb, yb, spec, req["step"], shard,
+                             backend=self.backend)
+
+
+def handle(engine: Engine, req: dict[str, Any]) -> dict[str, Any]:
+    engine.prepare(req)
+    shards = {int(k): p for k, p in req["shards"].items()}
+    if req["op"] == "bench":
+        k, path = next(iter(sorted(shards.items())))
+        engine.compute(req, k, path)  # warm-up: first-call allocations, torch init
+        repeats = max(1, int(req.get("repeats", 2)))
+        started = time.perf_counter()
+        for _ in range(repeats):
+            result = engine.compute(req, k, path)
+        compute_s = time.perf_counter() - started
+        compute_s += slowdown.apply(compute_s)
+        return {"ok": True, "samples": repeats * int(result.count), "seconds": compute_s}
+    started = time.perf_counter()
+    results = [engine.compute(req, k, p) for k, p in sorted(shards.items())]
+    compute_s = time.perf_counter() - started
+    slept = slowdown.apply(compute_s)
+    from agent.wire import encode_results
+
+    body = encode_results(req["job_id"], req["step"], results, dtype=req.get("dtype", "float32"))
+    atomic_write(Path(req["out_path"]), body)
+    return {"ok": True, "samples": int(sum(int(r.count) for r in results)),
+            "seconds": compute_s + slept, "compute_s": compute_s}
+
+
+def main() -> int:
+    pinned = _pin()  # before numpy: OpenBLAS counts the CPUs it may use at import
+    proto = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # anything else that prints goes to stderr, never into the protocol
+    backend = os.environ.get(BACKEND_ENV, "numpy")
+    import numpy  # noqa: F401  (import now, under the thread variables)
+
+    if backend == "torch":
+        import torch
+
+        torch.set_num_threads(int(os.environ.get(THREADS_ENV, "1")))
+    engine = Engine(backend)
+    proto.write(json.dumps({"ready": True, "pinned": pinned, "pid": os.getpid()}) + "\n")
+    for line in sys.stdin:
+        try:
+            req = json.loads(line)
+            if req.get("op") == "quit":
+                break
+            reply = handle(engine, req)
+        except Exception as exc:  # report, keep serving: the agent decides what to do
+            reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        proto.write(json.dumps(reply) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
