@@ -1,0 +1,1 @@
+"""Simulated phones: device profiles, physics, the files the agent reads, and a fleet load tool."""
