@@ -1,0 +1,126 @@
+"""Datasets: the registry (`digits`, `synthetic:...`, uploads) and upload validation.
+
+Names:
+* ``digits`` — scikit-learn's bundled 8x8 digits (no download): x scaled to [0, 1] as float32
+  (N, 1, 8, 8), a fixed seeded 80/20 train/validation split (1438 / 359).
+* ``synthetic[:CxHxW[:K[:N[:SEED]]]]`` — generated from SEED (default 0): N training samples
+  (default 2048) plus N // 4 validation samples, K classes (default 10) of shape C x H x W
+  (default 1x8x8). Each class is a smooth random pattern; a sample is its class pattern plus
+  Gaussian noise, so the task is learnable but not trivial. E.g. ``synthetic:3x32x32:10:4096``.
+* anything else — an upload stored by the API as ``<data_dir>/datasets/<name>.npz``.
+
+Only the control plane loads datasets; phones get their shards' samples over HTTP. So
+scikit-learn is imported inside the digits loader alone.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+from pathlib import Path
+
+import numpy as np
+
+from agent.nn.dataset import Dataset, DatasetError, DatasetInfo
+from agent.nn.upload import validate_npz
+
+__all__ = ["Dataset", "DatasetInfo", "DatasetError", "validate_npz", "load_dataset",
+           "dataset_info", "list_datasets", "upload_path", "NAME_RE"]
+
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+_SYNTH_RE = re.compile(r"^synthetic(?::(\d+)x(\d+)x(\d+))?(?::(\d+))?(?::(\d+))?(?::(\d+))?$")
+_DIGITS_SPLIT_SEED = 0
+MAX_SYNTHETIC_VALUES = 2**28  # about 1 GiB of float32 in all
+
+
+def upload_path(name: str, data_dir: str | Path | None) -> Path | None:
+    """Where the API stores an uploaded dataset called `name`."""
+    root = data_dir if data_dir is not None else os.environ.get("PHALANX_DATA_DIR")
+    if root is None or not NAME_RE.match(name):
+        return None
+    return Path(root) / "datasets" / f"{name}.npz"
+
+
+def load_dataset(name: str, data_dir: str | Path | None = None) -> Dataset:
+    """The dataset called `name` (raises DatasetError when there is none)."""
+    if name == "digits":
+        return _digits()
+    if name.startswith("synthetic"):
+        return _synthetic(name)
+    path = upload_path(name, data_dir)
+    if path is None or not path.is_file():
+        raise DatasetError(f"unknown dataset {name!r}: not digits, synthetic:... or an upload")
+    stat = path.stat()
+    return _uploaded(str(path), stat.st_mtime_ns, stat.st_size, name)
+
+
+def dataset_info(name: str, data_dir: str | Path | None = None) -> DatasetInfo:
+    """Sizes and shapes of `name` (synthetic ones without generating them)."""
+    if name.startswith("synthetic"):
+        c, h, w, k, n, _ = _parse_synthetic(name)
+        return DatasetInfo(n, n // 4, (c, h, w), k, name)
+    return load_dataset(name, data_dir).info()
+
+
+def list_datasets(data_dir: str | Path | None = None) -> list[DatasetInfo]:
+    """digits and every stored upload (synthetic ones are generated on demand, not listed)."""
+    out = [dataset_info("digits")]
+    root = data_dir if data_dir is not None else os.environ.get("PHALANX_DATA_DIR")
+    folder = Path(root) / "datasets" if root is not None else None
+    if folder is not None and folder.is_dir():
+        for path in sorted(folder.glob("*.npz")):
+            try:
+                out.append(dataset_info(path.stem, root))
+            except DatasetError:
+                continue  # a half-written or foreign file is not a dataset
+    return out
+
+
+@functools.lru_cache(maxsize=1)
+def _digits() -> Dataset:
+    from sklearn.datasets import load_digits
+
+    raw = load_digits()
+    x = (raw.data.astype(np.float32) / 16.0).reshape(-1, 1, 8, 8)
+    y = raw.target.astype(np.int64)
+    perm = np.random.default_rng(_DIGITS_SPLIT_SEED).permutation(len(y))
+    n_val = len(y) // 5
+    val, train = perm[:n_val], perm[n_val:]
+    return Dataset(x[train], y[train], x[val], y[val], (1, 8, 8), 10, "digits")
+
+
+def _parse_synthetic(name: str) -> tuple[int, int, int, int, int, int]:
+    m = _SYNTH_RE.match(name)
+    if not m:
+        raise DatasetError(f"bad synthetic dataset name {name!r}: "
+                           "use synthetic[:CxHxW[:classes[:samples[:seed]]]]")
+    c, h, w = (int(v) for v in m.group(1, 2, 3)) if m.group(1) else (1, 8, 8)
+    k = int(m.group(4) or 10)
+    n = int(m.group(5) or 2048)
+    seed = int(m.group(6) or 0)
+    if min(c, h, w) < 1 or k < 2 or n < 1:
+        raise DatasetError(f"{name!r}: shape dims and samples must be >= 1, classes >= 2")
+    if (n + n // 4) * c * h * w > MAX_SYNTHETIC_VALUES:
+        raise DatasetError(f"{name!r} is too large to generate")
+    return c, h, w, k, n, seed
+
+
+@functools.lru_cache(maxsize=4)
+def _synthetic(name: str) -> Dataset:
+    c, h, w, k, n, seed = _parse_synthetic(name)
+    rng = np.random.default_rng(np.random.SeedSequence([seed, 0x5E7]))
+    coarse = rng.standard_normal((k, c, (h + 3) // 4, (w + 3) // 4))
+    patterns = coarse.repeat(4, axis=2).repeat(4, axis=3)[:, :, :h, :w]  # smooth class patterns
+    total = n + n // 4
+    y = rng.integers(0, k, total).astype(np.int64)
+    x = (patterns[y] + 1.5 * rng.standard_normal((total, c, h, w))).astype(np.float32)
+    return Dataset(x[:n], y[:n], x[n:], y[n:], (c, h, w), k, name)
+
+
+@functools.lru_cache(maxsize=8)
+def _uploaded(path: str, mtime_ns: int, size: int, name: str) -> Dataset:
+    data = Path(path).read_bytes()
+    ds = validate_npz(data, max_bytes=max(size, 1) * 64)
+    return Dataset(ds.x_train, ds.y_train, ds.x_val, ds.y_val, ds.input_shape, ds.num_classes,
+                   name)

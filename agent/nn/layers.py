@@ -1,0 +1,215 @@
+"""Dense, activations, pooling, dropout, flatten and the loss: forward and backward side by side.
+
+numpy activations are NHWC (see base.py); pooling windows walk kernel offsets as strided slices,
+so nothing is gathered with fancy indexing and backward never needs np.add.at.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from agent.nn.base import Builder, Ctx, Layer
+
+
+class Dense(Layer):
+    def __init__(self, units: int, name: str, init: str = "he") -> None:
+        self.units, self.name, self.init = units, name, init
+
+    def build(self, in_shape: tuple[int, ...], b: Builder) -> tuple[int, ...]:
+        (fan_in,) = in_shape
+        self.w = b.param(f"{self.name}.weight", (self.units, fan_in), self.init, fan_in,
+                         self.units, decay=True)
+        self.b = b.param(f"{self.name}.bias", (self.units,), "zeros")
+        return (self.units,)
+
+    def forward(self, x, P, ctx):
+        return x @ P[self.w].T + P[self.b], x
+
+    def backward(self, dy, x, P, G, need_dx=True):
+        G[self.w][...] = dy.T @ x
+        G[self.b][...] = dy.sum(axis=0)
+        return dy @ P[self.w] if need_dx else None
+
+    def torch_forward(self, x, P, ctx):
+        import torch.nn.functional as F
+
+        return F.linear(x, P[self.w], P[self.b])
+
+
+class ReLU(Layer):
+    def forward(self, x, P, ctx):
+        y = np.maximum(x, 0)
+        return y, y
+
+    def backward(self, dy, y, P, G, need_dx=True):
+        return dy * (y > 0)
+
+    def torch_forward(self, x, P, ctx):
+        import torch
+
+        return torch.relu(x)
+
+
+class ReLU6(Layer):
+    def forward(self, x, P, ctx):
+        y = np.clip(x, 0, 6)
+        return y, y
+
+    def backward(self, dy, y, P, G, need_dx=True):
+        # the gradient passes strictly inside (0, 6), as torch's hardtanh backward does
+        return dy * ((y > 0) & (y < 6))
+
+    def torch_forward(self, x, P, ctx):
+        import torch.nn.functional as F
+
+        return F.relu6(x)
+
+
+def _windows(h: int, w: int, k: int, s: int) -> tuple[int, int]:
+    return (h - k) // s + 1, (w - k) // s + 1
+
+
+class MaxPool(Layer):
+    """k x k max pooling with stride s (floor mode); ties go to the first element in scan order."""
+
+    def __init__(self, k: int = 2, s: int | None = None) -> None:
+        self.k, self.s = k, s or k
+
+    def build(self, in_shape, b):
+        c, h, w = in_shape
+        ho, wo = _windows(h, w, self.k, self.s)
+        return (c, ho, wo)
+
+    def _slices(self, ho: int, wo: int):
+        k, s = self.k, self.s
+        for i in range(k):
+            for j in range(k):
+                yield np.s_[:, i : i + s * (ho - 1) + 1 : s, j : j + s * (wo - 1) + 1 : s, :]
+
+    def forward(self, x, P, ctx):
+        ho, wo = _windows(x.shape[1], x.shape[2], self.k, self.s)
+        y = None
+        for sl in self._slices(ho, wo):
+            y = x[sl].copy() if y is None else np.maximum(y, x[sl], out=y)
+        return y, (x, y)
+
+    def backward(self, dy, cache, P, G, need_dx=True):
+        x, y = cache
+        dx = np.zeros_like(x)
+        taken = np.zeros(y.shape, dtype=bool)
+        for sl in self._slices(y.shape[1], y.shape[2]):
+            first = (x[sl] == y) & ~taken
+            dx[sl] += dy * first
+            taken |= first
+        return dx
+
+    def torch_forward(self, x, P, ctx):
+        import torch.nn.functional as F
+
+        return F.max_pool2d(x, self.k, self.s)
+
+
+class AvgPool(MaxPool):
+    def forward(self, x, P, ctx):
+        ho, wo = _windows(x.shape[1], x.shape[2], self.k, self.s)
+        y = np.zeros((x.shape[0], ho, wo, x.shape[3]), dtype=x.dtype)
+        for sl in self._slices(ho, wo):
+            y += x[sl]
+        return y * (1.0 / self.k**2), x.shape
+
+    def backward(self, dy, shape, P, G, need_dx=True):
+        dx = np.zeros(shape, dtype=dy.dtype)
+        part = dy * (1.0 / self.k**2)
+        for sl in self._slices(dy.shape[1], dy.shape[2]):
+            dx[sl] += part
+        return dx
+
+    def torch_forward(self, x, P, ctx):
+        import torch.nn.functional as F
+
+        return F.avg_pool2d(x, self.k, self.s)
+
+
+class GlobalAvgPool(Layer):
+    def build(self, in_shape, b):
+        return (in_shape[0],)
+
+    def forward(self, x, P, ctx):
+        return x.mean(axis=(1, 2)), x.shape
+
+    def backward(self, dy, shape, P, G, need_dx=True):
+        n, h, w, c = shape
+        return np.broadcast_to((dy / (h * w))[:, None, None, :], shape).copy()
+
+    def torch_forward(self, x, P, ctx):
+        return x.mean(dim=(2, 3))
+
+
+class Flatten(Layer):
+    """To (N, C*H*W) in canonical NCHW order, so a dense weight means the same in torch."""
+
+    def build(self, in_shape, b):
+        return (int(np.prod(in_shape)),)
+
+    def forward(self, x, P, ctx):
+        if x.ndim == 2:
+            return x, x.shape
+        return x.transpose(0, 3, 1, 2).reshape(x.shape[0], -1), x.shape
+
+    def backward(self, dy, shape, P, G, need_dx=True):
+        if len(shape) == 2:
+            return dy
+        n, h, w, c = shape
+        return np.ascontiguousarray(dy.reshape(n, c, h, w).transpose(0, 2, 3, 1))
+
+    def torch_forward(self, x, P, ctx):
+        return x.reshape(x.shape[0], -1)
+
+
+class Dropout(Layer):
+    """Inverted dropout; the mask is a pure function of (seed, step, shard, layer index)."""
+
+    def __init__(self, p: float) -> None:
+        self.p = p
+
+    def build(self, in_shape, b):
+        self.index = b.next_index()
+        return in_shape
+
+    def mask(self, canonical_shape: tuple[int, ...], ctx: Ctx, dtype: Any) -> np.ndarray:
+        keep = ctx.rng(self.index).random(canonical_shape, dtype=np.float64) >= self.p
+        return keep.astype(dtype) * (1.0 / (1.0 - self.p))
+
+    def forward(self, x, P, ctx):
+        if not ctx.training or self.p == 0:
+            return x, None
+        canon = (x.shape[0], x.shape[3], x.shape[1], x.shape[2]) if x.ndim == 4 else x.shape
+        m = self.mask(canon, ctx, x.dtype)
+        m = m.transpose(0, 2, 3, 1) if x.ndim == 4 else m
+        return x * m, m
+
+    def backward(self, dy, m, P, G, need_dx=True):
+        return dy if m is None else dy * m
+
+    def torch_forward(self, x, P, ctx):
+        import torch
+
+        if not ctx.training or self.p == 0:
+            return x
+        m = self.mask(tuple(x.shape), ctx, np.float64)
+        return x * torch.from_numpy(m).to(x.dtype)
+
+
+def softmax_cross_entropy(logits: np.ndarray, y: np.ndarray) -> tuple[float, int, np.ndarray]:
+    """Summed loss, correct count and d(loss_sum)/d(logits)."""
+    z = logits - logits.max(axis=1, keepdims=True)
+    e = np.exp(z)
+    total = e.sum(axis=1, keepdims=True)
+    rows = np.arange(len(y))
+    logp = z[rows, y] - np.log(total[:, 0])
+    grad = e / total
+    grad[rows, y] -= 1
+    correct = int((logits.argmax(axis=1) == y).sum())
+    return float(-logp.astype(np.float64).sum()), correct, grad

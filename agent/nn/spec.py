@@ -1,0 +1,144 @@
+"""The engine's reading of a job spec: the same fields and defaults as docs/contracts.md.
+
+The API validates the full spec with pydantic; this reads only what the math needs, with the
+same defaults, so `TrainSpec.from_job_spec` means one thing on a phone, in the scheduler and in
+the reference trainer. `n_train` (the dataset's training size) is needed for anything that
+depends on epochs: steps per epoch, total steps and the learning-rate schedule.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from agent.nn.sampler import steps_per_epoch as _steps_per_epoch
+
+SCHEDULES = ("constant", "cosine", "step")
+
+
+class SpecError(ValueError):
+    """A spec the engine cannot run; the message names the field."""
+
+
+@dataclass(frozen=True)
+class TrainSpec:
+    arch: str
+    dataset: str
+    width: float = 1.0
+    hidden: int = 128
+    dropout: float = 0.0
+    blocks: int = 1
+    global_batch_size: int = 256
+    shards: int = 16
+    epochs: int = 10
+    seed: int = 0
+    lr: float = 0.1
+    momentum: float = 0.9
+    nesterov: bool = False
+    weight_decay: float = 0.0
+    warmup_epochs: float = 0.0
+    schedule: str = "cosine"
+    decay_epochs: tuple[float, ...] = ()
+    decay_factor: float = 0.1
+    lr_scaling: bool = True
+    n_train: int | None = None
+    name: str = ""
+    raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False, hash=False)
+
+    @classmethod
+    def from_job_spec(cls, spec: dict[str, Any], n_train: int | None = None) -> TrainSpec:
+        """Read a job spec dict (defaults as in docs/contracts.md); n_train enables schedules."""
+        model = _section(spec, "model")
+        opt = _section(spec, "optimizer")
+        if "arch" not in model:
+            raise SpecError("model.arch is required")
+        if "dataset" not in spec:
+            raise SpecError("dataset is required")
+        out = cls(
+            arch=str(model["arch"]),
+            dataset=str(spec["dataset"]),
+            width=float(model.get("width", 1.0)),
+            hidden=int(model.get("hidden", 128)),
+            dropout=float(model.get("dropout", 0.0)),
+            blocks=int(model.get("blocks", 1)),
+            global_batch_size=int(spec.get("global_batch_size", 256)),
+            shards=int(spec.get("shards", 16)),
+            epochs=int(spec.get("epochs", 10)),
+            seed=int(spec.get("seed", 0)),
+            lr=float(opt.get("lr", 0.1)),
+            momentum=float(opt.get("momentum", 0.9)),
+            nesterov=bool(opt.get("nesterov", False)),
+            weight_decay=float(opt.get("weight_decay", 0.0)),
+            warmup_epochs=float(opt.get("warmup_epochs", 0.0)),
+            schedule=str(opt.get("schedule", "cosine")),
+            decay_epochs=tuple(float(e) for e in opt.get("decay_epochs", ()) or ()),
+            decay_factor=float(opt.get("decay_factor", 0.1)),
+            lr_scaling=bool(opt.get("lr_scaling", True)),
+            n_train=None if n_train is None else int(n_train),
+            name=str(spec.get("name", "")),
+            raw=dict(spec),
+        )
+        out.check()
+        return out
+
+    def check(self) -> None:
+        """Refuse values the math cannot run, naming the field."""
+        if self.shards < 1:
+            raise SpecError("shards must be >= 1")
+        if self.global_batch_size < 1 or self.global_batch_size % self.shards:
+            raise SpecError(
+                f"global_batch_size ({self.global_batch_size}) must be a positive multiple "
+                f"of shards ({self.shards})"
+            )
+        if self.epochs < 1:
+            raise SpecError("epochs must be >= 1")
+        if self.schedule not in SCHEDULES:
+            raise SpecError(f"optimizer.schedule must be one of {', '.join(SCHEDULES)}")
+        if not self.lr > 0:
+            raise SpecError("optimizer.lr must be > 0")
+        if not 0 <= self.dropout < 1:
+            raise SpecError("model.dropout must be in [0, 1)")
+        if self.warmup_epochs < 0 or self.warmup_epochs >= self.epochs:
+            raise SpecError("optimizer.warmup_epochs must be >= 0 and < epochs")
+        if self.n_train is not None:
+            if self.shards > self.n_train:
+                raise SpecError(
+                    f"shards ({self.shards}) exceeds the dataset's {self.n_train} training samples"
+                )
+            try:
+                _steps_per_epoch(self.n_train, self.shards, self.global_batch_size)
+            except ValueError as exc:
+                raise SpecError(str(exc)) from None
+
+    @property
+    def per_shard_batch(self) -> int:
+        """m = B / S: samples each shard contributes to every step."""
+        return self.global_batch_size // self.shards
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return _steps_per_epoch(self._need_n_train(), self.shards, self.global_batch_size)
+
+    @property
+    def total_steps(self) -> int:
+        return self.steps_per_epoch * self.epochs
+
+    @property
+    def model_options(self) -> dict[str, Any]:
+        return {"width": self.width, "hidden": self.hidden, "dropout": self.dropout,
+                "blocks": self.blocks}
+
+    def _need_n_train(self) -> int:
+        if self.n_train is None:
+            raise SpecError(
+                "this needs the dataset size: build the spec with "
+                "TrainSpec.from_job_spec(spec, n_train=dataset_info(name).n_train)"
+            )
+        return self.n_train
+
+
+def _section(spec: dict[str, Any], key: str) -> dict[str, Any]:
+    value = spec.get(key) or {}
+    if not isinstance(value, dict):
+        raise SpecError(f"{key} must be an object")
+    return value

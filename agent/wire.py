@@ -1,0 +1,196 @@
+"""Wire format for weights and shard results: a small versioned header, then raw arrays.
+
+Layout (all integers little-endian):
+
+    magic  b"PHLXW"  (5 bytes)
+    version          u16   (1)
+    header length    u32
+    crc32            u32   zlib.crc32 of header + payload
+    header           UTF-8 JSON: kind, job, step, dtype, n_params, and per kind
+                     weights: n_buffers; results: n_stats and
+                     "shards": [{"shard", "loss_sum", "correct", "count"}, ...]
+    payload          weights: params f32[n_params] then buffers f32[n_buffers]
+                     results: per shard, in header order, grad[n_params] (dtype) then
+                     stats f32[n_stats]
+
+Decoding refuses, with a WireError saying why: truncation, a bad magic or version, a checksum
+mismatch, a payload of the wrong length, an unexpected kind, job or step, a parameter count that
+differs from the caller's model, and NaN or infinity anywhere. No pickle: JSON and raw floats.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+import zlib
+from typing import Any
+
+import numpy as np
+
+from agent.nn.step import ShardResult
+
+MAGIC = b"PHLXW"
+VERSION = 1
+_PREFIX = struct.Struct("<5sHII")
+_DTYPES = {"float32": np.dtype("<f4"), "float16": np.dtype("<f2")}
+MAX_HEADER = 1 << 22
+
+
+class WireError(ValueError):
+    """A malformed or mismatched message; the text says what is wrong."""
+
+
+def encode_weights(job_id: str, step: int, params: np.ndarray, buffers: np.ndarray) -> bytes:
+    header = {"kind": "weights", "job": job_id, "step": int(step), "dtype": "float32",
+              "n_params": int(params.size), "n_buffers": int(buffers.size)}
+    payload = _f32(params).tobytes() + _f32(buffers).tobytes()
+    return _pack(header, payload)
+
+
+def decode_weights(data: bytes, expect_job: str | None = None, expect_step: int | None = None,
+                   n_params: int | None = None, n_buffers: int | None = None,
+                   ) -> tuple[int, np.ndarray, np.ndarray]:
+    header, payload = _unpack(data, "weights", expect_job, expect_step)
+    p = _count(header, "n_params", n_params)
+    b = _count(header, "n_buffers", n_buffers)
+    if header.get("dtype") != "float32":
+        raise WireError(f"weights dtype must be float32, got {header.get('dtype')!r}")
+    if len(payload) != 4 * (p + b):
+        raise WireError(f"payload is {len(payload)} bytes, header says {4 * (p + b)}")
+    flat = _finite(np.frombuffer(payload, dtype="<f4"), "weights")
+    return header["step"], flat[:p].astype(np.float32), flat[p:].astype(np.float32)
+
+
+def encode_results(job_id: str, step: int, results: list[ShardResult],
+                   dtype: str = "float32") -> bytes:
+    if dtype not in _DTYPES:
+        raise WireError(f"dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}")
+    if not results:
+        raise WireError("no results to encode")
+    n_params, n_stats = int(results[0].grad_sum.size), int(results[0].stats.size)
+    chunks, shards = [], []
+    for r in results:
+        if r.grad_sum.size != n_params or r.stats.size != n_stats:
+            raise WireError(f"shard {r.shard}: arrays differ in size from shard "
+                            f"{results[0].shard}'s")
+        grad = np.asarray(r.grad_sum).astype(_DTYPES[dtype])
+        if not np.isfinite(grad).all():
+            raise WireError(f"shard {r.shard}: gradient is not finite in {dtype} "
+                            "(diverged, or too large for float16)")
+        chunks += [grad.tobytes(), _f32(r.stats).tobytes()]
+        shards.append({"shard": int(r.shard), "loss_sum": float(r.loss_sum),
+                       "correct": int(r.correct), "count": int(r.count)})
+    header = {"kind": "results", "job": job_id, "step": int(step), "dtype": dtype,
+              "n_params": n_params, "n_stats": n_stats, "shards": shards}
+    return _pack(header, b"".join(chunks))
+
+
+def decode_results(data: bytes, expect_job: str | None = None, expect_step: int | None = None,
+                   n_params: int | None = None, n_stats: int | None = None) -> list[ShardResult]:
+    header, payload = _unpack(data, "results", expect_job, expect_step)
+    p, s = _count(header, "n_params", n_params), _count(header, "n_stats", n_stats)
+    dtype = header.get("dtype")
+    if dtype not in _DTYPES:
+        raise WireError(f"results dtype must be float32 or float16, got {dtype!r}")
+    shards = _shard_entries(header)
+    gsize = _DTYPES[dtype].itemsize * p
+    per = gsize + 4 * s
+    if len(payload) != per * len(shards):
+        raise WireError(f"payload is {len(payload)} bytes, header says {per * len(shards)}")
+    out = []
+    for i, meta in enumerate(shards):
+        chunk = payload[i * per : (i + 1) * per]
+        grad = _finite(np.frombuffer(chunk[:gsize], dtype=_DTYPES[dtype]), "gradient")
+        stats = _finite(np.frombuffer(chunk[gsize:], dtype="<f4"), "stats")
+        out.append(ShardResult(meta["shard"], grad.astype(np.float32), meta["loss_sum"],
+                               meta["correct"], meta["count"], stats.astype(np.float32)))
+    return out
+
+
+def _pack(header: dict[str, Any], payload: bytes) -> bytes:
+    try:
+        raw = json.dumps(header, allow_nan=False, separators=(",", ":")).encode()
+    except ValueError:
+        raise WireError("header holds NaN or infinity (a shard's loss is not finite)") from None
+    crc = zlib.crc32(payload, zlib.crc32(raw))
+    return _PREFIX.pack(MAGIC, VERSION, len(raw), crc) + raw + payload
+
+
+def _unpack(data: bytes, kind: str, job: str | None, step: int | None
+            ) -> tuple[dict[str, Any], bytes]:
+    if len(data) < _PREFIX.size:
+        raise WireError(f"truncated: {len(data)} bytes is shorter than the header")
+    magic, version, hlen, crc = _PREFIX.unpack_from(data)
+    if magic != MAGIC:
+        raise WireError(f"bad magic {magic!r}: not a Phalanx wire message")
+    if version != VERSION:
+        raise WireError(f"unsupported wire version {version} (this side speaks {VERSION})")
+    if hlen > MAX_HEADER or _PREFIX.size + hlen > len(data):
+        raise WireError(f"truncated: header of {hlen} bytes does not fit in {len(data)} bytes")
+    raw = data[_PREFIX.size : _PREFIX.size + hlen]
+    payload = data[_PREFIX.size + hlen :]
+    if zlib.crc32(payload, zlib.crc32(raw)) != crc:
+        raise WireError("checksum mismatch: the message was corrupted or truncated")
+    try:
+        header = json.loads(raw, parse_constant=_reject_constant)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise WireError(f"header is not valid JSON: {exc}") from None
+    if not isinstance(header, dict):
+        raise WireError("header must be a JSON object")
+    if header.get("kind") != kind:
+        raise WireError(f"expected a {kind} message, got {header.get('kind')!r}")
+    if not isinstance(header.get("job"), str) or not _is_int(header.get("step")):
+        raise WireError("header needs a string job and an integer step")
+    if job is not None and header["job"] != job:
+        raise WireError(f"message is for job {header['job']!r}, expected {job!r}")
+    if step is not None and header["step"] != step:
+        raise WireError(f"message is for step {header['step']}, expected {step}")
+    return header, payload
+
+
+def _shard_entries(header: dict[str, Any]) -> list[dict[str, Any]]:
+    shards = header.get("shards")
+    if not isinstance(shards, list) or not shards:
+        raise WireError("results header needs a non-empty shards list")
+    seen = set()
+    for meta in shards:
+        if not isinstance(meta, dict) or not all(_is_int(meta.get(k)) for k in
+                                                 ("shard", "correct", "count")):
+            raise WireError("each shard entry needs integer shard, correct and count")
+        loss = meta.get("loss_sum")
+        if isinstance(loss, bool) or not isinstance(loss, (int, float)) or not math.isfinite(loss):
+            raise WireError(f"shard {meta['shard']}: loss_sum must be a finite number")
+        if meta["shard"] < 0 or meta["shard"] in seen:
+            raise WireError(f"shard {meta['shard']} is negative or listed twice")
+        if meta["count"] < 1 or not 0 <= meta["correct"] <= meta["count"]:
+            raise WireError(f"shard {meta['shard']}: count must be >= 1 and correct in 0..count")
+        seen.add(meta["shard"])
+    return shards
+
+
+def _count(header: dict[str, Any], key: str, expected: int | None) -> int:
+    value = header.get(key)
+    if not _is_int(value) or value < 0:
+        raise WireError(f"header field {key} must be a non-negative integer")
+    if expected is not None and value != expected:
+        raise WireError(f"{key} is {value}, this model has {expected}")
+    return value
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _reject_constant(name: str) -> Any:
+    raise WireError(f"header holds {name}: numbers must be finite")
+
+
+def _f32(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a, dtype="<f4")
+
+
+def _finite(a: np.ndarray, what: str) -> np.ndarray:
+    if not np.isfinite(a).all():
+        raise WireError(f"{what} holds NaN or infinity")
+    return a

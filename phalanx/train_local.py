@@ -1,0 +1,141 @@
+"""The single-process reference trainer: the distributed job's math, in one loop.
+
+Every step computes every shard's gradient sum with `compute_shard` and applies them with the
+same `apply_step` the scheduler uses, so a cluster run of the same spec ends where this ends
+(DESIGN.md invariant 1).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from agent.nn.checkpoint import save_npz, state_to_arrays
+from agent.nn.data import load_dataset
+from agent.nn.models import build_model
+from agent.nn.sampler import select_microbatch, shard_indices
+from agent.nn.spec import TrainSpec
+from agent.nn.step import apply_step, compute_shard, evaluate, initial_state
+
+
+@dataclass(frozen=True)
+class EpochRow:
+    epoch: int
+    step: int
+    train_loss: float
+    train_accuracy: float
+    val_loss: float | None
+    val_accuracy: float | None
+    lr: float
+    samples_per_s: float
+
+
+def run_reference(spec: dict[str, Any], out_dir: Path | None, progress: bool = True,
+                  data_dir: str | Path | None = None, backend: str = "numpy",
+                  on_epoch: Callable[[EpochRow], None] | None = None) -> dict[str, Any]:
+    """Train `spec` to the end; write checkpoint.npz and metrics.json to out_dir if given."""
+    data = load_dataset(str(spec.get("dataset", "")), data_dir)
+    ts = TrainSpec.from_job_spec(spec, n_train=len(data.y_train))
+    model = build_model(ts.arch, data.input_shape, data.num_classes, ts.model_options)
+    parts = shard_indices(len(data.y_train), ts.shards, ts.seed)
+    shards = [(data.x_train[idx], data.y_train[idx]) for idx in parts]
+    state = initial_state(model, ts)
+    spe, total = ts.steps_per_epoch, ts.total_steps
+    rows: list[EpochRow] = []
+    display = _Display(total, progress)
+    start = time.perf_counter()
+    with display:
+        for epoch in range(ts.epochs):
+            t0, losses, accs = time.perf_counter(), [], []
+            for _ in range(spe):
+                results = []
+                for k, (xs, ys) in enumerate(shards):
+                    xb, yb = select_microbatch(xs, ys, ts.per_shard_batch, ts.seed, state.step,
+                                               k, spe)
+                    results.append(compute_shard(model, state.params, state.buffers, xb, yb,
+                                                 ts, state.step, k, backend))
+                state, m = apply_step(model, ts, state, results)
+                losses.append(m.train_loss)
+                accs.append(m.train_accuracy)
+                display.advance(m.train_loss)
+            row = _epoch_row(model, state, data, epoch, losses, accs, ts, spe, t0)
+            rows.append(row)
+            display.epoch(row)
+            if on_epoch is not None:
+                on_epoch(row)
+    seconds = time.perf_counter() - start
+    last = rows[-1]
+    metrics = {
+        "train_loss": last.train_loss, "train_accuracy": last.train_accuracy,
+        "val_loss": last.val_loss, "val_accuracy": last.val_accuracy,
+        "steps": state.step, "epochs": ts.epochs, "seconds": round(seconds, 3),
+        "samples_per_s": round(state.step * ts.global_batch_size / max(seconds, 1e-9), 1),
+        "n_params": model.n_params,
+        "params_sha256": hashlib.sha256(state.params.tobytes()).hexdigest(),
+    }
+    if out_dir is not None:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "checkpoint.npz").write_bytes(save_npz(state_to_arrays(model, state)))
+        (out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+    return metrics
+
+
+def _epoch_row(model, state, data, epoch, losses, accs, ts, spe, t0) -> EpochRow:
+    seconds = time.perf_counter() - t0
+    val_loss = val_acc = None
+    if len(data.y_val):
+        ev = evaluate(model, state.params, state.buffers, data.x_val, data.y_val)
+        val_loss, val_acc = ev.loss, ev.accuracy
+    from agent.nn.optim import lr_at
+
+    return EpochRow(epoch + 1, state.step, float(np.mean(losses)), float(np.mean(accs)),
+                    val_loss, val_acc, lr_at(ts, state.step - 1),
+                    spe * ts.global_batch_size / max(seconds, 1e-9))
+
+
+class _Display:
+    """A rich progress bar on stderr (stdout stays for the table and the metrics line)."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.total, self.enabled, self.progress, self.task = total, enabled, None, None
+
+    def __enter__(self) -> _Display:
+        if self.enabled:
+            from rich.console import Console
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeRemainingColumn,
+            )
+
+            self.progress = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(),
+                                     TextColumn("{task.fields[loss]}"), TimeRemainingColumn(),
+                                     console=Console(stderr=True), transient=True)
+            self.progress.start()
+            self.task = self.progress.add_task("train", total=self.total, loss="")
+        return self
+
+    def advance(self, loss: float) -> None:
+        if self.progress is not None:
+            self.progress.update(self.task, advance=1, loss=f"loss {loss:.4f}")
+
+    def epoch(self, row: EpochRow) -> None:
+        if self.progress is not None:
+            val = "-" if row.val_accuracy is None else f"{row.val_accuracy:.4f}"
+            self.progress.console.print(
+                f"epoch {row.epoch:>4}  loss {row.train_loss:.4f}  acc {row.train_accuracy:.4f}"
+                f"  val_acc {val}  {row.samples_per_s:,.0f} samples/s")
+
+    def __exit__(self, *exc: object) -> None:
+        if self.progress is not None:
+            self.progress.stop()
