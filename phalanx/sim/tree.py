@@ -82,6 +82,21 @@ def sysfs_files(model: PhoneModel, rooted: bool = True) -> dict[str, str]:
     return files
 
 
+def getprop_values(model: PhoneModel) -> dict[str, str]:
+    """The Android system properties the agent's hardware spec asks `getprop` for."""
+    p = model.profile
+    maker = "Google" if p.model.startswith("Nexus") else "samsung"
+    return {"ro.product.model": p.model, "ro.product.manufacturer": maker,
+            "ro.soc.model": p.soc, "ro.board.platform": p.soc.lower(),
+            "ro.build.version.release": "12", "ro.build.version.sdk": "31"}
+
+
+def getprop_script(model: PhoneModel) -> str:
+    cases = "".join(f"  {shlex.quote(k)}) echo {shlex.quote(v)} ;;\n"
+                    for k, v in getprop_values(model).items())
+    return f'#!/bin/sh\ncase "$1" in\n{cases}  *) echo "" ;;\nesac\n'
+
+
 def _power_supply(model: PhoneModel) -> dict[str, str]:
     s, ps = model.state, "/sys/class/power_supply"
     status = {"FULL": "Full", "CHARGING": "Charging", "DISCHARGING": "Discharging",
@@ -113,11 +128,14 @@ class PhoneFiles:
         self._written: dict[str, str] = {}
 
     def install(self, model: PhoneModel) -> None:
-        """Create the tree and the `termux-battery-status` script, then write the state."""
+        """Create the tree, the `termux-battery-status` and `getprop` scripts, write the state."""
         self.bin.mkdir(parents=True, exist_ok=True)
         script = self.bin / "termux-battery-status"
         _write(script, f"#!/bin/sh\nexec cat {shlex.quote(str(self.battery_json))}\n")
         script.chmod(0o755)
+        getprop = self.bin / "getprop"
+        _write(getprop, getprop_script(model))
+        getprop.chmod(0o755)
         self.write(model)
 
     def write(self, model: PhoneModel) -> None:

@@ -98,3 +98,15 @@ def test_an_unrooted_phone_shows_battery_through_termux_only(
     assert reading["charging"] is False
     assert "cpu_temp_c" not in reading
     assert reading["battery_temp_c"] == pytest.approx(model.state.battery_c, abs=0.1)
+
+
+def test_the_agent_enrolls_with_the_simulated_phones_hardware(
+        phone: tuple[PhoneModel, PhoneFiles]) -> None:
+    from agent.hardware import collect_spec
+    from agent.probes.sysfs import SysfsRoot
+
+    model, files = phone
+    spec = collect_spec(SysfsRoot(files.root))
+    assert spec["model"] == "SM-G975U"
+    assert spec["soc"] == "SM8150"
+    assert [len(c["cores"]) for c in spec["clusters"]] == [4, 3, 1]
