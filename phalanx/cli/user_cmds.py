@@ -1,9 +1,383 @@
-"""Commands of this area (see docs/contracts.md for who owns what)."""
+"""kubectl-like commands for people: `login`, `devices`, `tokens`, `jobs`, `datasets`.
+
+Every command talks to a server over HTTP through `phalanx.client`. `--server` / `--token`
+(or `PHALANX_SERVER` / `PHALANX_TOKEN`) override what `phalanx login` saved. Output is a table,
+or JSON with `-o json`. A server error is one line on stderr and exit status 1.
+"""
 
 from __future__ import annotations
 
+import enum
+import io
+import json
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
 import typer
+import yaml
+from rich.console import Console
+from rich.live import Live
+
+from phalanx.client import PhalanxClient, PhalanxError, resolve_target, save_config
+from phalanx.demo import view
+
+out = Console()
+err = Console(stderr=True)
+
+
+class Output(str, enum.Enum):
+    table = "table"
+    json = "json"
+
+
+ServerOpt = Annotated[Optional[str], typer.Option(
+    "--server", "-s", envvar="PHALANX_SERVER", help="control plane URL (default: from login)")]
+TokenOpt = Annotated[Optional[str], typer.Option(
+    "--token", envvar="PHALANX_TOKEN", help="bearer token (default: from login)")]
+OutputOpt = Annotated[Output, typer.Option("--output", "-o", help="table or json")]
+IdArg = Annotated[str, typer.Argument(help="the object's id")]
+
+
+def fail(message: str) -> None:
+    err.print(f"[red]error:[/red] {message}", highlight=False, soft_wrap=True)
+    raise typer.Exit(1)
+
+
+@contextmanager
+def connect(server: str | None, token: str | None) -> Iterator[PhalanxClient]:
+    """A client for the resolved target; a PhalanxError anywhere inside is one line, exit 1."""
+    target = resolve_target(server, token)
+    try:
+        with PhalanxClient.from_target(target) as client:
+            yield client
+    except PhalanxError as exc:
+        fail(str(exc))
+
+
+def emit(data: Any, output: Output, table: Callable[[Any], Any]) -> None:
+    if output is Output.json:
+        typer.echo(json.dumps(data, indent=2, sort_keys=True, default=str))
+    else:
+        out.print(table(data))
+
+
+def describe(obj: dict[str, Any]) -> str:
+    """kubectl-describe-like text: the object as block YAML."""
+    return yaml.safe_dump(obj, sort_keys=False, default_flow_style=False, allow_unicode=True)
+
+
+def parse_labels(pairs: list[str]) -> dict[str, str]:
+    labels = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            fail(f"--label wants key=value, got {pair!r}")
+        labels[key] = value
+    return labels
+
+
+# -- login ------------------------------------------------------------------------------------
+
+def login(server: Annotated[str, typer.Option("--server", "-s", envvar="PHALANX_SERVER",
+                                              prompt="Server URL")],
+          token: Annotated[str, typer.Option("--token", envvar="PHALANX_TOKEN", prompt=True,
+                                             hide_input=True)],
+          verify: Annotated[bool, typer.Option(help="check the token with the server first")] = True,
+          ) -> None:
+    """Save the server URL and token for later commands (a 0600 config file)."""
+    if verify:
+        with connect(server, token) as client:
+            client.jobs()
+    path = save_config(server.rstrip("/"), token)
+    out.print(f"Logged in to {server.rstrip('/')}; saved to {path}", highlight=False)
+
+
+# -- devices ----------------------------------------------------------------------------------
+
+devices_app = typer.Typer(help="List, inspect and manage phones.", no_args_is_help=True)
+
+
+@devices_app.command("ls")
+def devices_ls(server: ServerOpt = None, token: TokenOpt = None,
+               output: OutputOpt = Output.table) -> None:
+    """List devices with their state and latest telemetry."""
+    with connect(server, token) as client:
+        devices = client.devices()
+    emit(devices, output, view.device_table)
+
+
+@devices_app.command("describe")
+def devices_describe(device_id: IdArg, server: ServerOpt = None, token: TokenOpt = None,
+                     output: OutputOpt = Output.table) -> None:
+    """Everything the control plane knows about one device."""
+    with connect(server, token) as client:
+        device = client.device(device_id)
+    emit(device, output, describe)
+
+
+def _device_action(action: str, past: str) -> Callable[..., None]:
+    def command(device_id: IdArg, server: ServerOpt = None, token: TokenOpt = None,
+                output: OutputOpt = Output.table) -> None:
+        with connect(server, token) as client:
+            device = client.device_action(device_id, action)
+        if output is Output.json:
+            emit(device, output, describe)
+        else:
+            state = device.get("state", "") if isinstance(device, dict) else ""
+            out.print(f"{device_id} {past}" + (f" (state {state})" if state else ""),
+                      highlight=False)
+    command.__doc__ = {"cordon": "Mark a device unschedulable; its current work continues.",
+                       "uncordon": "Make a cordoned or drained device schedulable again.",
+                       "drain": "Move a device's shards elsewhere and keep it unschedulable."}[action]
+    return command
+
+
+for _action, _past in (("cordon", "cordoned"), ("uncordon", "uncordoned"), ("drain", "draining")):
+    devices_app.command(_action)(_device_action(_action, _past))
+
+
+@devices_app.command("rm")
+def devices_rm(device_id: IdArg, server: ServerOpt = None, token: TokenOpt = None) -> None:
+    """Delete a device; its token stops working and its shards move."""
+    with connect(server, token) as client:
+        client.delete_device(device_id)
+    out.print(f"{device_id} deleted", highlight=False)
+
+
+# -- tokens -----------------------------------------------------------------------------------
+
+tokens_app = typer.Typer(help="Create user and enrollment tokens (admin).", no_args_is_help=True)
+
+
+@tokens_app.command("create")
+def tokens_create(
+    enroll: Annotated[bool, typer.Option("--enroll", help="a phone enrollment token")] = False,
+    user: Annotated[bool, typer.Option("--user", help="a user API token (the default)")] = False,
+    name: Annotated[Optional[str], typer.Option(help="who or what the token is for")] = None,
+    label: Annotated[list[str], typer.Option("--label", "-l",
+                                             help="k=v for every phone enrolled with it")] = [],  # noqa: B006
+    ttl: Annotated[Optional[float], typer.Option(help="enrollment token lifetime, seconds")] = None,
+    max_uses: Annotated[Optional[int], typer.Option(help="enrollment token uses")] = None,
+    server: ServerOpt = None, token: TokenOpt = None, output: OutputOpt = Output.table,
+) -> None:
+    """Create a token; the secret is shown once."""
+    if enroll and user:
+        fail("--user and --enroll exclude each other")
+    with connect(server, token) as client:
+        if enroll:
+            body: dict[str, Any] = {"labels": parse_labels(label)}
+            if name:
+                body["description"] = name
+            if ttl is not None:
+                body["ttl_s"] = ttl
+            if max_uses is not None:
+                body["max_uses"] = max_uses
+            created = client.create_enrollment_token(**body)
+        else:
+            created = client.create_user_token(kind="user", name=name)
+        server_url = client.server
+    if output is Output.json:
+        emit(created, output, describe)
+        return
+    out.print(created.get("token", ""), highlight=False, soft_wrap=True)
+    if enroll:
+        err.print(f"on the phone: phalanx-agent enroll --server {server_url} "
+                  f"--token {created.get('token')}", highlight=False, soft_wrap=True)
+
+
+# -- jobs -------------------------------------------------------------------------------------
+
+jobs_app = typer.Typer(help="Submit, follow and manage training jobs.", no_args_is_help=True)
+
+
+def read_spec(path: Path) -> dict[str, Any]:
+    """A job spec from YAML or JSON (yaml.safe_load reads both)."""
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        fail(f"cannot read {path}: {exc.strerror or exc}")
+    try:
+        spec = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        fail(f"{path}{where}: not valid YAML: {problem}")
+    if not isinstance(spec, dict):
+        fail(f"{path}: a job spec is a mapping (name, model, dataset, ...), got {type(spec).__name__}")
+    return spec
+
+
+@jobs_app.command("submit")
+def jobs_submit(
+    file: Annotated[Path, typer.Option("--file", "-f", help="job spec, YAML or JSON")],
+    watch: Annotated[bool, typer.Option("--watch", "-w", help="follow it until it ends")] = False,
+    server: ServerOpt = None, token: TokenOpt = None, output: OutputOpt = Output.table,
+) -> None:
+    """Submit a job spec; the server validates it completely."""
+    spec = read_spec(file)
+    with connect(server, token) as client:
+        job = client.submit_job(spec)
+    if output is Output.json:
+        emit(job, output, describe)
+    else:
+        out.print(f"{job.get('id')} submitted ({job.get('state', 'Pending')})", highlight=False)
+    if watch:
+        jobs_watch(str(job["id"]), server=server, token=token)
+
+
+@jobs_app.command("ls")
+def jobs_ls(server: ServerOpt = None, token: TokenOpt = None,
+            output: OutputOpt = Output.table) -> None:
+    """List jobs with their progress and metrics."""
+    with connect(server, token) as client:
+        jobs = client.jobs()
+    emit(jobs, output, view.job_table)
+
+
+@jobs_app.command("describe")
+def jobs_describe(job_id: IdArg, server: ServerOpt = None, token: TokenOpt = None,
+                  output: OutputOpt = Output.table) -> None:
+    """One job: spec, state, metrics, devices, and its latest events."""
+    with connect(server, token) as client:
+        job = client.job(job_id)
+        events = client.job_events(job_id) if output is Output.table else []
+    emit(job, output, describe)
+    if events:
+        out.print("Events:")
+        out.print(view.event_table(events[-10:]))
+
+
+@jobs_app.command("events")
+def jobs_events(job_id: IdArg, server: ServerOpt = None, token: TokenOpt = None,
+                output: OutputOpt = Output.table) -> None:
+    """What happened to a job: scheduling, shard moves, checkpoints, the end."""
+    with connect(server, token) as client:
+        events = client.job_events(job_id)
+    emit(events, output, view.event_table)
+
+
+@jobs_app.command("cancel")
+def jobs_cancel(job_id: IdArg, server: ServerOpt = None, token: TokenOpt = None) -> None:
+    """Cancel a job; its devices are freed at the next step boundary."""
+    with connect(server, token) as client:
+        job = client.cancel_job(job_id)
+    out.print(f"{job_id} {job.get('state', 'cancelled')}", highlight=False)
+
+
+@jobs_app.command("checkpoint")
+def jobs_checkpoint(
+    job_id: IdArg,
+    out_path: Annotated[Optional[Path], typer.Option("--out", "-O", help="file to write")] = None,
+    server: ServerOpt = None, token: TokenOpt = None,
+) -> None:
+    """Download the latest weights as an .npz of named arrays."""
+    import numpy as np
+
+    with connect(server, token) as client:
+        data = client.checkpoint(job_id)
+    path = out_path or Path(f"{job_id}.npz")
+    path.write_bytes(data)
+    try:
+        with np.load(io.BytesIO(data), allow_pickle=False) as npz:
+            names = list(npz.files)
+    except (ValueError, OSError):
+        fail(f"{path}: the server sent {len(data)} bytes that are not an .npz")
+    out.print(f"{path} ({len(data)} bytes; arrays: {', '.join(names)})", highlight=False)
+
+
+def watch_job(client: PhalanxClient, job_id: str, poll_s: float = 1.0) -> dict[str, Any]:
+    """Redraw a progress bar until the job is Succeeded, Failed or Cancelled."""
+    bar = view.JobProgress()
+    job = client.job(job_id)
+    with Live(bar.progress, console=out, refresh_per_second=4, transient=False):
+        while True:
+            bar.update(job)
+            if job.get("state") in view.TERMINAL:
+                return job
+            time.sleep(poll_s)
+            job = client.job(job_id)
+
+
+@jobs_app.command("watch")
+def jobs_watch(job_id: IdArg, server: ServerOpt = None, token: TokenOpt = None) -> None:
+    """Live progress until the job ends; exit 0 only when it Succeeded."""
+    with connect(server, token) as client:
+        job = watch_job(client, job_id)
+    line = f"{job_id} {job.get('state')}"
+    if job.get("reason"):
+        line += f": {job['reason']}"
+    acc = view.metric(job, "val_accuracy")
+    if acc is not None:
+        line += f" (val accuracy {acc:.2%})"
+    out.print(line, highlight=False)
+    if job.get("state") != "Succeeded":
+        raise typer.Exit(1)
+
+
+# -- datasets ---------------------------------------------------------------------------------
+
+datasets_app = typer.Typer(help="Datasets jobs can train on.", no_args_is_help=True)
+
+
+def _dataset_table(items: list[dict[str, Any]]) -> Any:
+    from rich.table import Table
+
+    table = Table(header_style="bold")
+    for col in ("NAME", "SAMPLES", "INPUT", "CLASSES", "SIZE"):
+        table.add_column(col)
+    for ds in items:
+        shape = ds.get("input_shape")
+        table.add_row(view.dash(ds.get("name")),
+                      view.dash(ds.get("n_samples", ds.get("n_train"))),
+                      "x".join(str(d) for d in shape) if isinstance(shape, list) else "-",
+                      view.dash(ds.get("num_classes")),
+                      view.dash(ds.get("size_bytes"), "{} B"))
+    return table
+
+
+@datasets_app.command("ls")
+def datasets_ls(server: ServerOpt = None, token: TokenOpt = None,
+                output: OutputOpt = Output.table) -> None:
+    """List datasets (digits is always there)."""
+    with connect(server, token) as client:
+        items = client.datasets()
+    emit(items, output, _dataset_table)
+
+
+@datasets_app.command("upload")
+def datasets_upload(
+    file: Annotated[Path, typer.Argument(help=".npz with arrays x and y")],
+    name: Annotated[Optional[str], typer.Option(help="dataset name (default: file name)")] = None,
+    server: ServerOpt = None, token: TokenOpt = None, output: OutputOpt = Output.table,
+) -> None:
+    """Upload an .npz (x: samples, y: integer labels)."""
+    import numpy as np
+
+    try:
+        data = file.read_bytes()
+        with np.load(io.BytesIO(data), allow_pickle=False) as npz:
+            missing = {"x", "y"} - set(npz.files)
+    except (OSError, ValueError) as exc:
+        fail(f"{file}: not a readable .npz ({exc})")
+    if missing:
+        fail(f"{file}: missing array(s) {', '.join(sorted(missing))}; need x and y")
+    with connect(server, token) as client:
+        created = client.upload_dataset(name or file.stem, data)
+    if output is Output.json:
+        emit(created, output, describe)
+    else:
+        out.print(f"dataset {created.get('name', name or file.stem)} uploaded", highlight=False)
 
 
 def register(app: typer.Typer) -> None:
     """Mount this module's commands on the root app."""
+    app.command("login")(login)
+    app.add_typer(devices_app, name="devices")
+    app.add_typer(tokens_app, name="tokens")
+    app.add_typer(jobs_app, name="jobs")
+    app.add_typer(datasets_app, name="datasets")
+

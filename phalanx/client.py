@@ -1,0 +1,212 @@
+"""The user's HTTP client for a Phalanx control plane (DESIGN.md, "User-facing contract").
+
+One exception type, `PhalanxError`, for everything that can go wrong: the server's `detail`
+(4xx/5xx), an unreachable server, a response that is not what the contract says. The CLI turns
+it into one line and a non-zero exit.
+
+Where the server and token come from (`resolve_target`): explicit arguments (the CLI's flags,
+which typer also fills from `PHALANX_SERVER` / `PHALANX_TOKEN`), then the config file that
+`phalanx login` writes (`$PHALANX_CONFIG`, else `$XDG_CONFIG_HOME/phalanx/config.json`, else
+`~/.config/phalanx/config.json`; mode 0600).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+DEFAULT_SERVER = "http://127.0.0.1:8000"
+
+
+class PhalanxError(Exception):
+    """A failed call: `status` is the HTTP status (None when no answer came), `detail` the
+    server's `detail` as sent."""
+
+    def __init__(self, message: str, status: int | None = None, detail: Any = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.detail = detail
+
+
+def format_detail(detail: Any) -> str:
+    """FastAPI's `detail`: a string, or a list of validation errors naming their fields."""
+    if isinstance(detail, str):
+        return detail
+    if isinstance(detail, list):
+        parts = []
+        for err in detail:
+            if isinstance(err, dict) and "msg" in err:
+                loc = [str(p) for p in err.get("loc", []) if p not in ("body", "query", "path")]
+                parts.append(f"{'.'.join(loc)}: {err['msg']}" if loc else str(err["msg"]))
+            else:
+                parts.append(str(err))
+        return "; ".join(parts)
+    return json.dumps(detail) if detail is not None else ""
+
+
+# -- where to talk to ------------------------------------------------------------------------
+
+def config_path() -> Path:
+    if os.environ.get("PHALANX_CONFIG"):
+        return Path(os.environ["PHALANX_CONFIG"]).expanduser()
+    base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
+    return Path(base) / "phalanx" / "config.json"
+
+
+def load_config(path: Path | None = None) -> dict[str, Any]:
+    path = path or config_path()
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as exc:
+        raise PhalanxError(f"cannot read {path}: {exc}") from exc
+    return data if isinstance(data, dict) else {}
+
+
+def save_config(server: str, token: str, path: Path | None = None) -> Path:
+    """Write the login file readable by its owner only (created 0600, never world-readable)."""
+    path = path or config_path()
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    tmp = path.with_name(f".{path.name}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        json.dump({"server": server, "token": token}, fh, indent=2)
+        fh.write("\n")
+    os.chmod(tmp, 0o600)
+    os.replace(tmp, path)
+    return path
+
+
+@dataclass(frozen=True)
+class Target:
+    server: str
+    token: str | None
+
+
+def resolve_target(server: str | None = None, token: str | None = None) -> Target:
+    saved = load_config() if server is None or token is None else {}
+    server = server or saved.get("server") or DEFAULT_SERVER
+    token = token or saved.get("token")
+    return Target(server.rstrip("/"), token)
+
+
+# -- the client ------------------------------------------------------------------------------
+
+def _items(data: Any, key: str) -> list[dict[str, Any]]:
+    """Lists come as a JSON array or as `{key: [...]}` / `{"items": [...]}`."""
+    if isinstance(data, list):
+        return data
+    if isinstance(data, dict):
+        for k in (key, "items"):
+            if isinstance(data.get(k), list):
+                return data[k]
+    raise PhalanxError(f"unexpected response shape for a list of {key}: {str(data)[:200]}")
+
+
+class PhalanxClient:
+    def __init__(self, server: str, token: str | None = None, *, timeout_s: float = 30.0,
+                 transport: httpx.BaseTransport | None = None) -> None:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.server = server.rstrip("/")
+        self._http = httpx.Client(base_url=self.server, headers=headers, timeout=timeout_s,
+                                  transport=transport)
+
+    @classmethod
+    def from_target(cls, target: Target, **kwargs: Any) -> PhalanxClient:
+        return cls(target.server, target.token, **kwargs)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> PhalanxClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        """Send one request; any failure becomes a PhalanxError with the server's detail."""
+        try:
+            resp = self._http.request(method, path, **kwargs)
+        except httpx.TimeoutException as exc:
+            raise PhalanxError(f"{method} {self.server}{path}: timed out ({exc})") from exc
+        except httpx.HTTPError as exc:
+            raise PhalanxError(f"cannot reach {self.server}: {exc}") from exc
+        if resp.status_code >= 400:
+            try:
+                detail = resp.json().get("detail", resp.text)
+            except (ValueError, AttributeError):
+                detail = resp.text.strip() or resp.reason_phrase
+            message = f"{format_detail(detail)} (HTTP {resp.status_code})"
+            raise PhalanxError(message, resp.status_code, detail)
+        return resp
+
+    def json(self, method: str, path: str, **kwargs: Any) -> Any:
+        resp = self.request(method, path, **kwargs)
+        if resp.status_code == 204 or not resp.content:
+            return {}
+        try:
+            return resp.json()
+        except ValueError as exc:
+            raise PhalanxError(f"{method} {path}: the server sent non-JSON") from exc
+
+    # -- health
+    def health(self) -> dict[str, Any]:
+        return self.json("GET", "/healthz")
+
+    # -- devices
+    def devices(self) -> list[dict[str, Any]]:
+        return _items(self.json("GET", "/v1/devices"), "devices")
+
+    def device(self, device_id: str) -> dict[str, Any]:
+        return self.json("GET", f"/v1/devices/{device_id}")
+
+    def device_action(self, device_id: str, action: str) -> dict[str, Any]:
+        """`cordon`, `uncordon` or `drain`."""
+        return self.json("POST", f"/v1/devices/{device_id}/{action}")
+
+    def delete_device(self, device_id: str) -> dict[str, Any]:
+        return self.json("DELETE", f"/v1/devices/{device_id}")
+
+    # -- tokens
+    def create_enrollment_token(self, **body: Any) -> dict[str, Any]:
+        return self.json("POST", "/v1/enrollment-tokens", json=body)
+
+    def create_user_token(self, **body: Any) -> dict[str, Any]:
+        return self.json("POST", "/v1/tokens", json=body)
+
+    # -- jobs
+    def submit_job(self, spec: dict[str, Any]) -> dict[str, Any]:
+        return self.json("POST", "/v1/jobs", json=spec)
+
+    def jobs(self) -> list[dict[str, Any]]:
+        return _items(self.json("GET", "/v1/jobs"), "jobs")
+
+    def job(self, job_id: str) -> dict[str, Any]:
+        return self.json("GET", f"/v1/jobs/{job_id}")
+
+    def job_events(self, job_id: str) -> list[dict[str, Any]]:
+        return _items(self.json("GET", f"/v1/jobs/{job_id}/events"), "events")
+
+    def job_metrics(self, job_id: str) -> Any:
+        return self.json("GET", f"/v1/jobs/{job_id}/metrics")
+
+    def cancel_job(self, job_id: str) -> dict[str, Any]:
+        return self.json("POST", f"/v1/jobs/{job_id}/cancel")
+
+    def checkpoint(self, job_id: str) -> bytes:
+        return self.request("GET", f"/v1/jobs/{job_id}/checkpoint").content
+
+    # -- datasets
+    def datasets(self) -> list[dict[str, Any]]:
+        return _items(self.json("GET", "/v1/datasets"), "datasets")
+
+    def upload_dataset(self, name: str, data: bytes) -> dict[str, Any]:
+        files = {"file": (f"{name}.npz", data, "application/octet-stream")}
+        return self.json("POST", "/v1/datasets", data={"name": name}, files=files)

@@ -1,0 +1,158 @@
+"""Rich renderings shared by the CLI and the demo: device and job tables, a job progress bar.
+
+The API's objects are read tolerantly (a device's telemetry may be `telemetry` or
+`latest_telemetry`, a job's devices a list of ids or of `{device_id, shards}`), so a field the
+server adds or renames shows as "-" rather than crashing a table.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+TERMINAL = ("Succeeded", "Failed", "Cancelled")
+STATE_STYLE = {"Ready": "green", "Running": "cyan", "Succeeded": "green", "NotReady": "red",
+               "Failed": "red", "Cancelled": "yellow", "Cordoned": "yellow",
+               "Draining": "yellow", "Pending": "blue"}
+
+
+def dash(value: Any, fmt: str = "{}") -> str:
+    return "-" if value is None or value == "" else fmt.format(value)
+
+
+def styled(state: str | None) -> str:
+    style = STATE_STYLE.get(state or "")
+    return f"[{style}]{state}[/{style}]" if style and state else dash(state)
+
+
+def telemetry(device: dict[str, Any]) -> dict[str, Any]:
+    for key in ("telemetry", "latest_telemetry"):
+        if isinstance(device.get(key), dict):
+            return device[key]
+    return {}
+
+
+def ago(value: Any, now: dt.datetime | None = None) -> str:
+    """`12s`, `3m`, `2h` since an ISO timestamp or Unix seconds; "-" when unknown."""
+    try:
+        if isinstance(value, (int, float)):
+            then = dt.datetime.fromtimestamp(value, dt.timezone.utc)
+        else:
+            then = dt.datetime.fromisoformat(str(value).replace("Z", "+00:00"))
+    except (TypeError, ValueError, OverflowError):
+        return "-"
+    if then.tzinfo is None:
+        then = then.replace(tzinfo=dt.timezone.utc)
+    secs = max(0.0, ((now or dt.datetime.now(dt.timezone.utc)) - then).total_seconds())
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if secs >= size:
+            return f"{int(secs // size)}{unit}"
+    return f"{int(secs)}s"
+
+
+def shards_by_device(job: dict[str, Any]) -> dict[str, int]:
+    """How many shards each device of a job holds."""
+    raw = job.get("devices") or job.get("assignments") or []
+    out: dict[str, int] = {}
+    if isinstance(raw, dict):
+        raw = [{"device_id": k, "shards": v} for k, v in raw.items()]
+    for item in raw:
+        if isinstance(item, str):
+            out[item] = out.get(item, 0)
+            continue
+        if not isinstance(item, dict):
+            continue
+        dev = item.get("device_id") or item.get("id")
+        shards = item.get("shards", item.get("n_shards", 0))
+        count = len(shards) if isinstance(shards, list) else int(shards or 0)
+        if dev:
+            out[str(dev)] = out.get(str(dev), 0) + count
+    return out
+
+
+def device_table(devices: list[dict[str, Any]], shards: dict[str, int] | None = None,
+                 notes: dict[str, str] | None = None, title: str | None = None) -> Table:
+    table = Table(title=title, title_justify="left", header_style="bold")
+    for col in ("ID", "NAME", "STATE", "MODEL", "BATTERY", "TEMP", "FREQ", "SHARDS", "SEEN"):
+        table.add_column(col, no_wrap=True)
+    if notes is not None:
+        table.add_column("NOTE")
+    for dev in devices:
+        t = telemetry(dev)
+        spec = dev.get("spec") or {}
+        battery = dash(t.get("battery_pct"), "{:.0f}%")
+        if t.get("charging"):
+            battery += " ⚡"
+        temp = dash(t.get("cpu_temp_c", t.get("battery_temp_c")), "{:.1f}°C")
+        if t.get("throttled"):
+            temp += " [red]throttled[/red]"
+        state = styled(dev.get("state"))
+        if dev.get("pause_reason"):
+            state += f" [yellow]({dev['pause_reason']})[/yellow]"
+        seen = dev.get("last_heartbeat_at") or dev.get("lease_renewed_at") or t.get("ts")
+        row = [dash(dev.get("id")), dash(dev.get("name")), state, dash(spec.get("model")), battery,
+               temp, dash(t.get("cpu_freq_mhz"), "{:.0f} MHz"),
+               dash((shards or {}).get(str(dev.get("id"))) if shards is not None else None),
+               ago(seen)]
+        if notes is not None:
+            row.append(notes.get(str(dev.get("id")), ""))
+        table.add_row(*row)
+    return table
+
+
+def metric(job: dict[str, Any], *names: str) -> float | None:
+    metrics = job.get("metrics") or {}
+    for name in names:
+        if isinstance(metrics.get(name), (int, float)):
+            return float(metrics[name])
+    return None
+
+
+def job_table(jobs: list[dict[str, Any]]) -> Table:
+    table = Table(header_style="bold")
+    for col in ("ID", "NAME", "STATE", "STEP", "LOSS", "VAL ACC", "DEVICES", "AGE"):
+        table.add_column(col, no_wrap=True)
+    for job in jobs:
+        table.add_row(dash(job.get("id")), dash(job.get("name")), styled(job.get("state")),
+                      f"{job.get('step', 0)}/{job.get('total_steps', '?')}",
+                      dash(metric(job, "train_loss"), "{:.4f}"),
+                      dash(metric(job, "val_accuracy"), "{:.2%}"),
+                      str(len(shards_by_device(job))), ago(job.get("created")))
+    return table
+
+
+def event_table(events: list[dict[str, Any]]) -> Table:
+    table = Table(header_style="bold")
+    for col in ("AGE", "TYPE", "REASON", "DEVICE", "MESSAGE"):
+        table.add_column(col)
+    for ev in events:
+        kind = ev.get("kind") or ev.get("type") or "Normal"
+        table.add_row(ago(ev.get("ts")), f"[yellow]{kind}[/yellow]" if kind == "Warning" else kind,
+                      dash(ev.get("reason")), dash(ev.get("device_id")), dash(ev.get("message")))
+    return table
+
+
+class JobProgress:
+    """A progress bar over a job's steps with its state, loss and validation accuracy."""
+
+    def __init__(self) -> None:
+        self.progress = Progress(
+            TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+            TextColumn("{task.fields[state]}"), TextColumn("loss {task.fields[loss]}"),
+            TextColumn("val acc {task.fields[acc]}"), TimeElapsedColumn(),
+        )
+        self._task: Any = None
+
+    def update(self, job: dict[str, Any]) -> None:
+        fields = {"state": styled(job.get("state")),
+                  "loss": dash(metric(job, "train_loss"), "{:.4f}"),
+                  "acc": dash(metric(job, "val_accuracy"), "{:.2%}")}
+        total = max(1, int(job.get("total_steps") or 1))
+        if self._task is None:
+            self._task = self.progress.add_task(str(job.get("name") or job.get("id")),
+                                                total=total, **fields)
+        self.progress.update(self._task, completed=int(job.get("step") or 0), total=total,
+                             **fields)
