@@ -52,6 +52,12 @@ class Unauthorized(StatusError):
     pass
 
 
+def revoked_message(exc: Unauthorized) -> str:
+    """What a person must read when the control plane refuses this device's token."""
+    return (f"the control plane refused this device's token ({exc.detail}): the token was "
+            "revoked or the device deleted; enroll again with `phalanx-agent enroll`")
+
+
 class Conflict(StatusError):
     pass
 

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from agent import __version__
-from agent.client import RETRYABLE, Backoff, Client, StatusError, Unauthorized
+from agent.client import RETRYABLE, Backoff, Client, StatusError, Unauthorized, revoked_message
 from agent.probes import to_sample
 from agent.runtime.buffer import TelemetryBuffer
 from agent.runtime.monitor import Monitor
@@ -75,10 +75,7 @@ class HeartbeatLoop:
                 self.backoff.reset()
                 wait = self.interval_s
             except Unauthorized as exc:
-                self.state.stop_for_good(
-                    f"the control plane refused this device's token ({exc.detail}): it was "
-                    "revoked or the device was deleted; enroll again with `phalanx-agent enroll`"
-                )
+                self.state.stop_for_good(revoked_message(exc))
                 break
             except RETRYABLE as exc:
                 wait = min(self.backoff.delay(), self.interval_s * 6)

@@ -16,6 +16,7 @@ from agent.client import (
     Conflict,
     StatusError,
     Unauthorized,
+    revoked_message,
 )
 from agent.runtime.cache import WorkCache
 from agent.runtime.execution import ExecutionManager
@@ -50,7 +51,7 @@ class WorkLoop:
                 wait = self.once(stop)
                 self.backoff.reset()
             except Unauthorized as exc:
-                self.state.stop_for_good(f"the control plane refused this device's token ({exc.detail})")
+                self.state.stop_for_good(revoked_message(exc))
                 stop.set()
                 return
             except RETRYABLE as exc:

@@ -41,6 +41,19 @@ def _pin() -> bool:
     return True
 
 
+def _fill_dataset_facts(req: dict[str, Any]) -> None:
+    """Older servers may leave the dataset facts out: built-in datasets are known here too."""
+    if all(req.get(k) is not None for k in ("n_train", "input_shape", "num_classes")):
+        return
+    from agent.nn.data import dataset_info
+
+    info = dataset_info(req["spec"]["dataset"])
+    req.setdefault("n_train", None)
+    req["n_train"] = req["n_train"] or info.n_train
+    req["input_shape"] = req.get("input_shape") or list(info.input_shape)
+    req["num_classes"] = req.get("num_classes") or info.num_classes
+
+
 class Engine:
     """Caches the model, weights and shard arrays between steps of one job."""
 
@@ -56,6 +69,7 @@ class Engine:
         from agent.nn.models import build_model
         from agent.nn.spec import TrainSpec
 
+        _fill_dataset_facts(req)
         key = json.dumps([req["job_id"], req["spec"], req["input_shape"], req["num_classes"]],
                          sort_keys=True)
         if key != self._model_key:
