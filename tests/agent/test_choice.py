@@ -1,0 +1,126 @@
+"""Execution choice: candidates from big.LITTLE clusters; profiling keeps the faster config."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from agent.runtime.choice import Measurement, candidates, choose, core_sets
+from agent.runtime.execution import ExecutionManager
+from agent.runtime.executor import ComputeWorker, ExecConfig
+from agent.wire import decode_results, encode_weights
+from tests.agent.stepserver import StepServer
+
+S10 = [{"cores": [0, 1, 2, 3]}, {"cores": [4, 5, 6]}, {"cores": [7]}]
+SPEC = {"name": "mlp", "model": {"arch": "mlp", "hidden": 256}, "dataset": "digits",
+        "global_batch_size": 256, "shards": 2, "epochs": 1, "seed": 3}
+
+
+def test_core_sets_follow_the_clusters() -> None:
+    assert core_sets(S10, set(range(8))) == [
+        ("all", tuple(range(8))), ("big", (4, 5, 6, 7)), ("little", (0, 1, 2, 3))]
+    # only the cores this process may use count; one cluster means just "all"
+    assert core_sets(S10, {0, 1}) == [("all", (0, 1))]
+
+
+def test_candidates_try_each_core_set_and_backend_first() -> None:
+    got = candidates(S10, ["numpy", "torch"], set(range(8)), limit=6)
+    assert [(c.backend, c.label, c.threads) for c in got] == [
+        ("numpy", "all", 8), ("torch", "all", 8), ("numpy", "big", 4), ("torch", "big", 4),
+        ("numpy", "little", 4), ("torch", "little", 4)]
+    assert got[2].cores == (4, 5, 6, 7)
+
+
+def m(label: str, speed: float, power: float | None = None) -> Measurement:
+    return Measurement(ExecConfig(label=label), speed, power)
+
+
+def test_choose_the_fastest_without_a_power_limit() -> None:
+    assert choose([m("a", 10, 2), m("b", 30, 6), m("c", 20)]).config.label == "b"
+
+
+def test_choose_the_most_efficient_under_a_power_limit() -> None:
+    results = [m("a", 10, 2.0), m("b", 30, 6.0), m("c", 16, 2.5)]
+    assert choose(results, power_limit_w=3.0).config.label == "c"  # 6.4 samples/J beats 5
+    assert choose(results, power_limit_w=1.0).config.label == "a"  # none fits: the least power
+    assert choose([m("x", 5), m("y", 9)], power_limit_w=3.0).config.label == "y"  # unmetered
+
+
+def test_choose_needs_something() -> None:
+    with pytest.raises(ValueError):
+        choose([])
+
+
+@pytest.fixture
+def step_request(tmp_path: Path) -> dict:
+    server = StepServer(SPEC)
+    weights = tmp_path / "weights.bin"
+    weights.write_bytes(encode_weights(server.job_id, 0, server.state.params, server.state.buffers))
+    shard = tmp_path / "shard-0.npz"
+    shard.write_bytes(server.shard_blobs[0])
+    a = server.assignment()
+    assert a is not None
+    return {"job_id": a["job_id"], "step": 0, "spec": a["spec"], "n_train": a["n_train"],
+            "input_shape": a["input_shape"], "num_classes": a["num_classes"],
+            "weights_path": str(weights), "shards": {"0": str(shard)},
+            "out_path": str(tmp_path / "result.bin"), "_n_params": server.model.n_params}
+
+
+def test_profiling_keeps_the_faster_of_two_configurations(step_request: dict) -> None:
+    fast = ExecConfig(label="fast")
+    slow = ExecConfig(label="slow", extra_env=(("PHALANX_AGENT_SLOWDOWN", "6"),))
+    manager = ExecutionManager(lambda: [slow, fast], bench_repeats=3)
+    try:
+        best = manager.profile("k", step_request)
+        speeds = {r.config.label: r.samples_per_s for r in manager.results}
+        assert best.config == fast, speeds
+        assert speeds["slow"] < speeds["fast"] / 2
+        assert manager.report()["samples_per_s"] == pytest.approx(speeds["fast"], rel=0.01)
+        # the kept worker is the chosen one, and it computes real steps
+        manager.step(step_request)
+        results = decode_results(Path(step_request["out_path"]).read_bytes(),
+                                 expect_job="job-test", expect_step=0,
+                                 n_params=step_request["_n_params"])
+        assert [r.shard for r in results] == [0] and results[0].count == 128
+        assert manager.worker is not None and manager.worker.config == fast
+        assert not manager.needs_profile("k", throttled_now=False, requested=False)
+        assert manager.needs_profile("other-model", throttled_now=False, requested=False)
+    finally:
+        manager.close()
+
+
+def test_a_candidate_that_fails_is_skipped(step_request: dict) -> None:
+    broken = ExecConfig(backend="no-such-backend", label="broken")
+    manager = ExecutionManager(lambda: [broken, ExecConfig(label="ok")], bench_repeats=1)
+    try:
+        assert manager.profile("k", step_request).config.label == "ok"
+        assert [r.config.label for r in manager.results] == ["ok"]
+    finally:
+        manager.close()
+
+
+def test_the_worker_pins_itself_to_the_cores_it_was_given() -> None:
+    worker = ComputeWorker(ExecConfig(threads=1, cores=(0,), label="little"))
+    try:
+        assert worker.pinned
+        with open(f"/proc/{worker.pid}/status") as fh:
+            allowed = next(line for line in fh if line.startswith("Cpus_allowed_list"))
+        assert allowed.split()[-1] == "0"
+    finally:
+        worker.close()
+
+
+def test_throttling_or_a_request_triggers_a_new_profile_but_not_too_often() -> None:
+    clock = [0.0]
+    manager = ExecutionManager(lambda: [], reprofile_min_s=300, clock=lambda: clock[0])
+    manager.worker = ComputeWorker(ExecConfig())
+    manager.model_key, manager._profiled_at = "k", 0.0
+    try:
+        assert not manager.needs_profile("k", throttled_now=False, requested=False)
+        assert not manager.needs_profile("k", throttled_now=True, requested=False)  # just done
+        clock[0] = 301.0
+        assert manager.needs_profile("k", throttled_now=True, requested=False)
+        assert manager.needs_profile("k", throttled_now=False, requested=True)
+    finally:
+        manager.close()
