@@ -74,7 +74,8 @@ def encode_results(job_id: str, step: int, results: list[ShardResult],
         if r.grad_sum.size != n_params or r.stats.size != n_stats:
             raise WireError(f"shard {r.shard}: arrays differ in size from shard "
                             f"{results[0].shard}'s")
-        grad = np.asarray(r.grad_sum).astype(_DTYPES[dtype])
+        with np.errstate(over="ignore"):  # overflow shows up as inf, refused just below
+            grad = np.asarray(r.grad_sum).astype(_DTYPES[dtype])
         if not np.isfinite(grad).all():
             raise WireError(f"shard {r.shard}: gradient is not finite in {dtype} "
                             "(diverged, or too large for float16)")

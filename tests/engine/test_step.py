@@ -1,0 +1,107 @@
+"""Placement cannot change the math: any grouping of shards gives the same step."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from agent.nn.data import load_dataset
+from agent.nn.models import build_model
+from agent.nn.sampler import select_microbatch, shard_indices
+from agent.nn.spec import TrainSpec
+from agent.nn.step import BN_MOMENTUM, apply_step, compute_shard, initial_state
+from agent.wire import decode_results, encode_results
+
+JOB = {"model": {"arch": "resnet", "width": 0.5}, "dataset": "digits", "global_batch_size": 64,
+       "shards": 8, "epochs": 2, "seed": 4,
+       "optimizer": {"lr": 0.1, "momentum": 0.9, "weight_decay": 1e-4, "warmup_epochs": 1}}
+
+
+@pytest.fixture(scope="module")
+def setup():
+    data = load_dataset("digits")
+    spec = TrainSpec.from_job_spec(JOB, n_train=len(data.y_train))
+    model = build_model(spec.arch, data.input_shape, data.num_classes, spec.model_options)
+    shards = [(data.x_train[i], data.y_train[i]) for i in shard_indices(len(data.y_train),
+                                                                        spec.shards, spec.seed)]
+    state = initial_state(model, spec)
+    for _ in range(2):  # move off the initial point so momentum and buffers are non-trivial
+        state, _ = apply_step(model, spec, state, _results(model, spec, state, shards))
+    return model, spec, shards, state
+
+
+def _results(model, spec, state, shards, keep=None, backend="numpy"):
+    out = []
+    for k, (xs, ys) in enumerate(shards):
+        if keep is None or k in keep:
+            xb, yb = select_microbatch(xs, ys, spec.per_shard_batch, spec.seed, state.step, k,
+                                       spec.steps_per_epoch)
+            out.append(compute_shard(model, state.params, state.buffers, xb, yb, spec,
+                                     state.step, k, backend))
+    return out
+
+
+def _close(a, b, rel=1e-6):
+    for name in ("params", "momentum", "buffers"):
+        x, y = getattr(a, name), getattr(b, name)
+        assert np.abs(x - y).max() <= rel * max(np.abs(y).max(), 1e-30), name
+
+
+def test_one_group_three_groups_and_shuffled_order_give_the_same_step(setup):
+    model, spec, shards, state = setup
+    reference, ref_metrics = apply_step(model, spec, state, _results(model, spec, state, shards))
+    groups = [{0, 3, 6}, {1, 4, 7}, {2, 5}]  # three devices, each uploading over the wire
+    received = []
+    for g in groups:
+        body = encode_results("job-1", state.step, _results(model, spec, state, shards, g))
+        received += decode_results(body, "job-1", state.step, model.n_params, model.n_stats)
+    grouped, metrics = apply_step(model, spec, state, received)
+    _close(grouped, reference)
+    random.Random(0).shuffle(received)
+    shuffled, _ = apply_step(model, spec, state, received)
+    _close(shuffled, reference)
+    assert grouped.step == state.step + 1 and metrics == ref_metrics
+
+
+def test_devices_mixing_numpy_and_torch_give_the_same_step(setup):
+    pytest.importorskip("torch")
+    model, spec, shards, state = setup
+    reference, _ = apply_step(model, spec, state, _results(model, spec, state, shards))
+    mixed = (_results(model, spec, state, shards, {0, 1, 2, 3})
+             + _results(model, spec, state, shards, {4, 5, 6, 7}, backend="torch"))
+    after, _ = apply_step(model, spec, state, mixed)
+    _close(after, reference)
+
+
+def test_a_recomputed_straggler_shard_is_bit_identical(setup):
+    model, spec, shards, state = setup
+    a = _results(model, spec, state, shards, {5})[0]
+    b = _results(model, spec, state, shards, {5})[0]
+    assert a.grad_sum.tobytes() == b.grad_sum.tobytes() and a.loss_sum == b.loss_sum
+
+
+def test_metrics_and_batchnorm_buffers_come_from_every_shard(setup):
+    model, spec, shards, state = setup
+    results = _results(model, spec, state, shards)
+    after, metrics = apply_step(model, spec, state, results)
+    assert metrics.samples == spec.global_batch_size
+    assert metrics.train_loss == pytest.approx(sum(r.loss_sum for r in results) / 64)
+    assert metrics.train_accuracy == sum(r.correct for r in results) / 64
+    mean_stats = np.mean([r.stats for r in results], axis=0)
+    np.testing.assert_allclose(
+        after.buffers, (1 - BN_MOMENTUM) * state.buffers + BN_MOMENTUM * mean_stats, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("drop", "dup", "needle"), [
+    ({3}, None, r"missing \[3\]"),
+    (set(), 2, r"duplicated or unknown \[2\]"),
+])
+def test_a_missing_or_duplicated_shard_is_refused(setup, drop, dup, needle):
+    model, spec, shards, state = setup
+    results = _results(model, spec, state, shards, set(range(8)) - drop)
+    if dup is not None:
+        results.append(results[dup])
+    with pytest.raises(ValueError, match=needle):
+        apply_step(model, spec, state, results)

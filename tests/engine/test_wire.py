@@ -1,0 +1,128 @@
+"""The wire format round-trips exactly and refuses every kind of damage, saying which."""
+
+from __future__ import annotations
+
+import json
+import struct
+import zlib
+
+import numpy as np
+import pytest
+
+from agent.nn.step import ShardResult
+from agent.wire import (
+    MAGIC,
+    WireError,
+    decode_results,
+    decode_weights,
+    encode_results,
+    encode_weights,
+)
+
+RNG = np.random.default_rng(0)
+PARAMS = RNG.standard_normal(1000).astype(np.float32)
+BUFFERS = RNG.standard_normal(40).astype(np.float32)
+
+
+def _results(n=3) -> list[ShardResult]:
+    return [ShardResult(k, RNG.standard_normal(1000).astype(np.float32), 12.5 + k, 7, 16,
+                        RNG.standard_normal(40).astype(np.float32)) for k in (4, 1, 9)[:n]]
+
+
+def _rebuild(data: bytes, edit) -> bytes:
+    """Re-pack a message with its header edited and a correct checksum."""
+    _, version, hlen, _ = struct.unpack_from("<5sHII", data)
+    header = json.loads(data[15 : 15 + hlen])
+    payload = data[15 + hlen :]
+    edit(header)
+    raw = json.dumps(header).encode()
+    crc = zlib.crc32(payload, zlib.crc32(raw))
+    return struct.pack("<5sHII", MAGIC, version, len(raw), crc) + raw + payload
+
+
+def test_weights_round_trip_bit_exactly():
+    step, p, b = decode_weights(encode_weights("job-1", 7, PARAMS, BUFFERS), "job-1", 7, 1000, 40)
+    assert step == 7 and p.tobytes() == PARAMS.tobytes() and b.tobytes() == BUFFERS.tobytes()
+
+
+def test_results_round_trip_in_float32_and_float16():
+    sent = _results()
+    got = decode_results(encode_results("job-1", 3, sent), "job-1", 3, 1000, 40)
+    for a, b in zip(sent, got):
+        assert (a.shard, a.loss_sum, a.correct, a.count) == (b.shard, b.loss_sum, b.correct,
+                                                             b.count)
+        assert a.grad_sum.tobytes() == b.grad_sum.tobytes()
+        assert a.stats.tobytes() == b.stats.tobytes()
+    half = decode_results(encode_results("job-1", 3, sent, dtype="float16"))
+    np.testing.assert_allclose(half[0].grad_sum, sent[0].grad_sum, rtol=1e-3, atol=1e-3)
+    assert half[0].stats.tobytes() == sent[0].stats.tobytes()  # stats stay float32
+    assert len(encode_results("j", 3, sent, "float16")) < len(encode_results("j", 3, sent))
+
+
+GOOD_W = encode_weights("job-1", 7, PARAMS, BUFFERS)
+GOOD_R = encode_results("job-1", 3, _results())
+
+
+@pytest.mark.parametrize(("data", "kwargs", "needle"), [
+    (b"", {}, "truncated"),
+    (GOOD_W[:10], {}, "truncated"),
+    (GOOD_W[:-4], {}, "checksum"),
+    (b"NOTPX" + GOOD_W[5:], {}, "bad magic"),
+    (GOOD_W[:5] + struct.pack("<H", 9) + GOOD_W[7:], {}, "version 9"),
+    (GOOD_W[:-1] + bytes([GOOD_W[-1] ^ 1]), {}, "checksum"),
+    (GOOD_W, {"expect_job": "job-2"}, "job 'job-1', expected 'job-2'"),
+    (GOOD_W, {"expect_step": 8}, "step 7, expected 8"),
+    (GOOD_W, {"n_params": 999}, "n_params is 1000, this model has 999"),
+    (GOOD_R, {}, "expected a weights message"),
+    (_rebuild(GOOD_W, lambda h: h.update(n_params=1001)), {}, "payload is"),
+    (_rebuild(GOOD_W, lambda h: h.update(dtype="float64")), {}, "dtype"),
+    (_rebuild(GOOD_W, lambda h: h.update(step="7")), {}, "integer step"),
+    (encode_weights("job-1", 7, np.array([1.0, np.nan], np.float32), BUFFERS), {}, "NaN"),
+])
+def test_malformed_weights_are_refused(data, kwargs, needle):
+    with pytest.raises(WireError, match=needle):
+        decode_weights(data, **kwargs)
+
+
+def _shard_edit(**change):
+    return lambda h: h["shards"][0].update(change)
+
+
+@pytest.mark.parametrize(("data", "kwargs", "needle"), [
+    (GOOD_R[:-100], {}, "checksum"),
+    (GOOD_W, {}, "expected a results message"),
+    (GOOD_R, {"n_stats": 41}, "n_stats is 40, this model has 41"),
+    (GOOD_R, {"expect_step": 4}, "step 3, expected 4"),
+    (_rebuild(GOOD_R, lambda h: h["shards"].pop()), {}, "payload is"),
+    (_rebuild(GOOD_R, _shard_edit(shard=1)), {}, "listed twice"),
+    (_rebuild(GOOD_R, _shard_edit(correct=17)), {}, "correct in 0..count"),
+    (_rebuild(GOOD_R, _shard_edit(loss_sum="x")), {}, "loss_sum"),
+    (_rebuild(GOOD_R, lambda h: h.update(dtype="int8")), {}, "dtype"),
+    (_rebuild(GOOD_R, lambda h: h.update(shards=[])), {}, "non-empty shards"),
+])
+def test_malformed_results_are_refused(data, kwargs, needle):
+    with pytest.raises(WireError, match=needle):
+        decode_results(data, **kwargs)
+
+
+def test_non_finite_results_are_refused_on_both_sides():
+    bad = _results(1)
+    bad[0].grad_sum[3] = np.inf
+    with pytest.raises(WireError, match="not finite"):
+        encode_results("job-1", 0, bad)
+    big = _results(1)
+    big[0].grad_sum[0] = 1e6  # beyond float16's range
+    with pytest.raises(WireError, match="float16"):
+        encode_results("job-1", 0, big, dtype="float16")
+    nan_loss = _results(1)
+    nan_loss[0].loss_sum = float("nan")
+    with pytest.raises(WireError, match="NaN"):
+        encode_results("job-1", 0, nan_loss)
+    body = _rebuild(encode_results("job-1", 0, _results(1)), _shard_edit(loss_sum=1.0))
+    raw = bytearray(body)
+    raw[-4:] = np.array([np.nan], "<f4").tobytes()  # a stat turned NaN, checksum refreshed
+    _, version, hlen, _ = struct.unpack_from("<5sHII", raw)
+    crc = zlib.crc32(bytes(raw[15 + hlen :]), zlib.crc32(bytes(raw[15 : 15 + hlen])))
+    raw[11:15] = struct.pack("<I", crc)
+    with pytest.raises(WireError, match="stats holds NaN"):
+        decode_results(bytes(raw))
