@@ -74,9 +74,8 @@ class Engine:
                          sort_keys=True)
         if key != self._model_key:
             spec = TrainSpec.from_job_spec(req["spec"], n_train=req["n_train"])
-            options = {k: v for k, v in (req["spec"].get("model") or {}).items() if k != "arch"}
             self._model = build_model(spec.arch, tuple(req["input_shape"]),
-                                      int(req["num_classes"]), options)
+                                      int(req["num_classes"]), spec.model_options)
             self._spec, self._model_key, self._shards = spec, key, {}
         if self._weights is None or self._weights[0] != req["weights_path"]:
             from agent.wire import decode_weights
@@ -95,14 +94,13 @@ class Engine:
         return self._shards[path]
 
     def compute(self, req: dict[str, Any], shard: int, path: str) -> Any:
-        from agent.nn.sampler import select_microbatch, steps_per_epoch
+        from agent.nn.sampler import select_microbatch
         from agent.nn.step import compute_shard
 
         spec = self._spec
         x, y = self.shard(path)
-        per_shard = spec.global_batch_size // spec.shards
-        spe = steps_per_epoch(int(req["n_train"]), spec.shards, spec.global_batch_size)
-        xb, yb = select_microbatch(x, y, per_shard, spec.seed, req["step"], shard, spe)
+        xb, yb = select_microbatch(x, y, spec.per_shard_batch, spec.seed, req["step"], shard,
+                                   spec.steps_per_epoch)
         assert self._weights is not None
         _, params, buffers = self._weights
         return compute_shard(self._model, params, buffers, xb, yb, spec, req["step"], shard,
