@@ -115,8 +115,10 @@ class PhoneModel:
 
     def _update_power(self) -> None:
         s, p = self.state, self.profile
-        load = 0.0 if s.faults.dead else s.load
-        s.power_w = p.idle_w + (p.full_w - p.idle_w) * load * s.cap**2
+        if s.faults.dead:  # the phone is gone: it draws nothing we pay for
+            s.power_w = 0.0
+        else:
+            s.power_w = p.idle_w + (p.full_w - p.idle_w) * s.load * s.cap**2
         if not s.plugged:
             s.charge_w = -s.power_w
         elif s.battery_pct >= 100.0:
