@@ -1,13 +1,179 @@
 """The step protocol (work, weights, shard data, gradient uploads): owned by the scheduler side.
 
 `install(app, settings)` is called by `api.main.create_app`; it mounts the routes and wires the
-hot-state store and the scheduler hooks (see docs/contracts.md).
+hot-state store, the scheduler hooks and, in embedded mode, the in-process worker and beat
+(see docs/contracts.md). The logic lives in `scheduler.protocol`; routes only translate.
 """
 
 from __future__ import annotations
 
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
+from fastapi import APIRouter, FastAPI, Query, Request, Response
+from fastapi.responses import JSONResponse
+from starlette.concurrency import run_in_threadpool
 
-def install(app: Any, settings: Any) -> None:
-    """Mount the step-protocol routes on `app`."""
+from api.deps import DeviceDep
+from api.schemas.work import UploadOut, WorkOut
+from api.settings import Settings
+
+log = logging.getLogger(__name__)
+router = APIRouter(prefix="/v1", tags=["step protocol"])
+OCTETS = "application/octet-stream"
+
+
+def _error(exc: Any) -> JSONResponse:
+    headers = {"Retry-After": "1"} if exc.status == 503 else None
+    return JSONResponse({"detail": exc.detail}, status_code=exc.status, headers=headers)
+
+
+@router.get("/devices/{device_id}/work", response_model=WorkOut)
+async def work(device_id: str, request: Request, principal: DeviceDep,
+               wait: float = Query(0.0, ge=0.0, le=30.0)):
+    """Long poll: answers as soon as the device has shards to compute, or after `wait` s."""
+    state = request.app.state
+    deadline = time.monotonic() + min(wait, state.settings.work_long_poll_max_s)
+    while True:
+        since = state.version_watch.snapshot()
+        found = await run_in_threadpool(state.step_protocol.work, device_id)
+        remaining = deadline - time.monotonic()
+        if found is not None or remaining <= 0:
+            return {"assignment": found}
+        await state.version_watch.wait_change(since, remaining)
+
+
+@router.get("/jobs/{job_id}/weights")
+async def weights(job_id: str, request: Request, principal: DeviceDep,
+                  step: int = Query(..., ge=0)):
+    from scheduler.protocol import ProtocolError, StateMissing
+
+    proto = request.app.state.step_protocol
+    try:
+        data = await run_in_threadpool(proto.weights, principal.device_id, job_id, step)
+    except StateMissing as exc:
+        request.app.state.scheduler_hooks.job_changed(job_id)  # restore now, not at next beat
+        return _error(exc)
+    except ProtocolError as exc:
+        return _error(exc)
+    return Response(data, media_type=OCTETS, headers={"Cache-Control": "private, max-age=86400"})
+
+
+@router.get("/jobs/{job_id}/shards/{shard}/data")
+async def shard_data(job_id: str, shard: int, request: Request, principal: DeviceDep):
+    from scheduler.protocol import ProtocolError
+
+    proto = request.app.state.step_protocol
+    try:
+        data = await run_in_threadpool(proto.shard_data, principal.device_id, job_id, shard)
+    except ProtocolError as exc:
+        return _error(exc)
+    return Response(data, media_type=OCTETS)
+
+
+@router.post("/jobs/{job_id}/steps/{step}/gradients", response_model=UploadOut)
+async def upload_gradients(job_id: str, step: int, request: Request, principal: DeviceDep):
+    """First upload of a shard wins; when the step's last shard arrives, apply_step is sent."""
+    from scheduler.protocol import ProtocolError
+
+    body = await request.body()
+    proto = request.app.state.step_protocol
+    try:
+        accepted, duplicates, complete = await run_in_threadpool(
+            proto.upload, principal.device_id, job_id, step, body)
+    except ProtocolError as exc:
+        return _error(exc)
+    if complete and accepted:
+        request.app.state.scheduler_hooks.step_complete(job_id, step)
+    return {"accepted": accepted, "duplicates": duplicates}
+
+
+class SchedulerHooks:
+    """The API's calls into the scheduler: enqueue only, never wait for a task."""
+
+    def __init__(self, ctx: Any) -> None:
+        self.ctx = ctx
+
+    def job_changed(self, job_id: str) -> None:
+        self._safely(self._reconcile)
+
+    def device_changed(self, device_id: str) -> None:
+        self._safely(self._reconcile)
+
+    def step_complete(self, job_id: str, step: int) -> None:
+        from scheduler.tasks.steps import enqueue_apply
+
+        self._safely(lambda: enqueue_apply(self.ctx, job_id, step))
+
+    def _reconcile(self) -> None:
+        from scheduler.tasks.reconcile import request_reconcile
+
+        request_reconcile(self.ctx)
+
+    @staticmethod
+    def _safely(call: Any) -> None:
+        # the change is committed; reconcile's next beat repairs a lost enqueue (broker down)
+        try:
+            call()
+        except Exception:  # noqa: BLE001
+            log.warning("could not enqueue a scheduler task", exc_info=True)
+
+
+class _UploadPaths(tuple):
+    """Paths that get the upload size limit: the control plane's, plus gradient uploads."""
+
+    def __contains__(self, path: object) -> bool:
+        if isinstance(path, str) and path.startswith("/v1/jobs/") and path.endswith("/gradients"):
+            return True
+        return tuple.__contains__(self, path)
+
+
+def _allow_big_gradients(app: FastAPI) -> None:
+    from api.limits import BodySizeLimit
+
+    for mw in app.user_middleware:
+        if mw.cls is BodySizeLimit:
+            mw.kwargs["upload_paths"] = _UploadPaths(mw.kwargs.get("upload_paths") or ())
+
+
+def install(app: FastAPI, settings: Settings) -> None:
+    """Mount the step-protocol routes on `app` and wire the scheduler into it."""
+    from scheduler import celery_app, context
+    from scheduler.blobs import blob_store_from_settings
+    from scheduler.notify import VersionWatch
+    from scheduler.protocol import StepProtocol
+
+    celery_app.configure(settings)
+    blobs = blob_store_from_settings(settings)
+    ctx = context.configure(settings, app.state.session_factory, blobs, app.state.clock)
+    app.state.blobs = blobs
+    app.state.step_protocol = StepProtocol(app.state.session_factory, blobs, settings.data_dir,
+                                           app.state.clock)
+    app.state.version_watch = VersionWatch(blobs, ctx.tuning.long_poll_interval_s)
+    app.state.scheduler_hooks = SchedulerHooks(ctx)
+    app.include_router(router)
+    _allow_big_gradients(app)
+    if getattr(app.state, "start_scheduler", False):
+        _run_embedded_scheduler(app)
+
+
+def _run_embedded_scheduler(app: FastAPI) -> None:
+    """Wrap the app's lifespan: the in-process worker and beat run while the app serves."""
+    from scheduler.embedded import EmbeddedScheduler
+
+    inner = app.router.lifespan_context
+
+    @asynccontextmanager
+    async def lifespan(a: FastAPI) -> AsyncIterator[Any]:
+        scheduler = EmbeddedScheduler(a.state.settings)
+        await run_in_threadpool(scheduler.start)
+        try:
+            async with inner(a) as state:
+                yield state
+        finally:
+            await run_in_threadpool(scheduler.stop)
+
+    app.router.lifespan_context = lifespan

@@ -1,0 +1,138 @@
+"""Hot state: weights, optimizer state and per-shard gradients (docs/contracts.md, "Hot state").
+
+Redis in production, a process-local dict when embedded. Everything here is recomputable or
+restorable from a checkpoint, so losing every key is survivable (see scheduler/tasks/recovery.py).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Protocol
+
+from api.settings import Settings
+
+
+class BlobStore(Protocol):
+    def get(self, key: str) -> bytes | None: ...
+
+    def set(self, key: str, value: bytes, ttl: float | None = None) -> None: ...
+
+    def set_if_absent(self, key: str, value: bytes, ttl: float | None = None) -> bool: ...
+
+    def delete(self, *keys: str) -> None: ...
+
+    def keys(self, prefix: str) -> list[str]: ...
+
+    def exists(self, key: str) -> bool: ...
+
+
+class MemoryBlobStore:
+    """A dict behind a lock; values are kept as given (no copy), expiry is checked on read."""
+
+    def __init__(self) -> None:
+        self._data: dict[str, tuple[bytes, float | None]] = {}
+        self._lock = threading.Lock()
+
+    def _live(self, key: str) -> bytes | None:
+        item = self._data.get(key)
+        if item is None:
+            return None
+        value, expires = item
+        if expires is not None and expires <= time.monotonic():
+            del self._data[key]
+            return None
+        return value
+
+    @staticmethod
+    def _expiry(ttl: float | None) -> float | None:
+        return None if ttl is None else time.monotonic() + ttl
+
+    def get(self, key: str) -> bytes | None:
+        with self._lock:
+            return self._live(key)
+
+    def set(self, key: str, value: bytes, ttl: float | None = None) -> None:
+        with self._lock:
+            self._data[key] = (bytes(value), self._expiry(ttl))
+
+    def set_if_absent(self, key: str, value: bytes, ttl: float | None = None) -> bool:
+        with self._lock:
+            if self._live(key) is not None:
+                return False
+            self._data[key] = (bytes(value), self._expiry(ttl))
+            return True
+
+    def delete(self, *keys: str) -> None:
+        with self._lock:
+            for key in keys:
+                self._data.pop(key, None)
+
+    def keys(self, prefix: str) -> list[str]:
+        with self._lock:
+            return [k for k in list(self._data) if k.startswith(prefix) and self._live(k) is not None]
+
+    def exists(self, key: str) -> bool:
+        with self._lock:
+            return self._live(key) is not None
+
+    def flush(self) -> None:
+        """Lose every key (tests: what a Redis restart without persistence does)."""
+        with self._lock:
+            self._data.clear()
+
+
+class RedisBlobStore:
+    """Redis strings; `keys` uses SCAN (never KEYS) so a big keyspace does not block Redis."""
+
+    def __init__(self, url: str) -> None:
+        import redis
+
+        self.url = url
+        self._redis = redis.Redis.from_url(url, socket_timeout=30, health_check_interval=30)
+
+    def get(self, key: str) -> bytes | None:
+        return self._redis.get(key)
+
+    def set(self, key: str, value: bytes, ttl: float | None = None) -> None:
+        self._redis.set(key, value, px=_ms(ttl))
+
+    def set_if_absent(self, key: str, value: bytes, ttl: float | None = None) -> bool:
+        return bool(self._redis.set(key, value, nx=True, px=_ms(ttl)))
+
+    def delete(self, *keys: str) -> None:
+        if keys:
+            self._redis.delete(*keys)
+
+    def keys(self, prefix: str) -> list[str]:
+        pattern = _glob_escape(prefix) + "*"
+        return [k.decode() for k in self._redis.scan_iter(match=pattern, count=1000)]
+
+    def exists(self, key: str) -> bool:
+        return bool(self._redis.exists(key))
+
+    def flush(self) -> None:
+        self._redis.flushdb()
+
+
+def _ms(ttl: float | None) -> int | None:
+    return None if ttl is None else max(1, int(ttl * 1000))
+
+
+def _glob_escape(text: str) -> str:
+    return "".join("\\" + c if c in "*?[]\\" else c for c in text)
+
+
+_STORES: dict[str, BlobStore] = {}
+_STORES_LOCK = threading.Lock()
+
+
+def blob_store_from_settings(settings: Settings) -> BlobStore:
+    """One store per process and URL, so the embedded API and worker threads share one dict."""
+    key = settings.redis_url or "memory://"
+    with _STORES_LOCK:
+        store = _STORES.get(key)
+        if store is None:
+            store = RedisBlobStore(key) if settings.redis_url else MemoryBlobStore()
+            _STORES[key] = store
+        return store

@@ -1,0 +1,71 @@
+"""The Celery app: Redis broker in production, the in-memory transport when embedded.
+
+JSON only (never pickle); task arguments are ids, never objects. Two queues: `control`
+(reconcile, placement) and `steps` (apply_step), so a slow placement pass never delays a step.
+`celery -A scheduler.celery_app worker` and `phalanx worker` both use `app`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from celery import Celery
+from kombu import Exchange, Queue
+
+from api.settings import Settings, get_settings
+
+CONTROL, STEPS = "control", "steps"
+TASK_MODULES = ["scheduler.tasks.reconcile", "scheduler.tasks.steps"]
+
+
+def celery_config(settings: Settings) -> dict[str, Any]:
+    embedded = settings.embedded
+    return {
+        "broker_url": settings.redis_url or "memory://",
+        # an in-memory queue is polled: the 1 s default would add up to a second per step
+        "broker_transport_options": (
+            {"polling_interval": 0.005} if embedded else {"visibility_timeout": 300}
+        ),
+        "broker_connection_retry_on_startup": True,
+        "task_serializer": "json",
+        "result_serializer": "json",
+        "accept_content": ["json"],
+        "event_serializer": "json",
+        "result_accept_content": ["json"],
+        "task_ignore_result": True,  # completion is signalled through the store, never results
+        "result_backend": None,
+        "task_queues": tuple(Queue(q, Exchange(q), routing_key=q) for q in (CONTROL, STEPS)),
+        "task_default_queue": CONTROL,
+        "task_routes": {
+            "scheduler.apply_step": {"queue": STEPS},
+            "scheduler.reconcile": {"queue": CONTROL},
+            "scheduler.reconcile_job": {"queue": CONTROL},
+        },
+        "task_acks_late": False,  # opted into per task, only where twice equals once
+        "worker_prefetch_multiplier": 1,
+        "worker_hijack_root_logger": False,
+        # in-memory beat schedule: the default PersistentScheduler keeps a shelve (pickle) file
+        "beat_scheduler": "celery.beat:Scheduler",
+        "beat_schedule": {
+            "reconcile": {
+                "task": "scheduler.reconcile",
+                "schedule": float(settings.reconcile_interval_s),
+                "options": {"queue": CONTROL, "expires": float(settings.reconcile_interval_s) * 5},
+            }
+        },
+    }
+
+
+def make_celery(settings: Settings) -> Celery:
+    celery = Celery("phalanx", include=TASK_MODULES)
+    celery.conf.update(celery_config(settings))
+    return celery
+
+
+def configure(settings: Settings) -> Celery:
+    """Point the shared app at `settings` (before it first connects: API install, worker CLI)."""
+    app.conf.update(celery_config(settings))
+    return app
+
+
+app = make_celery(get_settings())

@@ -1,0 +1,69 @@
+"""Checkpoints: `<data_dir>/artifacts/<job>/step-<t>.npz` (named arrays, agent.nn.checkpoint)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from agent.nn.checkpoint import load_npz, save_npz, state_from_arrays, state_to_arrays
+from agent.nn.graph import Model
+from agent.nn.step import TrainState
+from api.store.models import Checkpoint
+
+
+@dataclass(frozen=True)
+class WrittenCheckpoint:
+    step: int
+    path: str
+    sha256: str
+    size_bytes: int
+
+    def row(self, job_id: str) -> Checkpoint:
+        return Checkpoint(job_id=job_id, step=self.step, path=self.path, sha256=self.sha256,
+                          size_bytes=self.size_bytes)
+
+
+def checkpoint_path(artifacts_dir: Path, job_id: str, step: int) -> Path:
+    return artifacts_dir / job_id / f"step-{step}.npz"
+
+
+def write_checkpoint(artifacts_dir: Path, job_id: str, model: Model, state: TrainState) -> WrittenCheckpoint:
+    """Write atomically (temp file + rename): a reader never sees half a checkpoint."""
+    data = save_npz(state_to_arrays(model, state))
+    path = checkpoint_path(artifacts_dir, job_id, state.step)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp-{os.getpid()}")
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    return WrittenCheckpoint(state.step, str(path), hashlib.sha256(data).hexdigest(), len(data))
+
+
+def latest_checkpoint(session: Session, job_id: str, at_most: int) -> Checkpoint | None:
+    return session.scalars(
+        select(Checkpoint)
+        .where(Checkpoint.job_id == job_id, Checkpoint.step <= at_most)
+        .order_by(Checkpoint.step.desc(), Checkpoint.id.desc())
+        .limit(1)
+    ).first()
+
+
+def read_checkpoint(row: Checkpoint, model: Model) -> TrainState | None:
+    """The state in a checkpoint file, or None when the file is gone or does not match."""
+    try:
+        data = Path(row.path).read_bytes()
+    except OSError:
+        return None
+    if hashlib.sha256(data).hexdigest() != row.sha256:
+        return None
+    try:
+        return state_from_arrays(model, load_npz(data))
+    except (ValueError, KeyError, OSError):
+        return None

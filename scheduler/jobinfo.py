@@ -1,0 +1,52 @@
+"""A job's engine objects (spec, model, sizes), built once per process per job spec."""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from agent.nn.data import dataset_info
+from agent.nn.graph import Model
+from agent.nn.models import build_model
+from agent.nn.spec import TrainSpec
+
+
+@dataclass(frozen=True)
+class JobInfo:
+    spec: TrainSpec
+    model: Model
+    n_train: int
+    input_shape: tuple[int, int, int]
+    num_classes: int
+
+    @property
+    def total_steps(self) -> int:
+        return self.spec.total_steps
+
+    def assignment_facts(self) -> dict[str, Any]:
+        return {
+            "n_params": self.model.n_params,
+            "n_buffers": self.model.n_buffers,
+            "n_stats": self.model.n_stats,
+            "total_steps": self.total_steps,
+            "n_train": self.n_train,
+            "input_shape": list(self.input_shape),
+            "num_classes": self.num_classes,
+        }
+
+
+def job_info(job_id: str, spec: dict[str, Any], data_dir: Path | str | None) -> JobInfo:
+    return _job_info(job_id, json.dumps(spec, sort_keys=True), str(data_dir) if data_dir else None)
+
+
+@functools.lru_cache(maxsize=64)
+def _job_info(job_id: str, spec_json: str, data_dir: str | None) -> JobInfo:
+    raw = json.loads(spec_json)
+    info = dataset_info(str(raw.get("dataset", "")), data_dir)
+    spec = TrainSpec.from_job_spec(raw, n_train=info.n_train)
+    shape = tuple(int(v) for v in info.input_shape)
+    model = build_model(spec.arch, shape, int(info.num_classes), spec.model_options)
+    return JobInfo(spec, model, int(info.n_train), shape, int(info.num_classes))  # type: ignore[arg-type]

@@ -1,0 +1,49 @@
+"""Names of the hot-state keys (docs/contracts.md lists the first two)."""
+
+from __future__ import annotations
+
+VERSION = "sched:version"  # bumped on any step or assignment change: wakes long polls
+PLACEMENT_LOCK = "sched:lock:placement"
+EVICTIONS = "sched:evictions"  # JSON list of recent NotReady eviction times (rate limit)
+
+
+def state(job_id: str, step: int) -> str:
+    return f"job:{job_id}:state:{step}"
+
+
+def grad(job_id: str, step: int, shard: int) -> str:
+    return f"job:{job_id}:grad:{step}:{shard}"
+
+
+def grad_prefix(job_id: str, step: int) -> str:
+    return f"job:{job_id}:grad:{step}:"
+
+
+def job_prefix(job_id: str) -> str:
+    return f"job:{job_id}:"
+
+
+def apply_claim(job_id: str, step: int) -> str:
+    """Set when apply_step(job, step) is enqueued; expires so a lost task is re-enqueued."""
+    return f"job:{job_id}:apply:{step}"
+
+
+def rebalance(job_id: str) -> str:
+    """Set by reconcile when a running job should take new devices at its next step boundary."""
+    return f"job:{job_id}:rebalance"
+
+
+def latency(job_id: str, device_id: str) -> str:
+    """Seconds from step start to this device's last upload: its measured step time."""
+    return f"job:{job_id}:lat:{device_id}"
+
+
+def step_of_key(key: str) -> int | None:
+    """The step number in a `job:{id}:state:{t}` or `job:{id}:grad:{t}:{k}` key."""
+    parts = key.split(":")
+    if len(parts) >= 4 and parts[2] in ("state", "grad", "apply"):
+        try:
+            return int(parts[3])
+        except ValueError:
+            return None
+    return None

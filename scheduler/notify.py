@@ -1,0 +1,86 @@
+"""Waking long polls: one small version key, bumped after any step or assignment change.
+
+Waiting agents never poll the database: each API process runs one watcher that reads this key
+every few milliseconds while anyone waits, and wakes its waiters when the value changes; they
+then re-read their assignment once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+from scheduler import keys
+from scheduler.blobs import BlobStore
+
+
+def bump_version(blobs: BlobStore) -> None:
+    blobs.set(keys.VERSION, f"{time.time_ns()}-{uuid.uuid4().hex[:8]}".encode())
+
+
+def current_version(blobs: BlobStore) -> bytes:
+    return blobs.get(keys.VERSION) or b""
+
+
+class VersionWatch:
+    """An asyncio watcher of the version key for one API process (one event loop)."""
+
+    def __init__(self, blobs: BlobStore, interval_s: float = 0.005) -> None:
+        self.blobs, self.interval_s = blobs, interval_s
+        self._waiters = 0
+        self._changed: asyncio.Event | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._seen = b""
+
+    def snapshot(self) -> bytes:
+        """The version as this watcher last saw it: take it BEFORE reading the assignment, so
+        a change committed after the read is never missed."""
+        self._ensure_running()
+        return self._seen
+
+    async def wait_change(self, since: bytes, timeout: float) -> bytes:
+        """Return the version once it differs from `since`, or after `timeout` seconds."""
+        self._ensure_running()
+        deadline = time.monotonic() + timeout
+        self._waiters += 1
+        try:
+            while self._seen == since:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                assert self._changed is not None
+                event = self._changed
+                try:
+                    await asyncio.wait_for(event.wait(), remaining)
+                except asyncio.TimeoutError:
+                    break
+            return self._seen
+        finally:
+            self._waiters -= 1
+
+    def _ensure_running(self) -> None:
+        if self._task is None or self._task.done():
+            self._seen = current_version(self.blobs)
+            self._changed = asyncio.Event()
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        idle_since = time.monotonic()
+        while True:
+            await asyncio.sleep(self.interval_s)
+            if self._waiters == 0:
+                if time.monotonic() - idle_since > 5.0:
+                    return  # nobody waits: stop reading the key until someone does
+                continue
+            idle_since = time.monotonic()
+            try:
+                value = current_version(self.blobs)
+            except Exception:  # noqa: BLE001 - a Redis hiccup must not kill the watcher
+                await asyncio.sleep(0.5)
+                continue
+            if value != self._seen:
+                self._seen = value
+                old, self._changed = self._changed, asyncio.Event()
+                if old is not None:
+                    old.set()

@@ -1,0 +1,105 @@
+"""Filters (the Kubernetes scheduler's shape): each says whether a device may run a job, and why not.
+
+`Unschedulable` may pass later by itself (battery charges, phone cools down, lease renews);
+`UnschedulableAndUnresolvable` needs a person (cordon, label selector, missing capability).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from scheduler.policy.types import DeviceView, PlacementRequest
+
+SUCCESS = "Success"
+UNSCHEDULABLE = "Unschedulable"
+UNRESOLVABLE = "UnschedulableAndUnresolvable"
+
+
+@dataclass(frozen=True)
+class FilterStatus:
+    code: str
+    reason: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.code == SUCCESS
+
+
+OK = FilterStatus(SUCCESS)
+
+
+def ready(device: DeviceView, req: PlacementRequest) -> FilterStatus:
+    if device.state == "Ready":
+        return OK
+    return FilterStatus(UNSCHEDULABLE, f"not ready ({device.state})")
+
+
+def schedulable(device: DeviceView, req: PlacementRequest) -> FilterStatus:
+    if device.cordoned or device.state == "Cordoned":
+        return FilterStatus(UNRESOLVABLE, "cordoned")
+    if device.draining or device.state == "Draining":
+        return FilterStatus(UNRESOLVABLE, "draining")
+    return OK
+
+
+def not_paused(device: DeviceView, req: PlacementRequest) -> FilterStatus:
+    if device.pause_reason:
+        return FilterStatus(UNSCHEDULABLE, f"paused ({device.pause_reason})")
+    return OK
+
+
+def label_selector(device: DeviceView, req: PlacementRequest) -> FilterStatus:
+    for key, value in req.selector.items():
+        if device.labels.get(key) != value:
+            return FilterStatus(UNRESOLVABLE, f"label {key}!={value}")
+    return OK
+
+
+def battery(device: DeviceView, req: PlacementRequest) -> FilterStatus:
+    if device.charging or device.battery_pct is None:
+        return OK
+    if device.battery_pct < req.min_battery:
+        return FilterStatus(UNSCHEDULABLE, f"battery {device.battery_pct:g}% < {req.min_battery:g}%")
+    return OK
+
+
+def temperature(device: DeviceView, req: PlacementRequest) -> FilterStatus:
+    if device.temp_c is not None and device.temp_c > req.max_temp_c:
+        return FilterStatus(UNSCHEDULABLE, f"too hot ({device.temp_c:g} C > {req.max_temp_c:g} C)")
+    return OK
+
+
+def capability(device: DeviceView, req: PlacementRequest) -> FilterStatus:
+    if device.archs is not None and req.arch not in device.archs:
+        return FilterStatus(UNRESOLVABLE, f"agent lacks arch {req.arch}")
+    if req.backend != "any" and device.backends is not None and req.backend not in device.backends:
+        return FilterStatus(UNRESOLVABLE, f"agent lacks backend {req.backend}")
+    return OK
+
+
+def free(device: DeviceView, req: PlacementRequest) -> FilterStatus:
+    if device.job_id is None or device.job_id == req.job_id:
+        return OK
+    return FilterStatus(UNSCHEDULABLE, "busy with another job")
+
+
+Filter = Callable[[DeviceView, PlacementRequest], FilterStatus]
+
+# Cheap and decisive first: most devices of a big fleet fail on the first two.
+FILTERS: tuple[Filter, ...] = (
+    ready, schedulable, not_paused, label_selector, capability, battery, temperature, free,
+)
+# What keeps a device in a job it already runs: only what the device or an admin said.
+# Battery and heat are the agent's to judge (it pauses itself and reports pause_reason).
+KEEP_FILTERS: tuple[Filter, ...] = (ready, schedulable, not_paused)
+
+
+def run_filters(
+    device: DeviceView, req: PlacementRequest, filters: tuple[Filter, ...] = FILTERS
+) -> FilterStatus:
+    for check in filters:
+        status = check(device, req)
+        if not status.ok:
+            return status
+    return OK

@@ -1,0 +1,50 @@
+"""Stragglers: when a device is late with its shards, a second device computes them too."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping, Sequence
+
+
+def expected_step_s(latencies: Mapping[str, float], fallback: float | None = None) -> float | None:
+    """The job's typical time from step start to a device's last upload (median of devices).
+
+    Shards are proportional to speed, so every device should need about the same time; the
+    median ignores the straggler itself.
+    """
+    values = [v for v in latencies.values() if v > 0]
+    if not values:
+        return fallback
+    return statistics.median(values)
+
+
+def straggler_timeout(expected: float | None, floor_s: float, factor: float = 3.0) -> float:
+    if expected is None:
+        return max(floor_s, 10.0 * floor_s)  # nothing measured yet: be patient
+    return max(floor_s, factor * expected)
+
+
+def plan_backups(
+    missing: Mapping[str, Sequence[int]],
+    helpers: Sequence[str],
+    backed_up: frozenset[int] = frozenset(),
+) -> dict[int, str]:
+    """Give each late shard (not yet backed up) to a helper, round-robin in the given order.
+
+    `missing`: device -> its shards not yet uploaded; `helpers`: devices of the job that are
+    done with this step, best first. A device never backs up its own shards.
+    """
+    plan: dict[int, str] = {}
+    if not helpers:
+        return plan
+    turn = 0
+    for device in sorted(missing):
+        for shard in sorted(missing[device]):
+            if shard in backed_up:
+                continue
+            choices = [h for h in helpers if h != device]
+            if not choices:
+                continue
+            plan[shard] = choices[turn % len(choices)]
+            turn += 1
+    return plan

@@ -1,0 +1,73 @@
+"""Frozen inputs of the placement policy: what a pure function may know about devices and jobs."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+EMPTY: Mapping[str, str] = MappingProxyType({})
+
+
+@dataclass(frozen=True)
+class DeviceView:
+    id: str
+    state: str = "Ready"
+    cordoned: bool = False
+    draining: bool = False
+    pause_reason: str | None = None
+    labels: Mapping[str, str] = field(default_factory=lambda: EMPTY)
+    battery_pct: float | None = None
+    charging: bool | None = None
+    temp_c: float | None = None  # the hottest of cpu/battery temperature, as last reported
+    archs: frozenset[str] | None = None  # None: the agent did not say (assume it can)
+    backends: frozenset[str] | None = None
+    cpu_cores: int = 4
+    # measured samples/s per arch, from the agent's profiles
+    speeds: Mapping[str, float] = field(default_factory=lambda: EMPTY)
+    job_id: str | None = None  # the job this device already holds shards of
+
+
+@dataclass(frozen=True)
+class PlacementRequest:
+    job_id: str
+    arch: str
+    shards: int
+    min_devices: int = 1
+    max_devices: int = 8
+    selector: Mapping[str, str] = field(default_factory=lambda: EMPTY)
+    min_battery: float = 20.0
+    max_temp_c: float = 45.0
+    backend: str = "any"
+    priority: int = 0
+
+    @classmethod
+    def from_spec(cls, job_id: str, spec: Mapping[str, Any], priority: int = 0) -> PlacementRequest:
+        placement = spec.get("placement") or {}
+        return cls(
+            job_id=job_id,
+            arch=str((spec.get("model") or {}).get("arch", "")),
+            shards=int(spec.get("shards", 16)),
+            min_devices=int(placement.get("min_devices", 1)),
+            max_devices=int(placement.get("max_devices", 8)),
+            selector=MappingProxyType(dict(placement.get("selector") or {})),
+            min_battery=float(placement.get("min_battery", 20)),
+            max_temp_c=float(placement.get("max_temp_c", 45)),
+            backend=str(placement.get("backend", "any")),
+            priority=int(spec.get("priority", priority)),
+        )
+
+    @property
+    def wanted_devices(self) -> int:
+        """A device with no shard does nothing, so never more devices than shards."""
+        return min(self.max_devices, self.shards)
+
+
+@dataclass(frozen=True)
+class RunningJob:
+    """A running job as preemption sees it: its priority and the devices it holds."""
+
+    id: str
+    priority: int
+    devices: frozenset[str] = field(default_factory=frozenset)

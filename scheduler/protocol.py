@@ -1,0 +1,216 @@
+"""The step protocol's logic behind `api/routes/work.py` (sync; routes run it in a thread).
+
+Reads are cheap on purpose: one small query for the device's holdings and the job's step, and
+key listings in the blob store for what is already uploaded.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import functools
+import io
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from sqlalchemy import select
+from sqlalchemy.orm import Session, sessionmaker
+
+from agent.nn.data import load_dataset
+from agent.nn.sampler import shard_indices
+from agent.wire import WireError, decode_results, encode_results, encode_weights
+from api.store.models import Job, ShardAssignment
+from scheduler import keys
+from scheduler.blobs import BlobStore
+from scheduler.hotstate import decode_state
+from scheduler.jobinfo import JobInfo, job_info
+from scheduler.tasks.stragglers import uploaded_shards
+
+
+class ProtocolError(Exception):
+    status = 400
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(detail)
+        self.detail = detail
+
+
+class StaleStep(ProtocolError):
+    status = 409
+
+
+class ForeignShard(ProtocolError):
+    status = 403
+
+
+class BadUpload(ProtocolError):
+    status = 422
+
+
+class NotThere(ProtocolError):
+    status = 404
+
+
+class StateMissing(ProtocolError):
+    """The hot state is being restored (e.g. Redis restarted empty): retry shortly."""
+
+    status = 503
+
+
+@dataclass(frozen=True)
+class JobRow:
+    id: str
+    state: str
+    step: int
+    spec: dict[str, Any]
+    step_started_at: dt.datetime | None
+
+
+class LRU:
+    def __init__(self, size: int) -> None:
+        self.size, self._data, self._lock = size, OrderedDict(), threading.Lock()
+
+    def get(self, key: Any) -> Any:
+        with self._lock:
+            if key in self._data:
+                self._data.move_to_end(key)
+                return self._data[key]
+        return None
+
+    def put(self, key: Any, value: Any) -> None:
+        with self._lock:
+            self._data[key] = value
+            self._data.move_to_end(key)
+            while len(self._data) > self.size:
+                self._data.popitem(last=False)
+
+
+class StepProtocol:
+    def __init__(self, session_factory: sessionmaker[Session], blobs: BlobStore,
+                 data_dir: Path, clock: Any) -> None:
+        self.session_factory, self.blobs, self.data_dir, self.clock = (
+            session_factory, blobs, data_dir, clock)
+        self._weights = LRU(8)
+        self._shards = LRU(256)
+
+    def _job(self, session: Session, job_id: str) -> JobRow | None:
+        job = session.get(Job, job_id)
+        if job is None:
+            return None
+        return JobRow(job.id, job.state, job.step, dict(job.spec or {}), job.step_started_at)
+
+    def _held(self, session: Session, device_id: str, job_id: str) -> set[int]:
+        rows = session.scalars(select(ShardAssignment.shard).where(
+            ShardAssignment.device_id == device_id, ShardAssignment.job_id == job_id))
+        return {int(s) for s in rows}
+
+    def info(self, job: JobRow) -> JobInfo:
+        return job_info(job.id, job.spec, self.data_dir)
+
+    # -- GET /v1/devices/{id}/work ------------------------------------------------------------
+    def work(self, device_id: str) -> dict[str, Any] | None:
+        """The shards of the current step this device must still upload; None: nothing now."""
+        with self.session_factory() as session:
+            job_id = session.scalars(select(ShardAssignment.job_id).where(
+                ShardAssignment.device_id == device_id).limit(1)).first()
+            if job_id is None:
+                return None
+            job = self._job(session, job_id)
+            held = self._held(session, device_id, job_id)
+        if job is None or job.state != "Running":
+            return None
+        if not self.blobs.exists(keys.state(job.id, job.step)):
+            return None  # being restored; reconcile wakes us when the weights are back
+        todo = sorted(held - uploaded_shards(self.blobs, job.id, job.step))
+        if not todo:
+            return None
+        return {"job_id": job.id, "step": job.step, "shards": todo, "spec": job.spec,
+                **self.info(job).assignment_facts()}
+
+    # -- GET /v1/jobs/{id}/weights?step=t -----------------------------------------------------
+    def weights(self, device_id: str, job_id: str, step: int) -> bytes:
+        cached = self._weights.get((job_id, step))
+        with self.session_factory() as session:
+            job = self._job(session, job_id)
+            if job is None:
+                raise NotThere(f"job {job_id} not found")
+            if not self._held(session, device_id, job_id):
+                raise ForeignShard(f"device {device_id} holds no shard of {job_id}")
+        if job.step != step:
+            raise StaleStep(f"job is at step {job.step}, not {step}")
+        if cached is not None:
+            return cached
+        raw = self.blobs.get(keys.state(job_id, step))
+        if raw is None:
+            raise StateMissing(f"weights of step {step} are being restored; retry shortly")
+        state = decode_state(raw, expect_step=step)
+        data = encode_weights(job_id, step, state.params, state.buffers)
+        self._weights.put((job_id, step), data)
+        return data
+
+    # -- GET /v1/jobs/{id}/shards/{k}/data ----------------------------------------------------
+    def shard_data(self, device_id: str, job_id: str, shard: int) -> bytes:
+        with self.session_factory() as session:
+            job = self._job(session, job_id)
+            if job is None:
+                raise NotThere(f"job {job_id} not found")
+            if shard not in self._held(session, device_id, job_id):
+                raise ForeignShard(f"shard {shard} of {job_id} is not assigned to {device_id}")
+        cached = self._shards.get((job_id, shard))
+        if cached is not None:
+            return cached
+        info = self.info(job)
+        data = _shard_npz(info.spec.dataset, str(self.data_dir), info.n_train, info.spec.shards,
+                          info.spec.seed, shard)
+        self._shards.put((job_id, shard), data)
+        return data
+
+    # -- POST /v1/jobs/{id}/steps/{t}/gradients -----------------------------------------------
+    def upload(self, device_id: str, job_id: str, step: int, body: bytes) -> tuple[list[int], list[int], bool]:
+        """Store each shard's result once (first upload wins); returns (accepted, duplicates,
+        step_complete)."""
+        with self.session_factory() as session:
+            job = self._job(session, job_id)
+            if job is None:
+                raise NotThere(f"job {job_id} not found")
+            held = self._held(session, device_id, job_id)
+        if job.step != step or job.state != "Running":
+            raise StaleStep(f"job is at step {job.step} ({job.state}), not {step}: result dropped")
+        info = self.info(job)
+        try:
+            results = decode_results(body, expect_job=job_id, expect_step=step,
+                                     n_params=info.model.n_params, n_stats=info.model.n_stats)
+        except WireError as exc:
+            raise BadUpload(str(exc)) from None
+        foreign = sorted({r.shard for r in results} - held)
+        if foreign:
+            raise ForeignShard(f"shards {foreign} of {job_id} are not assigned to {device_id}")
+        accepted, duplicates = [], []
+        for r in sorted(results, key=lambda r: r.shard):
+            blob = body if len(results) == 1 else encode_results(job_id, step, [r])
+            if self.blobs.set_if_absent(keys.grad(job_id, step, r.shard), blob):
+                accepted.append(r.shard)
+            else:
+                duplicates.append(r.shard)
+        if job.step_started_at is not None and accepted:
+            took = (self.clock() - job.step_started_at).total_seconds()
+            self.blobs.set(keys.latency(job_id, device_id), f"{took:.4f}".encode(), ttl=3600)
+        complete = len(uploaded_shards(self.blobs, job_id, step)) >= info.spec.shards
+        return accepted, duplicates, complete
+
+
+@functools.lru_cache(maxsize=8)
+def _shard_order(dataset: str, data_dir: str, n_train: int, shards: int, seed: int) -> list[np.ndarray]:
+    return shard_indices(n_train, shards, seed)
+
+
+def _shard_npz(dataset: str, data_dir: str, n_train: int, shards: int, seed: int, shard: int) -> bytes:
+    data = load_dataset(dataset, data_dir)
+    idx = _shard_order(dataset, data_dir, n_train, shards, seed)[shard]
+    buf = io.BytesIO()
+    np.savez(buf, x=np.ascontiguousarray(data.x_train[idx], dtype=np.float32),
+             y=np.ascontiguousarray(data.y_train[idx], dtype=np.int64))
+    return buf.getvalue()

@@ -1,0 +1,200 @@
+"""The scheduler's store queries (take a session, flush, never commit: the caller owns the
+transaction). Guarded updates return whether they won, so racing tasks change a row once."""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+from types import MappingProxyType
+from typing import Any
+
+from sqlalchemy import delete, select, update
+from sqlalchemy.orm import Session
+
+from api.store.models import Device, Event, Job, ShardAssignment
+from scheduler.policy.types import DeviceView
+
+ACTIVE = ("Pending", "Running")
+TERMINAL = ("Succeeded", "Failed", "Cancelled")
+
+
+def _num(value: Any) -> float | None:
+    try:
+        return None if value is None else float(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def device_view(device: Device, job_id: str | None) -> DeviceView:
+    tel = device.latest_telemetry or {}
+    temps = [t for t in (_num(tel.get("cpu_temp_c")), _num(tel.get("battery_temp_c"))) if t is not None]
+    caps = device.capabilities or {}
+    speeds = {
+        arch: float(p["samples_per_s"])
+        for arch, p in (device.profiles or {}).items()
+        if isinstance(p, dict) and _num(p.get("samples_per_s"))
+    }
+    return DeviceView(
+        id=device.id,
+        state=device.state,
+        cordoned=bool(device.cordoned),
+        draining=bool(device.draining),
+        pause_reason=device.pause_reason,
+        labels=MappingProxyType({str(k): str(v) for k, v in (device.labels or {}).items()}),
+        battery_pct=_num(tel.get("battery_pct")),
+        charging=tel.get("charging") if isinstance(tel.get("charging"), bool) else None,
+        temp_c=max(temps) if temps else None,
+        archs=frozenset(caps["archs"]) if isinstance(caps.get("archs"), list) else None,
+        backends=frozenset(caps["backends"]) if isinstance(caps.get("backends"), list) else None,
+        cpu_cores=int(_num((device.spec or {}).get("cpu_cores")) or 4),
+        speeds=MappingProxyType(speeds),
+        job_id=job_id,
+    )
+
+
+def device_jobs(session: Session) -> dict[str, str]:
+    """device id -> the job it holds shards of (primary or backup)."""
+    rows = session.execute(select(ShardAssignment.device_id, ShardAssignment.job_id).distinct())
+    return {device: job for device, job in rows}
+
+
+def all_device_views(session: Session) -> list[DeviceView]:
+    holds = device_jobs(session)
+    devices = session.scalars(select(Device).order_by(Device.id))
+    return [device_view(d, holds.get(d.id)) for d in devices]
+
+
+def primaries(session: Session, job_id: str) -> dict[int, str]:
+    rows = session.execute(
+        select(ShardAssignment.shard, ShardAssignment.device_id).where(
+            ShardAssignment.job_id == job_id, ShardAssignment.role == "primary"
+        )
+    )
+    return {int(shard): device for shard, device in rows}
+
+
+def backups(session: Session, job_id: str) -> dict[int, str]:
+    rows = session.execute(
+        select(ShardAssignment.shard, ShardAssignment.device_id).where(
+            ShardAssignment.job_id == job_id, ShardAssignment.role == "backup"
+        )
+    )
+    return {int(shard): device for shard, device in rows}
+
+
+def holdings(session: Session, device_id: str) -> tuple[str | None, list[int]]:
+    """The job a device works for and every shard it holds there (primary and backup)."""
+    rows = session.execute(
+        select(ShardAssignment.job_id, ShardAssignment.shard)
+        .where(ShardAssignment.device_id == device_id)
+        .order_by(ShardAssignment.job_id, ShardAssignment.shard)
+    ).all()
+    if not rows:
+        return None, []
+    job_id = rows[0][0]
+    return job_id, sorted({int(s) for j, s in rows if j == job_id})
+
+
+def set_primaries(session: Session, job_id: str, mapping: Mapping[int, str], since_step: int) -> list[int]:
+    """Make the job's primary assignments equal `mapping`, touching only shards that moved."""
+    rows = {
+        a.shard: a
+        for a in session.scalars(
+            select(ShardAssignment).where(
+                ShardAssignment.job_id == job_id, ShardAssignment.role == "primary"
+            )
+        )
+    }
+    moved: list[int] = []
+    for shard, device in mapping.items():
+        row = rows.pop(shard, None)
+        if row is None:
+            session.add(ShardAssignment(job_id=job_id, shard=shard, device_id=device,
+                                        role="primary", since_step=since_step))
+            moved.append(shard)
+        elif row.device_id != device:
+            row.device_id, row.since_step = device, since_step
+            moved.append(shard)
+    for row in rows.values():
+        session.delete(row)
+    session.flush()
+    return sorted(moved)
+
+
+def add_backups(session: Session, job_id: str, plan: Mapping[int, str], step: int) -> None:
+    for shard, device in plan.items():
+        session.add(ShardAssignment(job_id=job_id, shard=shard, device_id=device,
+                                    role="backup", since_step=step))
+    session.flush()
+
+
+def drop_backups(session: Session, job_id: str) -> int:
+    result = session.execute(
+        delete(ShardAssignment).where(
+            ShardAssignment.job_id == job_id, ShardAssignment.role == "backup"
+        )
+    )
+    return int(result.rowcount or 0)
+
+
+def release(session: Session, job_id: str) -> int:
+    result = session.execute(delete(ShardAssignment).where(ShardAssignment.job_id == job_id))
+    return int(result.rowcount or 0)
+
+
+def job_devices(session: Session, job_id: str) -> list[str]:
+    rows = session.scalars(
+        select(ShardAssignment.device_id).where(ShardAssignment.job_id == job_id).distinct()
+    )
+    return sorted(rows)
+
+
+def jobs_in(session: Session, states: Iterable[str]) -> list[Job]:
+    return list(
+        session.scalars(
+            select(Job).where(Job.state.in_(list(states))).order_by(
+                Job.priority.desc(), Job.created, Job.id
+            )
+        )
+    )
+
+
+def jobs_with_assignments(session: Session) -> list[str]:
+    return sorted(session.scalars(select(ShardAssignment.job_id).distinct()))
+
+
+def guarded_job_update(session: Session, job_id: str, expect: Mapping[str, Any], **values: Any) -> bool:
+    """UPDATE jobs SET values WHERE id = :id AND every expected column matches; True if it won."""
+    stmt = update(Job).where(Job.id == job_id)
+    for column, value in expect.items():
+        col = getattr(Job, column)
+        stmt = stmt.where(col.in_(value) if isinstance(value, (tuple, list)) else col == value)
+    result = session.execute(stmt.values(**values).execution_options(synchronize_session=False))
+    return bool(result.rowcount)
+
+
+def record_event(
+    session: Session,
+    reason: str,
+    message: str,
+    *,
+    now: dt.datetime,
+    job_id: str | None = None,
+    device_id: str | None = None,
+    kind: str = "Normal",
+    data: dict[str, Any] | None = None,
+) -> None:
+    session.add(Event(ts=now, job_id=job_id, device_id=device_id, kind=kind, reason=reason,
+                      message=message, data=data or {}))
+
+
+def shards_by_device(mapping: Mapping[int, str]) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = defaultdict(list)
+    for shard, device in sorted(mapping.items()):
+        out[device].append(shard)
+    return dict(out)
+
+
+def shard_counts(mapping: Mapping[int, str]) -> dict[str, int]:
+    return {device: len(shards) for device, shards in shards_by_device(mapping).items()}

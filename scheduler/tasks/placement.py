@@ -1,0 +1,183 @@
+"""The placement pass (one at a time, under the placement lock): evictions, gangs, preemption.
+
+It works on the whole fleet at once because a device holds at most one job: placing two jobs
+separately could hand the same phone to both.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from dataclasses import dataclass, field, replace
+
+from sqlalchemy.orm import Session
+
+from api.store.models import Job
+from scheduler import keys, store_ops
+from scheduler.context import SchedulerContext
+from scheduler.jobinfo import job_info
+from scheduler.policy.eviction import EvictionLimits, allowed_evictions, prune
+from scheduler.policy.placement import feasible, keepable, place_gang, rebalance
+from scheduler.policy.preemption import plan_preemption
+from scheduler.policy.types import DeviceView, PlacementRequest, RunningJob
+
+
+@dataclass
+class PassResult:
+    placed: list[str] = field(default_factory=list)  # jobs that started (or resumed) running
+    waiting: list[str] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+    moved: dict[str, list[int]] = field(default_factory=dict)
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.placed or self.preempted or self.moved or self.waiting)
+
+
+class Fleet:
+    """The device views of this pass, updated as jobs take and free devices."""
+
+    def __init__(self, views: list[DeviceView]) -> None:
+        self.by_id = {d.id: d for d in views}
+
+    def all(self) -> list[DeviceView]:
+        return list(self.by_id.values())
+
+    def of(self, job_id: str) -> list[DeviceView]:
+        return [d for d in self.by_id.values() if d.job_id == job_id]
+
+    def assign(self, job_id: str | None, device_ids: list[str] | tuple[str, ...]) -> None:
+        for device_id in device_ids:
+            self.by_id[device_id] = replace(self.by_id[device_id], job_id=job_id)
+
+    def free_job(self, job_id: str) -> None:
+        self.assign(None, [d.id for d in self.of(job_id)])
+
+
+def placement_pass(ctx: SchedulerContext, session: Session, now: dt.datetime) -> PassResult:
+    result = PassResult()
+    fleet = Fleet(store_ops.all_device_views(session))
+    budget = EvictionBudget(ctx, fleet, now)
+    for job in store_ops.jobs_in(session, ["Running"]):
+        keep_running(ctx, session, job, fleet, budget, now, result)
+    for job in store_ops.jobs_in(session, ["Pending"]):
+        place_pending(ctx, session, job, fleet, now, result)
+    budget.save()
+    return result
+
+
+class EvictionBudget:
+    """How many lease-loss evictions this pass may still make (policy.eviction)."""
+
+    def __init__(self, ctx: SchedulerContext, fleet: Fleet, now: dt.datetime) -> None:
+        self.ctx, self.now = ctx, now.timestamp()
+        self.limits = EvictionLimits(window_s=ctx.tuning.eviction_window_s)
+        raw = ctx.blobs.get(keys.EVICTIONS)
+        self.recent: list[float] = prune(json.loads(raw) if raw else [], self.now, self.limits)
+        views = fleet.all()
+        self.fleet_size = len(views)
+        self.not_ready = sum(1 for d in views if d.state == "NotReady")
+
+    def take(self) -> bool:
+        if allowed_evictions(self.fleet_size, self.not_ready, self.recent, self.now, self.limits) <= 0:
+            return False
+        self.recent.append(self.now)
+        return True
+
+    def save(self) -> None:
+        self.ctx.blobs.set(keys.EVICTIONS, json.dumps(self.recent).encode())
+
+
+def keep_running(ctx: SchedulerContext, session: Session, job: Job, fleet: Fleet,
+                 budget: EvictionBudget, now: dt.datetime, result: PassResult) -> None:
+    req = PlacementRequest.from_spec(job.id, job.spec, job.priority)
+    holders = fleet.of(job.id)
+    current = store_ops.primaries(session, job.id)
+    leaving = {d.id for d in holders if not keepable(req, d)}
+    # lease loss is rate limited (a network blip is not a dead fleet); pause/drain/cordon is not
+    held_back = frozenset(i for i in sorted(leaving)
+                          if fleet.by_id[i].state == "NotReady" and not budget.take())
+    gone = leaving - held_back
+    staying = [d for d in holders if d.id not in gone]
+    complete = len(current) == req.shards and set(current.values()) <= {d.id for d in staying}
+    if complete and not gone:
+        free = [d for d in fleet.all() if d.job_id is None]
+        if len(holders) < req.wanted_devices and feasible(req, free)[0]:
+            ctx.blobs.set(keys.rebalance(job.id), b"1")  # joins happen at the next boundary
+        return
+    plan = rebalance(req, staying, [], current, force_keep=held_back)
+    if not plan.admitted:
+        to_pending(session, job, plan.reason, now, "Waiting", result)
+        fleet.free_job(job.id)
+        return
+    store_ops.drop_backups(session, job.id)
+    moved = store_ops.set_primaries(session, job.id, plan.shards, since_step=job.step)
+    fleet.assign(None, [d.id for d in holders if d.id not in plan.devices])
+    result.moved[job.id] = moved
+    store_ops.record_event(
+        session, "ShardsMoved",
+        f"{len(moved)} shard(s) moved at step {job.step}"
+        + (f" away from {', '.join(sorted(gone))}" if gone else ""),
+        now=now, job_id=job.id,
+        data={"shards": moved, "from": sorted(gone), "devices": list(plan.devices)},
+    )
+
+
+def to_pending(session: Session, job: Job, reason: str, now: dt.datetime, event: str,
+               result: PassResult) -> None:
+    """Back to Pending with its step kept; it resumes there when placed again."""
+    won = store_ops.guarded_job_update(session, job.id, {"state": "Running", "step": job.step},
+                                       state="Pending", reason=reason)
+    if won:
+        store_ops.release(session, job.id)
+        store_ops.record_event(session, event, f"{reason}; paused at step {job.step}", now=now,
+                               job_id=job.id, kind="Warning", data={"step": job.step})
+        result.waiting.append(job.id)
+
+
+def place_pending(ctx: SchedulerContext, session: Session, job: Job, fleet: Fleet,
+                  now: dt.datetime, result: PassResult) -> None:
+    req = PlacementRequest.from_spec(job.id, job.spec, job.priority)
+    plan = place_gang(req, fleet.all())
+    if not plan.admitted:
+        victims = plan_preemption(req, fleet.all(), running_jobs(session, fleet))
+        for victim in victims:
+            preempt(session, victim, job, fleet, now, result)
+        if victims:
+            plan = place_gang(req, fleet.all())
+    if not plan.admitted:
+        if job.reason != plan.reason:
+            store_ops.guarded_job_update(session, job.id, {"state": "Pending"}, reason=plan.reason)
+        return
+    total = job.total_steps or job_info(job.id, job.spec, ctx.settings.data_dir).total_steps
+    won = store_ops.guarded_job_update(
+        session, job.id, {"state": "Pending", "step": job.step}, state="Running", reason=None,
+        started_at=job.started_at or now, step_started_at=now, total_steps=total,
+    )
+    if not won:
+        return
+    store_ops.set_primaries(session, job.id, plan.shards, since_step=job.step)
+    fleet.assign(job.id, plan.devices)
+    store_ops.record_event(
+        session, "Scheduled",
+        f"placed on {len(plan.devices)} device(s) at step {job.step}: "
+        + ", ".join(f"{d}={n}" for d, n in sorted(store_ops.shard_counts(plan.shards).items())),
+        now=now, job_id=job.id, data={"devices": list(plan.devices), "step": job.step},
+    )
+    result.placed.append(job.id)
+
+
+def running_jobs(session: Session, fleet: Fleet) -> list[RunningJob]:
+    return [RunningJob(j.id, j.priority, frozenset(d.id for d in fleet.of(j.id)))
+            for j in store_ops.jobs_in(session, ["Running"])]
+
+
+def preempt(session: Session, victim_id: str, by: Job, fleet: Fleet, now: dt.datetime,
+            result: PassResult) -> None:
+    victim = session.get(Job, victim_id)
+    if victim is None or victim.state != "Running":
+        return
+    reason = f"preempted by {by.id} (priority {by.priority} > {victim.priority})"
+    to_pending(session, victim, reason, now, "Preempted", result)
+    fleet.free_job(victim_id)
+    result.preempted.append(victim_id)

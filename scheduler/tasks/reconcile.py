@@ -1,0 +1,136 @@
+"""The reconcile loop, level-triggered like a Kubernetes controller.
+
+`reconcile` (the monitor, every `reconcile_interval_s` from beat and on every API hook):
+leases expired -> NotReady (the control plane's `mark_stale_devices`); then, under the
+placement lock, shards move off devices that left, Pending gangs are placed (preempting lower
+priorities when they must); then one `reconcile_job` per job that needs looking after.
+
+`reconcile_job(job_id)` (per entity, idempotent): a finished or cancelled job's assignments
+are released; lost hot state is restored; a step whose every shard is in but which nobody
+applied is re-enqueued; late devices get their shards backed up elsewhere.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import time
+
+from sqlalchemy.exc import IntegrityError
+
+from api.metrics import observe_task
+from api.store.db import transaction
+from api.store.models import Job
+from scheduler import keys, locks, store_ops
+from scheduler.celery_app import app
+from scheduler.context import SchedulerContext, get_context
+from scheduler.jobinfo import job_info
+from scheduler.notify import bump_version
+from scheduler.tasks import stragglers
+from scheduler.tasks.placement import placement_pass
+from scheduler.tasks.recovery import drop_step_keys, ensure_state
+from scheduler.tasks.steps import enqueue_apply, step_complete
+
+log = logging.getLogger(__name__)
+HOOK_DEDUP_S = 0.2  # a burst of API changes sends one reconcile
+
+
+@app.task(name="scheduler.reconcile", acks_late=True)
+def reconcile() -> dict:
+    started, ok = time.perf_counter(), False
+    try:
+        summary = run_reconcile(get_context())
+        ok = True
+        return summary
+    finally:
+        observe_task("reconcile", time.perf_counter() - started, ok)
+
+
+@app.task(name="scheduler.reconcile_job", acks_late=True)
+def reconcile_job(job_id: str) -> str:
+    return run_reconcile_job(get_context(), job_id)
+
+
+def request_reconcile(ctx: SchedulerContext) -> None:
+    """Ask for a pass soon (API hooks); many asks within HOOK_DEDUP_S send one task."""
+    if ctx.blobs.set_if_absent("sched:reconcile:asked", b"1", ttl=HOOK_DEDUP_S):
+        reconcile.apply_async(queue="control")
+
+
+def run_reconcile(ctx: SchedulerContext) -> dict:
+    now = ctx.clock()
+    stale = mark_stale(ctx, now)
+    summary: dict = {"stale": stale}
+    with locks.held(ctx.blobs, keys.PLACEMENT_LOCK, ctx.tuning.lock_ttl_s) as token:
+        if token is not None:
+            with transaction(ctx.session_factory) as session:
+                result = placement_pass(ctx, session, now)
+            summary.update(placed=result.placed, waiting=result.waiting,
+                           preempted=result.preempted, moved=result.moved)
+            if result.changed:
+                bump_version(ctx.blobs)
+    for job_id in placed_after_pass(summary):
+        reconcile_job.apply_async((job_id,), queue="control")
+    for job_id in jobs_to_look_after(ctx):
+        reconcile_job.apply_async((job_id,), queue="control")
+    return summary
+
+
+def placed_after_pass(summary: dict) -> list[str]:
+    return list(summary.get("placed") or [])
+
+
+def mark_stale(ctx: SchedulerContext, now: dt.datetime) -> int:
+    from api.lifecycle import mark_stale_devices  # the control plane owns node lifecycle
+
+    with transaction(ctx.session_factory) as session:
+        changed = mark_stale_devices(session, now, ctx.settings.lease_grace_s)
+    return len(changed) if isinstance(changed, (list, tuple, set)) else int(changed or 0)
+
+
+def jobs_to_look_after(ctx: SchedulerContext) -> list[str]:
+    with ctx.session_factory() as session:
+        running = [j.id for j in store_ops.jobs_in(session, ["Running"])]
+        leftovers = store_ops.jobs_with_assignments(session)
+    return sorted(set(running) | set(leftovers))
+
+
+def run_reconcile_job(ctx: SchedulerContext, job_id: str) -> str:
+    with ctx.session_factory() as session:
+        job = session.get(Job, job_id)
+        if job is not None:
+            session.expunge(job)
+    if job is None:
+        return "gone"
+    if job.state in store_ops.TERMINAL:
+        return release_finished(ctx, job)
+    if job.state != "Running":
+        return "pending"
+    info = job_info(job.id, job.spec, ctx.settings.data_dir)
+    state = ensure_state(ctx, job, info)
+    if state is None or state.step != job.step:
+        return "restored"
+    if step_complete(ctx, job.id, job.step, info.spec.shards):
+        enqueue_apply(ctx, job.id, job.step)
+        return "apply-enqueued"
+    drop_step_keys(ctx, job.id, keep_state=job.step)
+    try:
+        backed = stragglers.back_up_late_devices(ctx, job, info)
+    except IntegrityError:
+        return "raced"  # another reconcile_job added the same backups
+    return f"backups:{backed}" if backed else "ok"
+
+
+def release_finished(ctx: SchedulerContext, job: Job) -> str:
+    with transaction(ctx.session_factory) as session:
+        released = store_ops.release(session, job.id)
+        if released:
+            store_ops.record_event(session, "Released",
+                                   f"{job.state}: released {released} shard assignment(s)",
+                                   now=ctx.clock(), job_id=job.id)
+    keep_final = [k for k in ctx.blobs.keys(keys.job_prefix(job.id))]
+    if keep_final:
+        ctx.blobs.delete(*keep_final)
+    if released:
+        bump_version(ctx.blobs)
+    return f"released:{released}"

@@ -1,0 +1,95 @@
+"""Hot state that went missing (Redis restarted empty, keys evicted) is rebuilt, never guessed.
+
+The job's weights for its current step are either in the blob store, or the job rewinds to its
+latest readable checkpoint (or to step 0's seeded init when it has none) and recomputes from
+there; the math is a function of (spec, seed), so the rewound run ends where it would have.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import delete
+
+from agent.nn.step import TrainState, initial_state
+from api.store.db import transaction
+from api.store.models import Job, StepMetric
+from scheduler import keys, store_ops
+from scheduler.checkpoints import latest_checkpoint, read_checkpoint
+from scheduler.context import SchedulerContext
+from scheduler.hotstate import StateError, decode_state, encode_state
+from scheduler.jobinfo import JobInfo
+from scheduler.notify import bump_version
+
+
+def load_state(ctx: SchedulerContext, job_id: str, step: int) -> TrainState | None:
+    data = ctx.blobs.get(keys.state(job_id, step))
+    if data is None:
+        return None
+    try:
+        return decode_state(data, expect_step=step)
+    except StateError:
+        return None
+
+
+def restore_point(ctx: SchedulerContext, job: Job, info: JobInfo) -> TrainState:
+    """The newest state at or before job.step that survives outside the blob store."""
+    at_most = job.step
+    with ctx.session_factory() as session:
+        while at_most >= 0:
+            row = latest_checkpoint(session, job.id, at_most)
+            if row is None:
+                break
+            state = read_checkpoint(row, info.model)
+            if state is not None and state.step == row.step:
+                return state
+            at_most = row.step - 1  # unreadable file: try an older one
+    return initial_state(info.model, info.spec)
+
+
+def ensure_state(ctx: SchedulerContext, job: Job, info: JobInfo) -> TrainState | None:
+    """The state of job.step, restoring (and rewinding the job) when the blob store lost it.
+
+    Returns None when another task moved the job meanwhile (the caller just stops).
+    """
+    state = load_state(ctx, job.id, job.step)
+    if state is not None:
+        return state
+    restored = restore_point(ctx, job, info)
+    # state first, then the row: a crash in between leaves a harmless extra key
+    ctx.blobs.set(keys.state(job.id, restored.step), encode_state(restored))
+    if restored.step == job.step:
+        return restored
+    now = ctx.clock()
+    with transaction(ctx.session_factory) as session:
+        won = store_ops.guarded_job_update(
+            session, job.id, {"step": job.step, "state": ("Running", "Pending")},
+            step=restored.step, step_started_at=now,
+        )
+        if not won:
+            return None
+        session.execute(delete(StepMetric).where(StepMetric.job_id == job.id,
+                                                 StepMetric.step >= restored.step))
+        store_ops.drop_backups(session, job.id)
+        store_ops.record_event(
+            session, "StateRestored",
+            f"hot state of step {job.step} was lost; resumed from "
+            + (f"checkpoint step {restored.step}" if restored.step else "step 0 (seeded init)"),
+            now=now, job_id=job.id, kind="Warning",
+            data={"lost_step": job.step, "resumed_step": restored.step},
+        )
+    drop_step_keys(ctx, job.id, keep_state=restored.step, rewound=True)
+    bump_version(ctx.blobs)
+    return restored
+
+
+def drop_step_keys(ctx: SchedulerContext, job_id: str, keep_state: int, rewound: bool = False) -> None:
+    """Delete a job's per-step keys older than `keep_state` (after a rewind: every other step's).
+
+    Routine cleanup must never touch later steps: the job may have advanced meanwhile.
+    """
+    stale = []
+    for key in ctx.blobs.keys(keys.job_prefix(job_id)):
+        step = keys.step_of_key(key)
+        if step is not None and (step < keep_state or (rewound and step != keep_state)):
+            stale.append(key)
+    if stale:
+        ctx.blobs.delete(*stale)

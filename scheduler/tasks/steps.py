@@ -1,0 +1,188 @@
+"""apply_step(job, t): every shard's result for step t in -> weights of step t+1, exactly once.
+
+Order of effects, so that a crash anywhere repeats or repairs rather than corrupts:
+1. read state t and every shard's result for t from the blob store (missing: return);
+2. compute step t+1 with the engine's apply_step (sorted by shard, float64: the same function
+   as the reference trainer);
+3. write state t+1 to the blob store (and a checkpoint file when due) BEFORE the commit;
+4. commit `UPDATE jobs SET step=t+1 WHERE id=:id AND step=t` with the step's metrics; the loser
+   of a race (or a retry after the commit) matches no row and changes nothing;
+5. after the commit, drop step t's keys and wake the long polls.
+A crash between 3 and 4 leaves step t current with state t+1 already written: the retry
+recomputes the same bytes and commits.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from agent.nn.data import load_dataset
+from agent.nn.step import ShardResult, StepMetrics, TrainState, evaluate
+from agent.nn.step import apply_step as engine_apply_step
+from agent.wire import WireError, decode_results
+from api.metrics import observe_task
+from api.store.db import transaction
+from api.store.models import Job, StepMetric
+from scheduler import keys, store_ops
+from scheduler.celery_app import app
+from scheduler.checkpoints import WrittenCheckpoint, write_checkpoint
+from scheduler.context import SchedulerContext, get_context
+from scheduler.hotstate import encode_state
+from scheduler.jobinfo import JobInfo, job_info
+from scheduler.notify import bump_version
+from scheduler.tasks import boundary
+from scheduler.tasks.recovery import drop_step_keys, ensure_state
+
+log = logging.getLogger(__name__)
+
+
+@app.task(name="scheduler.apply_step", acks_late=True, reject_on_worker_lost=True)
+def apply_step(job_id: str, step: int) -> str:
+    """Idempotent: running it twice, or on two workers at once, applies the step once."""
+    started, ok = time.perf_counter(), False
+    try:
+        outcome = run_apply_step(get_context(), job_id, int(step))
+        ok = True
+        return outcome
+    finally:
+        observe_task("apply_step", time.perf_counter() - started, ok)
+
+
+def enqueue_apply(ctx: SchedulerContext, job_id: str, step: int, force: bool = False) -> bool:
+    """Send apply_step once per claim period (the claim key expires, so a lost task is resent)."""
+    claimed = ctx.blobs.set_if_absent(keys.apply_claim(job_id, step), b"1",
+                                      ttl=ctx.tuning.apply_claim_ttl_s)
+    if claimed or force:
+        apply_step.apply_async((job_id, step), queue="steps")
+    return claimed
+
+
+def step_complete(ctx: SchedulerContext, job_id: str, step: int, shards: int) -> bool:
+    return len(ctx.blobs.keys(keys.grad_prefix(job_id, step))) >= shards
+
+
+def load_results(ctx: SchedulerContext, job_id: str, step: int, info: JobInfo) -> list[ShardResult] | None:
+    results = []
+    for shard in range(info.spec.shards):
+        data = ctx.blobs.get(keys.grad(job_id, step, shard))
+        if data is None:
+            return None
+        try:
+            results += decode_results(data, expect_job=job_id, expect_step=step,
+                                      n_params=info.model.n_params, n_stats=info.model.n_stats)
+        except WireError:
+            ctx.blobs.delete(keys.grad(job_id, step, shard))  # cannot happen unless corrupted
+            return None
+    return results
+
+
+@dataclass(frozen=True)
+class Outcome:
+    APPLIED = "applied"
+    STALE = "stale"
+    GONE = "gone"
+    INCOMPLETE = "incomplete"
+
+
+def run_apply_step(ctx: SchedulerContext, job_id: str, step: int) -> str:
+    with ctx.session_factory() as session:
+        job = session.get(Job, job_id)
+        if job is None:
+            return Outcome.GONE
+        session.expunge(job)
+    if job.state != "Running" or job.step != step:
+        return Outcome.STALE
+    info = job_info(job.id, job.spec, ctx.settings.data_dir)
+    state = ensure_state(ctx, job, info)
+    if state is None or state.step != step:
+        return Outcome.STALE  # rewound after lost hot state: the job goes on from there
+    results = load_results(ctx, job_id, step, info)
+    if results is None:
+        return Outcome.INCOMPLETE
+    new_state, metrics = engine_apply_step(info.model, info.spec, state, results)
+    ctx.blobs.set(keys.state(job_id, step + 1), encode_state(new_state))
+    if ctx.tuning.apply_pause_s:
+        time.sleep(ctx.tuning.apply_pause_s)  # tests: widen the crash window on purpose
+    final = new_state.step >= info.total_steps
+    ckpt = None
+    if final or new_state.step % checkpoint_every(ctx, job) == 0:
+        ckpt = write_checkpoint(ctx.settings.artifacts_dir, job_id, info.model, new_state)
+    if not commit_step(ctx, job, info, metrics, new_state, ckpt, final):
+        return Outcome.STALE
+    drop_step_keys(ctx, job_id, keep_state=step + 1)
+    bump_version(ctx.blobs)
+    return Outcome.APPLIED
+
+
+def checkpoint_every(ctx: SchedulerContext, job: Job) -> int:
+    every = job.spec.get("checkpoint_every") or ctx.settings.checkpoint_every_steps
+    return max(1, int(every))
+
+
+def commit_step(ctx: SchedulerContext, job: Job, info: JobInfo, m: StepMetrics,
+                new_state: TrainState, ckpt: WrittenCheckpoint | None, final: bool) -> bool:
+    now = ctx.clock()
+    devices_used = 0
+    summary = {"train_loss": m.train_loss, "train_accuracy": m.train_accuracy, "lr": m.lr}
+    final_metrics = final_summary(ctx, job, info, m, new_state) if final else None
+    with transaction(ctx.session_factory) as session:
+        seconds = (now - job.step_started_at).total_seconds() if job.step_started_at else None
+        values: dict = {"step": new_state.step, "step_started_at": now,
+                        "metrics": final_metrics or {**(job.metrics or {}), **summary}}
+        if final:
+            values.update(state="Succeeded", finished_at=now, reason=None)
+        won = store_ops.guarded_job_update(session, job.id, {"step": m.step, "state": "Running"},
+                                           **values)
+        if not won:
+            return False
+        devices_used = len(store_ops.job_devices(session, job.id))
+        session.add(StepMetric(job_id=job.id, step=m.step, ts=now,
+                               epoch=(m.step + 1) / info.spec.steps_per_epoch,
+                               train_loss=m.train_loss, train_accuracy=m.train_accuracy,
+                               lr=m.lr, samples=m.samples, step_seconds=seconds,
+                               devices=devices_used))
+        if ckpt is not None:
+            session.add(ckpt.row(job.id))
+        if final:
+            _finish(session, job, final_metrics or {}, now)
+        else:
+            boundary.at_step_boundary(ctx, session, job, info, new_state.step, now)
+    return True
+
+
+def _finish(session, job: Job, metrics: dict, now) -> None:
+    session.flush()
+    store_ops.release(session, job.id)
+    store_ops.record_event(session, "Succeeded",
+                           f"trained {job.total_steps or metrics.get('steps')} steps; "
+                           f"train_loss {metrics['train_loss']:.6g}", now=now, job_id=job.id,
+                           data=metrics)
+
+
+def final_summary(ctx: SchedulerContext, job: Job, info: JobInfo, last: StepMetrics,
+                  state: TrainState) -> dict:
+    """Final metrics defined as the reference trainer defines them: the last epoch's mean
+    train loss and accuracy, and validation on the final weights."""
+    spe = info.spec.steps_per_epoch
+    with ctx.session_factory() as session:
+        rows = session.query(StepMetric).filter(
+            StepMetric.job_id == job.id, StepMetric.step >= last.step - spe + 1,
+            StepMetric.step < last.step,
+        ).all()
+    losses = [r.train_loss for r in rows if r.train_loss is not None] + [last.train_loss]
+    accs = [r.train_accuracy for r in rows if r.train_accuracy is not None] + [last.train_accuracy]
+    out = {"train_loss": float(np.mean(losses)), "train_accuracy": float(np.mean(accs)),
+           "last_step_loss": last.train_loss, "steps": state.step, "epochs": info.spec.epochs,
+           "n_params": info.model.n_params}
+    data = load_dataset(info.spec.dataset, ctx.settings.data_dir)
+    if len(data.y_val):
+        ev = evaluate(info.model, state.params, state.buffers, data.x_val, data.y_val)
+        out.update(val_loss=ev.loss, val_accuracy=ev.accuracy)
+    import hashlib
+
+    out["params_sha256"] = hashlib.sha256(np.ascontiguousarray(state.params).tobytes()).hexdigest()
+    return out

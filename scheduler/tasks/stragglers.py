@@ -1,0 +1,77 @@
+"""Backups for late devices: a second copy of a straggler's shards; the first upload wins.
+
+"Late" = the step has run longer than `straggler_timeout` of the job's typical device step
+time (the median of each device's time from step start to its last upload, measured by the
+gradient route), never less than the floor. Backups are dropped at the step boundary.
+"""
+
+from __future__ import annotations
+
+from api.store.db import transaction
+from api.store.models import Job
+from scheduler import keys, store_ops
+from scheduler.blobs import BlobStore
+from scheduler.context import SchedulerContext
+from scheduler.jobinfo import JobInfo
+from scheduler.notify import bump_version
+from scheduler.policy.placement import keepable
+from scheduler.policy.scores import device_speed
+from scheduler.policy.straggler import expected_step_s, plan_backups, straggler_timeout
+from scheduler.policy.types import PlacementRequest
+
+
+def measured_latencies(ctx: SchedulerContext, job_id: str, devices: list[str]) -> dict[str, float]:
+    out = {}
+    for device in devices:
+        raw = ctx.blobs.get(keys.latency(job_id, device))
+        if raw:
+            try:
+                out[device] = float(raw)
+            except ValueError:
+                continue
+    return out
+
+
+def uploaded_shards(blobs: BlobStore, job_id: str, step: int) -> set[int]:
+    prefix = keys.grad_prefix(job_id, step)
+    return {int(k[len(prefix):]) for k in blobs.keys(prefix) if k[len(prefix):].isdigit()}
+
+
+def back_up_late_devices(ctx: SchedulerContext, job: Job, info: JobInfo) -> int:
+    """Assign backups for the late shards of job.step; returns how many were assigned."""
+    if job.step_started_at is None:
+        return 0
+    now = ctx.clock()
+    elapsed = (now - job.step_started_at).total_seconds()
+    with transaction(ctx.session_factory) as session:
+        primary = store_ops.primaries(session, job.id)
+        holders = sorted(set(primary.values()))
+        lat = measured_latencies(ctx, job.id, holders)
+        timeout = straggler_timeout(expected_step_s(lat), ctx.tuning.straggler_floor_s,
+                                    ctx.tuning.straggler_factor)
+        if elapsed < timeout:
+            return 0
+        done = uploaded_shards(ctx.blobs, job.id, job.step)
+        missing = {d: s for d, s in store_ops.shards_by_device(
+            {k: v for k, v in primary.items() if k not in done}).items()}
+        if not missing:
+            return 0
+        req = PlacementRequest.from_spec(job.id, job.spec, job.priority)
+        views = {v.id: v for v in store_ops.all_device_views(session) if v.id in holders}
+        able = [d for d in holders if d in views and keepable(req, views[d])]
+        fastest_first = sorted(able, key=lambda d: (-device_speed(views[d], req.arch), d))
+        helpers = [d for d in fastest_first if d not in missing] + [d for d in fastest_first if d in missing]
+        plan = plan_backups(missing, helpers, frozenset(store_ops.backups(session, job.id)))
+        if not plan:
+            return 0
+        store_ops.add_backups(session, job.id, plan, job.step)
+        store_ops.record_event(
+            session, "BackupAssigned",
+            f"step {job.step} late after {elapsed:.1f}s (timeout {timeout:.1f}s): "
+            f"shards {sorted(plan)} of {', '.join(sorted(missing))} also given to "
+            f"{', '.join(sorted(set(plan.values())))}",
+            now=now, job_id=job.id, kind="Warning",
+            data={"step": job.step, "late": sorted(missing), "backups": {str(k): v for k, v in plan.items()}},
+        )
+    bump_version(ctx.blobs)
+    return len(plan)
