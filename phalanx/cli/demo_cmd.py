@@ -1,9 +1,120 @@
-"""Commands of this area (see docs/contracts.md for who owns what)."""
+"""`phalanx demo` (the README's first command) and `phalanx sim` (a fleet for scale tests)."""
 
 from __future__ import annotations
 
+import json
+import time
+from pathlib import Path
+from typing import Annotated, Optional
+
 import typer
+from rich.console import Console
+
+console = Console()
+err = Console(stderr=True)
+
+
+def demo(
+    phones: Annotated[int, typer.Option(min=1, max=64, help="simulated phones")] = 6,
+    job: Annotated[Optional[Path], typer.Option(help="job spec (YAML/JSON) instead of digits-cnn")] = None,
+    keep_running: Annotated[bool, typer.Option(help="leave the server and phones up afterwards")] = False,
+    data_dir: Annotated[Optional[Path], typer.Option(help="where the server, phones and checkpoint live")] = None,
+    faults: Annotated[bool, typer.Option(help="overheat one phone and kill another mid-run")] = True,
+) -> None:
+    """Run a real training job on an embedded control plane and a simulated fleet of phones."""
+    from phalanx.cli.user_cmds import read_spec
+    from phalanx.client import PhalanxError
+    from phalanx.demo.run import DEFAULT_JOB, Demo, DemoOptions, DemoResult
+
+    spec = read_spec(job) if job else dict(DEFAULT_JOB)
+    opts = DemoOptions(phones=phones, job=spec, keep_running=keep_running, data_dir=data_dir,
+                       faults=faults)
+
+    def wait_for_ctrl_c(result: DemoResult) -> None:
+        console.print(f"\nserver: {result.server_url}\nadmin token: {result.admin_token}\n"
+                      f"try:  PHALANX_SERVER={result.server_url} PHALANX_TOKEN={result.admin_token}"
+                      " phalanx devices ls\nPress Ctrl-C to stop.", highlight=False, soft_wrap=True)
+        try:
+            while True:
+                time.sleep(3600)
+        except KeyboardInterrupt:
+            console.print("stopping")
+
+    try:
+        result = Demo(opts, console).run(on_ready=wait_for_ctrl_c)
+    except (PhalanxError, RuntimeError) as exc:
+        err.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
+        raise typer.Exit(1) from None
+    if not result.succeeded:
+        raise typer.Exit(1)
+
+
+def sim(
+    phones: Annotated[int, typer.Option(min=1, help="simulated phones")] = 1000,
+    server: Annotated[Optional[str], typer.Option("--server", "-s", envvar="PHALANX_SERVER")] = None,
+    token: Annotated[Optional[str], typer.Option("--token", envvar="PHALANX_TOKEN", help="admin token")] = None,
+    enroll_token: Annotated[Optional[str], typer.Option(help="use this enrollment token")] = None,
+    duration: Annotated[float, typer.Option(help="seconds to run after start")] = 60.0,
+    interval: Annotated[Optional[float], typer.Option(help="heartbeat interval (default: the server's)")] = None,
+    concurrency: Annotated[int, typer.Option(help="open HTTP connections")] = 64,
+    compute: Annotated[bool, typer.Option(help="take and compute real work")] = False,
+    cleanup: Annotated[bool, typer.Option(help="delete the simulated devices at the end")] = True,
+    label: Annotated[list[str], typer.Option("--label", "-l", help="k=v on every phone")] = [],  # noqa: B006
+    output: Annotated[str, typer.Option("--output", "-o", help="table or json")] = "table",
+) -> None:
+    """Many lightweight simulated phones in one process against a real server."""
+    from phalanx.cli.user_cmds import parse_labels
+    from phalanx.client import resolve_target
+    from phalanx.sim.fleet import FleetOptions, FleetStats, run_fleet
+
+    target = resolve_target(server, token)
+    opts = FleetOptions(server=target.server, phones=phones, duration_s=duration,
+                        interval_s=interval, enroll_token=enroll_token,
+                        admin_token=target.token, concurrency=concurrency, compute=compute,
+                        cleanup=cleanup, labels=parse_labels(label))
+    last = [0.0]
+
+    def progress(stats: FleetStats) -> None:
+        if output == "table" and time.monotonic() - last[0] >= 5:
+            last[0] = time.monotonic()
+            rep = stats.report()
+            err.print(f"{rep['elapsed_s']:6.0f}s  enrolled {rep['phones_enrolled']:5d}  "
+                      f"requests {rep['requests']:7d}  {rep['requests_per_s']:7.1f}/s  "
+                      f"errors {rep['errors']}", highlight=False)
+
+    try:
+        report = run_fleet(opts, progress)
+    except SystemExit as exc:
+        err.print(f"[red]error:[/red] {exc}", highlight=False)
+        raise typer.Exit(1) from None
+    if output == "json":
+        typer.echo(json.dumps(report, indent=2))
+    else:
+        print_report(report)
+    if report["errors"]:
+        raise typer.Exit(1)
+
+
+def print_report(report: dict) -> None:
+    from rich.table import Table
+
+    table = Table(title="phalanx sim", title_justify="left", header_style="bold")
+    for col in ("ENDPOINT", "REQUESTS", "P50 MS", "P99 MS", "MAX MS"):
+        table.add_column(col)
+    for ep, row in report["endpoints"].items():
+        lat = row["latency_ms"]
+        table.add_row(ep, str(row["requests"]), str(lat.get("p50", "-")),
+                      str(lat.get("p99", "-")), str(lat.get("max", "-")))
+    console.print(table)
+    console.print(f"phones enrolled: {report['phones_enrolled']}\n"
+                  f"requests: {report['requests']} in {report['elapsed_s']} s = "
+                  f"{report['requests_per_s']} requests/s\n"
+                  f"errors: {report['errors']}  retries: {report['retries']}", highlight=False)
+    for kind, n in sorted(report["errors_by_kind"].items()):
+        console.print(f"  {n:6d}  {kind}", highlight=False)
 
 
 def register(app: typer.Typer) -> None:
     """Mount this module's commands on the root app."""
+    app.command("demo")(demo)
+    app.command("sim")(sim)

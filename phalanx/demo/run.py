@@ -1,0 +1,255 @@
+"""`phalanx demo`: the embedded control plane, N simulated phones running the real agent, the
+digits CNN job of DESIGN.md, live progress, a phone that overheats and one that dies mid-run.
+
+The demo only uses public surfaces: `phalanx server` (a child process), `phalanx-agent
+enroll/run` (one child process per phone, `phalanx.sim.phone`), and the HTTP API through
+`phalanx.client` — what it shows is what any user of the cluster would see.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+
+from phalanx.client import PhalanxClient, PhalanxError
+from phalanx.demo import view
+from phalanx.demo.server import EmbeddedServer, start_embedded_server
+from phalanx.sim.phone import PhoneOptions, PhoneRack, SimulatedPhone
+from phalanx.sim.profiles import fleet_mix
+
+DEFAULT_JOB: dict[str, Any] = {
+    "name": "digits-cnn",
+    "model": {"arch": "cnn"},
+    "dataset": "digits",
+    "global_batch_size": 256,
+    "shards": 16,
+    "epochs": 20,
+    "seed": 0,
+    "optimizer": {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.0001,
+                  "warmup_epochs": 2, "schedule": "cosine"},
+    "placement": {"min_devices": 1, "max_devices": 8, "selector": {"rack": "a"},
+                  "min_battery": 20, "max_temp_c": 45},
+}
+
+
+@dataclass
+class DemoOptions:
+    phones: int = 6
+    job: dict[str, Any] = field(default_factory=lambda: dict(DEFAULT_JOB))
+    keep_running: bool = False
+    data_dir: Path | None = None
+    time_scale: float = 10.0  # phones heat and drain this much faster than in life
+    faults: bool = True
+    heat_at: float = 0.2  # fraction of the job's steps
+    kill_at: float = 0.45
+    timeout_s: float = 900.0
+    refresh_s: float = 1.0
+
+
+@dataclass
+class DemoResult:
+    job: dict[str, Any]
+    wall_s: float
+    job_s: float
+    energy_j: float
+    checkpoint: Path | None
+    server_url: str
+    admin_token: str
+    faults: list[str] = field(default_factory=list)
+
+    @property
+    def succeeded(self) -> bool:
+        return self.job.get("state") == "Succeeded"
+
+
+def default_data_dir() -> Path:
+    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    return Path.home() / ".local" / "share" / "phalanx" / f"demo-{stamp}"
+
+
+class Demo:
+    def __init__(self, opts: DemoOptions, console: Console | None = None) -> None:
+        self.opts = opts
+        self.console = console or Console()
+        self.data_dir = opts.data_dir or default_data_dir()
+        self.server: EmbeddedServer | None = None
+        self.rack: PhoneRack | None = None
+        self.client: PhalanxClient | None = None
+        self.notes: dict[str, str] = {}
+        self.faults: list[str] = []
+        self._done_faults: set[str] = set()
+
+    # -- setting up --------------------------------------------------------------------------
+    def say(self, message: str) -> None:
+        self.console.print(f"[dim]{time.strftime('%H:%M:%S')}[/dim] {message}", highlight=False)
+
+    def start_server(self) -> PhalanxClient:
+        self.say(f"starting the control plane (embedded: SQLite, in-process Celery) in {self.data_dir}")
+        self.server = start_embedded_server(self.data_dir / "server")
+        self.client = PhalanxClient(self.server.url, self.server.admin_token)
+        self.say(f"control plane up at {self.server.url}")
+        return self.client
+
+    def build_phones(self, token: str) -> list[SimulatedPhone]:
+        assert self.server is not None
+        phones = []
+        for i, profile in enumerate(fleet_mix(self.opts.phones)):
+            opts = PhoneOptions(battery_pct=90.0 - 7 * i, plugged=True,
+                                rooted=i % 3 != 2, time_scale=self.opts.time_scale,
+                                labels={"rack": "a", "slot": str(i + 1)}, seed=i)
+            phones.append(SimulatedPhone(f"phone-{i + 1}", profile,
+                                         self.data_dir / "phones" / f"phone-{i + 1}", opts))
+        self.say(f"enrolling {len(phones)} phones with the real agent (phalanx-agent enroll)")
+        with ThreadPoolExecutor(max_workers=min(4, len(phones))) as pool:
+            list(pool.map(lambda p: p.enroll(self.server.url, token), phones))  # type: ignore[union-attr]
+        return phones
+
+    def wait_ready(self, client: PhalanxClient, n: int, timeout_s: float = 180.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            ready = [d for d in client.devices() if d.get("state") == "Ready"]
+            if len(ready) >= n:
+                self.say(f"{len(ready)} phones Ready")
+                return
+            time.sleep(0.5)
+        raise PhalanxError(f"only some of the {n} phones became Ready within {timeout_s:.0f}s")
+
+    # -- the scenario ----------------------------------------------------------------------------
+    def _busiest(self, job: dict[str, Any], skip: set[str]) -> SimulatedPhone | None:
+        assert self.rack is not None
+        shards = view.shards_by_device(job)
+        candidates = [p for p in self.rack.phones if p.alive and p.device_id not in skip
+                      and p.name not in self._done_faults]
+        candidates.sort(key=lambda p: -shards.get(str(p.device_id), 0))
+        return candidates[0] if candidates else None
+
+    def inject_faults(self, job: dict[str, Any]) -> None:
+        if not self.opts.faults or self.rack is None:
+            return
+        frac = int(job.get("step") or 0) / max(1, int(job.get("total_steps") or 1))
+        n = len(self.rack.phones)
+        if n >= 3 and frac >= self.opts.heat_at and "heat" not in self._done_faults:
+            phone = self._busiest(job, set())
+            if phone is not None:
+                self._done_faults |= {"heat", phone.name}
+                phone.heat(20.0)
+                self.notes[str(phone.device_id)] = "[red]cooling failed (+20°C)[/red]"
+                self.fault(f"{phone.name} ({phone.profile.marketing_name}): its cooling fails "
+                           f"at step {job.get('step')}; it will throttle and pause above "
+                           f"{self.max_temp_c(job):g}°C, and its shards move")
+        if n >= 2 and frac >= self.opts.kill_at and "kill" not in self._done_faults:
+            phone = self._busiest(job, set())
+            if phone is not None:
+                self._done_faults |= {"kill", phone.name}
+                phone.kill()
+                self.notes[str(phone.device_id)] = "[red]killed[/red]"
+                self.fault(f"{phone.name} ({phone.profile.marketing_name}) dies at step "
+                           f"{job.get('step')} (SIGKILL to its agent)")
+
+    @staticmethod
+    def max_temp_c(job: dict[str, Any]) -> float:
+        return float(((job.get("spec") or {}).get("placement") or {}).get("max_temp_c", 45))
+
+    def fault(self, message: str) -> None:
+        self.faults.append(message)
+        self.say(f"[bold yellow]fault:[/bold yellow] {message}")
+
+    # -- the live view ---------------------------------------------------------------------
+    def frame(self, job: dict[str, Any], devices: list[dict[str, Any]],
+              events: list[dict[str, Any]], bar: view.JobProgress) -> Group:
+        table = view.device_table(devices, view.shards_by_device(job), self.notes,
+                                  title="Fleet (what the control plane sees)")
+        recent = Table.grid(padding=(0, 1))
+        for ev in events[-5:]:
+            recent.add_row(f"[dim]{view.ago(ev.get('ts'))}[/dim]", str(ev.get("reason", "")),
+                           str(ev.get("message", ""))[:100])
+        bar.update(job)
+        return Group(table, bar.progress, recent)
+
+    def follow(self, client: PhalanxClient, job_id: str) -> dict[str, Any]:
+        bar = view.JobProgress()
+        deadline = time.monotonic() + self.opts.timeout_s
+        job = client.job(job_id)
+        events: list[dict[str, Any]] = []
+        with Live(console=self.console, refresh_per_second=4, transient=False) as live:
+            while job.get("state") not in view.TERMINAL:
+                if time.monotonic() > deadline:
+                    raise PhalanxError(f"{job_id} did not finish within {self.opts.timeout_s:.0f}s")
+                self.inject_faults(job)
+                live.update(self.frame(job, client.devices(), events, bar))
+                time.sleep(self.opts.refresh_s)
+                job = client.job(job_id)
+                events = client.job_events(job_id)
+            live.update(self.frame(job, client.devices(), events, bar))
+        return job
+
+    # -- the whole run ---------------------------------------------------------------------------
+    def run(self, on_ready: Callable[[DemoResult], None] | None = None) -> DemoResult:
+        started = time.monotonic()
+        try:
+            client = self.start_server()
+            token = client.create_enrollment_token(labels={"rack": "a"},
+                                                   description="phalanx demo")["token"]
+            phones = self.build_phones(token)
+            self.rack = PhoneRack(phones)
+            self.rack.start()
+            self.wait_ready(client, len(phones))
+            energy0 = self.rack.energy_j()
+            job = client.submit_job(self.opts.job)
+            self.say(f"submitted {job['id']} ({job.get('name')}): "
+                     f"{job.get('total_steps', '?')} steps")
+            job_started = time.monotonic()
+            job = self.follow(client, str(job["id"]))
+            job_s = time.monotonic() - job_started
+            result = DemoResult(job=job, wall_s=time.monotonic() - started, job_s=job_s,
+                                energy_j=self.rack.energy_j() - energy0,
+                                checkpoint=self.save_checkpoint(client, job),
+                                server_url=self.server.url if self.server else "",
+                                admin_token=self.server.admin_token if self.server else "",
+                                faults=list(self.faults))
+            self.summary(result)
+            if self.opts.keep_running and on_ready is not None:
+                on_ready(result)
+            return result
+        finally:
+            self.close()
+
+    def save_checkpoint(self, client: PhalanxClient, job: dict[str, Any]) -> Path | None:
+        if job.get("state") != "Succeeded":
+            return None
+        path = self.data_dir / "checkpoints" / f"{job['id']}.npz"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(client.checkpoint(str(job["id"])))
+        return path
+
+    def summary(self, r: DemoResult) -> None:
+        acc = view.metric(r.job, "val_accuracy")
+        lines = [
+            f"job {r.job.get('id')} {r.job.get('state')}"
+            + (f": {r.job['reason']}" if r.job.get("reason") else ""),
+            f"final validation accuracy: {acc:.2%}" if acc is not None else
+            "final validation accuracy: (not reported)",
+            f"wall time: {r.wall_s:.1f} s in all, {r.job_s:.1f} s of training",
+            f"energy estimate: {r.energy_j:.0f} J ({r.energy_j / 3600:.3f} Wh) for "
+            f"{len(self.rack.phones) if self.rack else 0} phones during the job",
+            f"checkpoint: {r.checkpoint}" if r.checkpoint else "checkpoint: (none)",
+        ]
+        for line in lines:
+            self.console.print(line, highlight=False)
+
+    def close(self) -> None:
+        if self.rack is not None:
+            self.rack.stop()
+        if self.client is not None:
+            self.client.close()
+        if self.server is not None:
+            self.server.stop()

@@ -1,0 +1,135 @@
+"""`phalanx sim --compute`: light phones that take real work over the step protocol.
+
+Each phone long-polls `GET /v1/devices/{id}/work`, fetches the step's weights and its shards'
+data, computes the gradient sums with the engine (`agent.nn`, the same functions the agent's
+compute worker calls), sleeps for the extra time its profile's speed asks for, and uploads the
+result (docs/contracts.md, "Step protocol"). The fleet shares decoded weights, shard arrays and
+built models between phones: bytes still cross the wire once per phone, but decoding and model
+building happen once per (job, step).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import time
+from typing import Any
+
+import numpy as np
+
+from agent.nn.models import build_model
+from agent.nn.sampler import select_microbatch
+from agent.nn.spec import TrainSpec
+from agent.nn.step import compute_shard
+from agent.wire import WireError, decode_weights, encode_results
+from phalanx.sim.fleet import LightPhone
+
+WAIT_S = 10
+
+
+class SharedEngine:
+    """Per-job model and spec, per-step weights, per-shard arrays, for every phone."""
+
+    def __init__(self) -> None:
+        self.models: dict[str, tuple[Any, TrainSpec]] = {}
+        self.weights: dict[tuple[str, int], tuple[np.ndarray, np.ndarray]] = {}
+        self.shards: dict[tuple[str, int], tuple[np.ndarray, np.ndarray]] = {}
+
+    def model(self, a: dict[str, Any]) -> tuple[Any, TrainSpec]:
+        key = json.dumps([a["job_id"], a["spec"]], sort_keys=True)
+        if key not in self.models:
+            spec = TrainSpec.from_job_spec(a["spec"], n_train=a["n_train"])
+            model = build_model(spec.arch, tuple(a["input_shape"]), int(a["num_classes"]),
+                                spec.model_options)
+            self.models[key] = (model, spec)
+        return self.models[key]
+
+    def weights_of(self, job: str, step: int, data: bytes) -> tuple[np.ndarray, np.ndarray]:
+        if (job, step) not in self.weights:
+            for old in [k for k in self.weights if k[0] == job and k[1] < step]:
+                del self.weights[old]
+            _, params, buffers = decode_weights(data, expect_job=job, expect_step=step)
+            self.weights[(job, step)] = (params, buffers)
+        return self.weights[(job, step)]
+
+    def shard_of(self, job: str, k: int, data: bytes) -> tuple[np.ndarray, np.ndarray]:
+        if (job, k) not in self.shards:
+            with np.load(io.BytesIO(data), allow_pickle=False) as npz:
+                self.shards[(job, k)] = (npz["x"].astype(np.float32), npz["y"].astype(np.int64))
+        return self.shards[(job, k)]
+
+
+ENGINE = SharedEngine()
+
+
+def _compute(model: Any, spec: TrainSpec, params: np.ndarray, buffers: np.ndarray,
+             data: dict[int, tuple[np.ndarray, np.ndarray]], step: int) -> list[Any]:
+    out = []
+    for k, (x, y) in sorted(data.items()):
+        xb, yb = select_microbatch(x, y, spec.per_shard_batch, spec.seed, step, k,
+                                   spec.steps_per_epoch)
+        out.append(compute_shard(model, params, buffers, xb, yb, spec, step, k))
+    return out
+
+
+async def _get(phone: LightPhone, endpoint: str, path: str, **kwargs: Any) -> Any:
+    headers = {"Authorization": f"Bearer {phone.token}"}
+    return await phone.call(endpoint, "GET", path, headers=headers, **kwargs)
+
+
+async def one_step(phone: LightPhone, a: dict[str, Any]) -> bool:
+    """Compute and upload this phone's shards of the assignment; False when it moved on."""
+    job, step, shards = str(a["job_id"]), int(a["step"]), [int(k) for k in a["shards"]]
+    model, spec = ENGINE.model(a)
+    resp = await _get(phone, "weights", f"/v1/jobs/{job}/weights", params={"step": step})
+    if resp.status_code == 409:
+        return False
+    params, buffers = ENGINE.weights_of(job, step, resp.content)
+    data = {}
+    for k in shards:
+        got = await _get(phone, "shard_data", f"/v1/jobs/{job}/shards/{k}/data")
+        if got.status_code != 200:
+            return False
+        data[k] = ENGINE.shard_of(job, k, got.content)
+    started = time.perf_counter()
+    results = await asyncio.to_thread(_compute, model, spec, params, buffers, data, step)
+    compute_s = time.perf_counter() - started
+    await phone.fleet.sleep((phone.model.slowdown - 1.0) * compute_s)
+    samples = sum(int(r.count) for r in results)
+    phone.profiles[spec.arch] = {"samples_per_s": round(samples / (compute_s * phone.model.slowdown
+                                                                    + 1e-9), 1),
+                                 "threads": 1, "backend": "numpy"}
+    body = encode_results(job, step, results)
+    headers = {"Authorization": f"Bearer {phone.token}",
+               "Content-Type": "application/octet-stream"}
+    up = await phone.call("gradients", "POST", f"/v1/jobs/{job}/steps/{step}/gradients",
+                          content=body, headers=headers)
+    phone.computed_shards += len(shards) if up.status_code == 200 else 0
+    return up.status_code == 200
+
+
+async def take_work(phone: LightPhone) -> None:
+    """The phone's work loop, beside its heartbeat loop, until the fleet stops."""
+    while phone.device_id is None and not phone.fleet.stopping.is_set():
+        await phone.fleet.sleep(0.2)
+    while not phone.fleet.stopping.is_set():
+        resp = await _get(phone, "work", f"/v1/devices/{phone.device_id}/work",
+                          params={"wait": WAIT_S}, timeout=WAIT_S + 20)
+        if resp.status_code != 200:
+            await phone.fleet.sleep(phone.backoff.next_delay())
+            continue
+        a = resp.json().get("assignment")
+        if not a or not a.get("shards"):
+            phone.load = 0.05
+            continue
+        phone.load = 1.0
+        try:
+            if not await one_step(phone, a):
+                await phone.fleet.sleep(0.2)
+        except (WireError, ValueError, KeyError) as exc:
+            phone.fleet.stats.errors[f"compute: {type(exc).__name__}: {exc}"[:160]] += 1
+            await phone.fleet.sleep(phone.backoff.next_delay())
+
+
+__all__ = ["take_work", "one_step", "SharedEngine"]
