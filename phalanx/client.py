@@ -147,6 +147,17 @@ class PhalanxClient:
             raise PhalanxError(message, resp.status_code, detail)
         return resp
 
+    def pages(self, path: str, key: str, limit: int = 500) -> list[dict[str, Any]]:
+        """Every item of a paged list (`{"items", "next_offset"}`), following the offsets."""
+        items: list[dict[str, Any]] = []
+        offset: int | None = 0
+        while offset is not None:
+            data = self.json("GET", path, params={"limit": limit, "offset": offset})
+            items.extend(_items(data, key))
+            nxt = data.get("next_offset") if isinstance(data, dict) else None
+            offset = nxt if isinstance(nxt, int) and nxt > offset else None
+        return items
+
     def json(self, method: str, path: str, **kwargs: Any) -> Any:
         resp = self.request(method, path, **kwargs)
         if resp.status_code == 204 or not resp.content:
@@ -162,7 +173,7 @@ class PhalanxClient:
 
     # -- devices
     def devices(self) -> list[dict[str, Any]]:
-        return _items(self.json("GET", "/v1/devices"), "devices")
+        return self.pages("/v1/devices", "devices")
 
     def device(self, device_id: str) -> dict[str, Any]:
         return self.json("GET", f"/v1/devices/{device_id}")
@@ -178,7 +189,8 @@ class PhalanxClient:
     def create_enrollment_token(self, **body: Any) -> dict[str, Any]:
         return self.json("POST", "/v1/enrollment-tokens", json=body)
 
-    def create_user_token(self, **body: Any) -> dict[str, Any]:
+    def create_user_token(self, name: str, **body: Any) -> dict[str, Any]:
+        body["name"] = name
         return self.json("POST", "/v1/tokens", json=body)
 
     # -- jobs
@@ -186,13 +198,13 @@ class PhalanxClient:
         return self.json("POST", "/v1/jobs", json=spec)
 
     def jobs(self) -> list[dict[str, Any]]:
-        return _items(self.json("GET", "/v1/jobs"), "jobs")
+        return self.pages("/v1/jobs", "jobs")
 
     def job(self, job_id: str) -> dict[str, Any]:
         return self.json("GET", f"/v1/jobs/{job_id}")
 
     def job_events(self, job_id: str) -> list[dict[str, Any]]:
-        return _items(self.json("GET", f"/v1/jobs/{job_id}/events"), "events")
+        return self.pages(f"/v1/jobs/{job_id}/events", "events")
 
     def job_metrics(self, job_id: str) -> Any:
         return self.json("GET", f"/v1/jobs/{job_id}/metrics")
@@ -205,7 +217,7 @@ class PhalanxClient:
 
     # -- datasets
     def datasets(self) -> list[dict[str, Any]]:
-        return _items(self.json("GET", "/v1/datasets"), "datasets")
+        return self.pages("/v1/datasets", "datasets")
 
     def upload_dataset(self, name: str, data: bytes) -> dict[str, Any]:
         files = {"file": (f"{name}.npz", data, "application/octet-stream")}

@@ -159,7 +159,7 @@ def tokens_create(
     name: Annotated[Optional[str], typer.Option(help="who or what the token is for")] = None,
     label: Annotated[list[str], typer.Option("--label", "-l",
                                              help="k=v for every phone enrolled with it")] = [],  # noqa: B006
-    ttl: Annotated[Optional[float], typer.Option(help="enrollment token lifetime, seconds")] = None,
+    ttl: Annotated[Optional[float], typer.Option(help="lifetime in seconds")] = None,
     max_uses: Annotated[Optional[int], typer.Option(help="enrollment token uses")] = None,
     server: ServerOpt = None, token: TokenOpt = None, output: OutputOpt = Output.table,
 ) -> None:
@@ -172,12 +172,13 @@ def tokens_create(
             if name:
                 body["description"] = name
             if ttl is not None:
-                body["ttl_s"] = ttl
+                body["expires_in_s"] = ttl
             if max_uses is not None:
                 body["max_uses"] = max_uses
             created = client.create_enrollment_token(**body)
         else:
-            created = client.create_user_token(kind="user", name=name)
+            extra = {"expires_in_s": ttl} if ttl is not None else {}
+            created = client.create_user_token(name or "phalanx-cli", **extra)
         server_url = client.server
     if output is Output.json:
         emit(created, output, describe)
