@@ -1,9 +1,66 @@
-"""Commands of this area (see docs/contracts.md for who owns what)."""
+"""`phalanx server` (migrations, then uvicorn) and `phalanx db upgrade`."""
 
 from __future__ import annotations
 
 import typer
 
+db_app = typer.Typer(help="Database schema commands.", no_args_is_help=True)
+
+
+def _prepare() -> tuple[object, str]:
+    """Migrate the schema and make sure an admin token exists (printed once when generated)."""
+    from api.auth import ensure_admin_token
+    from api.settings import Settings
+    from api.store.db import make_engine, make_session_factory, upgrade
+
+    settings = Settings()
+    url = settings.resolved_database_url
+    upgrade(url)
+    if settings.admin_token is None:
+        engine = make_engine(url)
+        ensure_admin_token(make_session_factory(engine), echo=lambda m: typer.echo(m, err=False))
+        engine.dispose()
+    return settings, url
+
+
+def server(
+    host: str = typer.Option("127.0.0.1", help="interface to listen on"),
+    port: int = typer.Option(8000, help="TCP port"),
+    workers: int = typer.Option(1, min=1, max=64, help="uvicorn worker processes "
+                                "(forced to 1 in embedded mode: no PHALANX_REDIS_URL)"),
+    access_log: bool = typer.Option(False, help="log every request (slow under load)"),
+) -> None:
+    """Run the control plane: migrate the database, then serve the API."""
+    import uvicorn
+
+    settings, _ = _prepare()
+    common = {"host": host, "port": port, "access_log": access_log, "log_level": "info",
+              "loop": "auto", "http": "auto", "timeout_graceful_shutdown": 10}
+    if settings.embedded:  # type: ignore[attr-defined]
+        from api.main import create_app
+
+        if workers > 1:
+            typer.echo("phalanx: embedded mode (no PHALANX_REDIS_URL): running 1 worker", err=True)
+        uvicorn.run(create_app(settings, start_scheduler=True), **common)  # type: ignore[arg-type]
+    elif workers > 1:
+        uvicorn.run("api.main:app_from_env", factory=True, workers=workers, **common)
+    else:
+        from api.main import create_app
+
+        uvicorn.run(create_app(settings), **common)  # type: ignore[arg-type]
+
+
+@db_app.command("upgrade")
+def db_upgrade() -> None:
+    """Bring the database schema to the newest migration."""
+    from api.settings import Settings
+    from api.store.db import upgrade
+
+    url = Settings().resolved_database_url
+    upgrade(url)
+    typer.echo(f"database at {url.split('@')[-1]} is at the newest schema")
+
 
 def register(app: typer.Typer) -> None:
-    """Mount this module's commands on the root app."""
+    app.command()(server)
+    app.add_typer(db_app, name="db")

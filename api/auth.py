@@ -1,0 +1,137 @@
+"""Bearer tokens of three kinds (admin, user, device), stored as SHA-256 hashes only.
+
+Every request hashes the presented secret and looks the hash up; the final equality is checked
+with `hmac.compare_digest`. Lookups go through a small in-memory cache with a short TTL so the
+hot heartbeat path costs no database round trip, while a revoked token stops working within
+`TOKEN_CACHE_TTL_S` on every process (and at once on the process that revoked it).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import hmac
+import secrets
+import threading
+import time
+from dataclasses import dataclass
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session, sessionmaker
+
+from api.errors import Unauthorized
+from api.store.models import ApiToken, utcnow
+
+TOKEN_CACHE_TTL_S = 5.0
+TOKEN_CACHE_MAX = 100_000
+PREFIXES = {"admin": "phx-adm-", "user": "phx-usr-", "device": "phx-dev-", "enrollment": "phx-enr-"}
+
+
+def hash_token(secret: str) -> str:
+    return hashlib.sha256(secret.encode("utf-8")).hexdigest()
+
+
+def new_secret(kind: str) -> str:
+    return PREFIXES[kind] + secrets.token_urlsafe(32)
+
+
+@dataclass(frozen=True)
+class Principal:
+    kind: str  # admin | user | device
+    token_id: str | None = None
+    device_id: str | None = None
+    name: str | None = None
+
+    @property
+    def is_admin(self) -> bool:
+        return self.kind == "admin"
+
+
+class TokenCache:
+    """hash -> (Principal, deadline). Misses are not cached: a new token works at once."""
+
+    def __init__(self, ttl_s: float = TOKEN_CACHE_TTL_S) -> None:
+        self.ttl_s = ttl_s
+        self._entries: dict[str, tuple[Principal, float]] = {}
+        self._lock = threading.Lock()
+
+    def get(self, token_hash: str) -> Principal | None:
+        entry = self._entries.get(token_hash)
+        if entry is None or entry[1] < time.monotonic():
+            return None
+        return entry[0]
+
+    def put(self, token_hash: str, principal: Principal) -> None:
+        with self._lock:
+            if len(self._entries) >= TOKEN_CACHE_MAX:
+                self._entries.clear()
+            self._entries[token_hash] = (principal, time.monotonic() + self.ttl_s)
+
+    def forget(self, *, token_id: str | None = None, device_id: str | None = None) -> None:
+        with self._lock:
+            for key, (principal, _) in list(self._entries.items()):
+                if (token_id and principal.token_id == token_id) or (
+                    device_id and principal.device_id == device_id
+                ):
+                    del self._entries[key]
+
+
+class Authenticator:
+    """Resolves a bearer secret to a Principal; the env admin token is compared in memory."""
+
+    def __init__(self, factory: sessionmaker[Session], admin_token: str | None,
+                 clock=utcnow, cache: TokenCache | None = None) -> None:
+        self.factory = factory
+        self.clock = clock
+        self.cache = cache or TokenCache()
+        self._admin_hash = hash_token(admin_token) if admin_token else None
+
+    def cached(self, secret: str) -> tuple[str, Principal | None]:
+        token_hash = hash_token(secret)
+        if self._admin_hash and hmac.compare_digest(token_hash, self._admin_hash):
+            return token_hash, Principal(kind="admin", name="env")
+        return token_hash, self.cache.get(token_hash)
+
+    def lookup(self, token_hash: str) -> Principal:
+        """The database path (blocking): used on a cache miss."""
+        with self.factory() as session:
+            row = session.scalars(select(ApiToken).where(ApiToken.token_hash == token_hash)).first()
+        if row is None or not hmac.compare_digest(row.token_hash, token_hash):
+            raise Unauthorized("invalid bearer token")
+        if row.revoked:
+            raise Unauthorized("bearer token revoked")
+        if row.expires_at is not None and row.expires_at <= self.clock():
+            raise Unauthorized("bearer token expired")
+        principal = Principal(kind=row.kind, token_id=row.id, device_id=row.device_id, name=row.name)
+        self.cache.put(token_hash, principal)
+        return principal
+
+
+def parse_bearer(header: str | None) -> str:
+    if not header:
+        raise Unauthorized("missing bearer token (Authorization: Bearer <token>)")
+    scheme, _, secret = header.partition(" ")
+    if scheme.lower() != "bearer" or not secret.strip():
+        raise Unauthorized("malformed Authorization header; expected 'Bearer <token>'")
+    return secret.strip()
+
+
+def ensure_admin_token(factory: sessionmaker[Session], echo=print) -> str | None:
+    """When no admin token is configured: create one once, print it once, keep only its hash.
+
+    Returns the new secret, or None when an admin token already exists.
+    """
+    with factory() as session, session.begin():
+        exists = session.scalars(
+            select(ApiToken.id).where(ApiToken.kind == "admin", ApiToken.revoked.is_(False))
+        ).first()
+        if exists:
+            return None
+        secret = new_secret("admin")
+        session.add(ApiToken(kind="admin", name="generated", token_hash=hash_token(secret)))
+    echo(f"phalanx: generated admin token (shown once, stored hashed): {secret}")
+    return secret
+
+
+def expires_in(clock, seconds: float | None) -> dt.datetime | None:
+    return None if seconds is None else clock() + dt.timedelta(seconds=seconds)

@@ -1,0 +1,80 @@
+"""FastAPI dependencies: `Annotated` aliases keep handler signatures short."""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Callable, Iterator
+from typing import Annotated
+
+from fastapi import Depends, Request
+from sqlalchemy.orm import Session
+from starlette.concurrency import run_in_threadpool
+
+from api.auth import Authenticator, Principal, parse_bearer
+from api.errors import Forbidden
+from api.settings import Settings
+
+
+def get_session(request: Request) -> Iterator[Session]:
+    """One session per request; the route owns the transaction (commit or roll back)."""
+    with request.app.state.session_factory() as session:
+        yield session
+
+
+def get_settings(request: Request) -> Settings:
+    return request.app.state.settings
+
+
+def get_clock(request: Request) -> Callable[[], dt.datetime]:
+    return request.app.state.clock
+
+
+async def get_principal(request: Request) -> Principal:
+    """Any valid token. Async so a cache hit costs no thread hop (the heartbeat hot path)."""
+    auth: Authenticator = request.app.state.authenticator
+    token_hash, principal = auth.cached(parse_bearer(request.headers.get("authorization")))
+    if principal is None:
+        principal = await run_in_threadpool(auth.lookup, token_hash)
+    return principal
+
+
+def _path_device_id(request: Request) -> str | None:
+    params = request.path_params
+    if "device_id" in params:
+        return params["device_id"]
+    if request.url.path.startswith("/v1/devices/"):
+        return params.get("id")
+    return None
+
+
+async def require_admin(principal: Annotated[Principal, Depends(get_principal)]) -> Principal:
+    if principal.kind != "admin":
+        raise Forbidden(f"this needs an admin token, not a {principal.kind} token")
+    return principal
+
+
+async def require_user(principal: Annotated[Principal, Depends(get_principal)]) -> Principal:
+    if principal.kind not in ("admin", "user"):
+        raise Forbidden(f"this needs a user or admin token, not a {principal.kind} token")
+    return principal
+
+
+async def require_device(
+    request: Request, principal: Annotated[Principal, Depends(get_principal)]
+) -> Principal:
+    """A device token; when the path names a device, it must be this token's device."""
+    if principal.kind != "device":
+        raise Forbidden(f"this needs a device token, not a {principal.kind} token")
+    wanted = _path_device_id(request)
+    if wanted is not None and wanted != principal.device_id:
+        raise Forbidden("a device token may act only for its own device")
+    return principal
+
+
+SessionDep = Annotated[Session, Depends(get_session)]
+SettingsDep = Annotated[Settings, Depends(get_settings)]
+ClockDep = Annotated[Callable[[], dt.datetime], Depends(get_clock)]
+PrincipalDep = Annotated[Principal, Depends(get_principal)]
+AdminDep = Annotated[Principal, Depends(require_admin)]
+UserDep = Annotated[Principal, Depends(require_user)]
+DeviceDep = Annotated[Principal, Depends(require_device)]

@@ -1,0 +1,47 @@
+"""Domain errors raised by the store and routes; `api.main` maps each to its HTTP status."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class ApiError(Exception):
+    status_code = 400
+
+    def __init__(self, detail: Any) -> None:
+        super().__init__(detail)
+        self.detail = detail
+
+
+class Unauthorized(ApiError):
+    status_code = 401
+
+
+class Forbidden(ApiError):
+    status_code = 403
+
+
+class NotFound(ApiError):
+    status_code = 404
+
+
+class Conflict(ApiError):
+    status_code = 409
+
+
+class PayloadTooLarge(ApiError):
+    status_code = 413
+
+
+class Invalid(ApiError):
+    """A request that parsed but makes no sense; `field` is the dotted path it is about."""
+
+    status_code = 422
+
+    def __init__(self, field: str, msg: str) -> None:
+        loc = ["body", *field.split(".")] if field else ["body"]
+        super().__init__([{"loc": loc, "field": field, "msg": msg, "type": "value_error"}])
+
+
+class Unavailable(ApiError):
+    status_code = 503

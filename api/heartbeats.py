@@ -1,0 +1,137 @@
+"""The group-commit heartbeat writer: one transaction for every heartbeat pending right now.
+
+Request handlers (async) hand their validated heartbeat to `HeartbeatWriter.submit` and await
+the reply. One writer thread per process takes everything queued, applies it in a single
+transaction (`api.store.heartbeats.apply_heartbeats`) and only then resolves the waiting
+requests: a 2xx means the lease and the samples are committed (invariant 2). Under load the
+batches grow by themselves, since requests queue up while the previous commit runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session, sessionmaker
+
+from api.schemas.devices import HeartbeatIn
+from api.store.heartbeats import BatchOutcome, apply_heartbeats
+from api.store.models import Job
+
+log = logging.getLogger(__name__)
+MAX_BATCH = 2000
+ACTIVE_ARCHS_TTL_S = 2.0
+
+_Pending = tuple[str, HeartbeatIn, asyncio.AbstractEventLoop, "asyncio.Future[Any]"]
+
+
+class HeartbeatWriter:
+    def __init__(self, factory: sessionmaker[Session], *, clock: Callable, grace_s: float,
+                 interval_s: float, on_device_changed: Callable[[str], None]) -> None:
+        self.factory, self.clock = factory, clock
+        self.grace_s, self.interval_s = grace_s, interval_s
+        self.on_device_changed = on_device_changed
+        self._queue: queue.SimpleQueue[_Pending | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._start_lock = threading.Lock()
+        self._archs: tuple[float, set[str]] = (0.0, set())
+        self.batches = 0  # for tests and the benchmark: how many transactions ran
+
+    async def submit(self, device_id: str, body: HeartbeatIn) -> dict[str, Any]:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
+        self._ensure_started()
+        self._queue.put((device_id, body, loop, future))
+        return await future
+
+    def _ensure_started(self) -> None:
+        if self._thread is None:
+            with self._start_lock:
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._run, name="heartbeat-writer",
+                                                    daemon=True)
+                    self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Finish everything queued, then end the thread."""
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join(timeout)
+            self._thread = None
+
+    def _run(self) -> None:
+        while True:
+            first = self._queue.get()
+            batch: list[_Pending] = [] if first is None else [first]
+            stopping = first is None
+            while len(batch) < MAX_BATCH:
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if item is None:
+                    stopping = True
+                    continue
+                batch.append(item)
+            if batch:
+                self._process(batch)
+            if stopping:
+                return
+
+    def _process(self, batch: list[_Pending]) -> None:
+        items = [(device_id, body) for device_id, body, _, _ in batch]
+        try:
+            outcome = self._commit(items)
+            replies: list[Any] = outcome.replies
+        except Exception:
+            # One bad heartbeat must not fail its neighbours: retry each on its own.
+            log.exception("heartbeat batch of %d failed; retrying one by one", len(items))
+            replies, changed = [], []
+            for item in items:
+                try:
+                    single = self._commit([item])
+                    replies.extend(single.replies)
+                    changed.extend(single.changed_devices)
+                except Exception as exc:
+                    replies.append(exc)
+            outcome = BatchOutcome(replies=replies, changed_devices=changed)
+        for (_, _, loop, future), reply in zip(batch, replies):
+            loop.call_soon_threadsafe(_resolve, future, reply)
+        for device_id in outcome.changed_devices:
+            try:
+                self.on_device_changed(device_id)
+            except Exception:
+                log.exception("device_changed hook failed for %s", device_id)
+
+    def _commit(self, items: list[tuple[str, HeartbeatIn]]) -> BatchOutcome:
+        with self.factory() as session, session.begin():
+            outcome = apply_heartbeats(session, items, self.clock(), grace_s=self.grace_s,
+                                       interval_s=self.interval_s,
+                                       active_archs=self._active_archs(session))
+        self.batches += 1
+        return outcome
+
+    def _active_archs(self, session: Session) -> set[str]:
+        """Archs of Pending/Running jobs (devices lacking a profile for one are asked for it)."""
+        fetched_at, archs = self._archs
+        if time.monotonic() - fetched_at < ACTIVE_ARCHS_TTL_S:
+            return archs
+        specs = session.scalars(select(Job.spec).where(Job.state.in_(("Pending", "Running"))))
+        archs = {str((spec or {}).get("model", {}).get("arch")) for spec in specs} - {"None"}
+        self._archs = (time.monotonic(), archs)
+        return archs
+
+
+def _resolve(future: asyncio.Future[Any], reply: Any) -> None:
+    if future.done():  # the client went away
+        return
+    if isinstance(reply, BaseException):
+        future.set_exception(reply)
+    else:
+        future.set_result(reply)

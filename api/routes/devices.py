@@ -1,0 +1,117 @@
+"""Devices: registration, the heartbeat, reads, and the admin's cordon/uncordon/drain/delete."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+
+from fastapi import APIRouter, Query, Request, Response
+
+from api import lifecycle
+from api.deps import AdminDep, ClockDep, DeviceDep, SessionDep, SettingsDep, UserDep
+from api.schemas.common import EventRead, Page, page_of
+from api.schemas.devices import (
+    DeviceRead,
+    DeviceRegister,
+    DeviceRegistered,
+    HeartbeatIn,
+    HeartbeatOut,
+    TelemetrySampleRead,
+)
+from api.store import devices, events
+
+router = APIRouter(prefix="/v1/devices", tags=["devices"])
+Limit = Query(100, ge=1, le=1000)
+Offset = Query(0, ge=0)
+
+
+@router.post("/register", status_code=201, response_model=DeviceRegistered)
+def register(body: DeviceRegister, request: Request, session: SessionDep, settings: SettingsDep,
+             clock: ClockDep):
+    """Enroll a phone with an enrollment token; the device token is returned only here."""
+    with session.begin():
+        device, secret = devices.register_device(
+            session, enrollment_secret=body.enrollment_token, name=body.name,
+            labels=body.labels, spec=body.spec.model_dump(exclude_none=True), now=clock())
+    request.app.state.scheduler_hooks.device_changed(device.id)
+    return {"device_id": device.id, "device_token": secret, "name": device.name,
+            "labels": device.labels, "state": device.state,
+            "heartbeat_interval_s": settings.heartbeat_interval_s,
+            "lease_grace_s": settings.lease_grace_s}
+
+
+@router.post("/{device_id}/heartbeat", response_model=HeartbeatOut)
+async def heartbeat(device_id: str, body: HeartbeatIn, request: Request, _: DeviceDep):
+    """Renew the lease and store the telemetry; answers after the commit, with commands."""
+    reply = await request.app.state.heartbeats.submit(device_id, body)
+    return Response(json.dumps(reply), media_type="application/json")
+
+
+@router.get("", response_model=Page[DeviceRead])
+def list_devices(_: UserDep, session: SessionDep, state: str | None = None,
+                 selector: str | None = Query(None, description="labels, e.g. rack=a,zone=b"),
+                 limit: int = Limit, offset: int = Offset):
+    rows = devices.list_devices(session, states=devices.parse_states(state),
+                                selector=devices.parse_selector(selector), limit=limit,
+                                offset=offset)
+    return page_of(list(rows), limit, offset)
+
+
+@router.get("/{device_id}", response_model=DeviceRead)
+def get_device(device_id: str, _: UserDep, session: SessionDep):
+    return lifecycle.get_device(session, device_id)
+
+
+def _admin_change(change, device_id: str, request: Request, session, clock):
+    with session.begin():
+        device, changed = change(session, device_id, clock())
+    if changed:
+        request.app.state.scheduler_hooks.device_changed(device_id)
+    return device
+
+
+@router.post("/{device_id}/cordon", response_model=DeviceRead)
+def cordon(device_id: str, _: AdminDep, request: Request, session: SessionDep, clock: ClockDep):
+    """Keep new work off this device."""
+    return _admin_change(lifecycle.cordon, device_id, request, session, clock)
+
+
+@router.post("/{device_id}/uncordon", response_model=DeviceRead)
+def uncordon(device_id: str, _: AdminDep, request: Request, session: SessionDep,
+             clock: ClockDep):
+    return _admin_change(lifecycle.uncordon, device_id, request, session, clock)
+
+
+@router.post("/{device_id}/drain", response_model=DeviceRead)
+def drain(device_id: str, _: AdminDep, request: Request, session: SessionDep, clock: ClockDep):
+    """Cordon, and tell the agent (next heartbeat) to let go of its work."""
+    return _admin_change(lifecycle.drain, device_id, request, session, clock)
+
+
+@router.delete("/{device_id}", response_model=DeviceRead)
+def delete_device(device_id: str, _: AdminDep, request: Request, session: SessionDep,
+                  clock: ClockDep):
+    """Delete the device and revoke its token (its next request gets 401)."""
+    with session.begin():
+        device = devices.delete_device(session, device_id, clock())
+    request.app.state.authenticator.cache.forget(device_id=device_id)
+    request.app.state.scheduler_hooks.device_changed(device_id)
+    return device
+
+
+@router.get("/{device_id}/events", response_model=Page[EventRead])
+def device_events(device_id: str, _: UserDep, session: SessionDep, limit: int = Limit,
+                  offset: int = Offset):
+    lifecycle.get_device(session, device_id)
+    rows = events.list_events(session, device_id=device_id, limit=limit, offset=offset)
+    return page_of(list(rows), limit, offset)
+
+
+@router.get("/{device_id}/telemetry", response_model=Page[TelemetrySampleRead])
+def telemetry(device_id: str, _: UserDep, session: SessionDep, since: dt.datetime | None = None,
+              limit: int = Query(1000, ge=1, le=10000), offset: int = Offset):
+    """Telemetry history (oldest first), from `since` (ISO 8601 or Unix seconds) on."""
+    if since is not None and since.tzinfo is None:
+        since = since.replace(tzinfo=dt.timezone.utc)
+    rows = devices.telemetry_history(session, device_id, since=since, limit=limit, offset=offset)
+    return page_of(list(rows), limit, offset)

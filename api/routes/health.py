@@ -1,0 +1,46 @@
+"""Liveness and readiness."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+from sqlalchemy import text
+from starlette.concurrency import run_in_threadpool
+
+router = APIRouter(tags=["health"])
+
+
+@router.get("/healthz")
+async def healthz() -> dict[str, str]:
+    """The process answers (no dependencies checked)."""
+    return {"status": "ok"}
+
+
+def _check(request: Request) -> dict[str, str]:
+    problems: dict[str, str] = {}
+    try:
+        with request.app.state.engine.connect() as conn:
+            conn.execute(text("SELECT 1"))
+    except Exception as exc:
+        problems["database"] = f"database unreachable: {type(exc).__name__}: {exc}"[:500]
+    redis_url = request.app.state.settings.redis_url
+    if redis_url:
+        import redis
+
+        try:
+            client = redis.Redis.from_url(redis_url, socket_connect_timeout=1, socket_timeout=1)
+            client.ping()
+            client.close()
+        except Exception as exc:
+            problems["redis"] = f"redis unreachable: {type(exc).__name__}: {exc}"[:500]
+    return problems
+
+
+@router.get("/readyz")
+async def readyz(request: Request) -> JSONResponse:
+    """The database (and Redis, when configured) answer; 503 with the reason otherwise."""
+    problems = await run_in_threadpool(_check, request)
+    if problems:
+        return JSONResponse({"detail": "; ".join(problems.values()), "checks": problems},
+                            status_code=503)
+    return JSONResponse({"status": "ready"})

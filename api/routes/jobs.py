@@ -1,0 +1,85 @@
+"""Jobs: submit, list, get, cancel, events, the metrics curve, the latest checkpoint."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import FileResponse
+
+from api.deps import ClockDep, SessionDep, SettingsDep, UserDep
+from api.schemas.common import EventRead, Page, page_of
+from api.schemas.jobs import JobCreate, JobRead, StepMetricRead
+from api.store import events, jobs
+
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+Limit = Query(100, ge=1, le=1000)
+Offset = Query(0, ge=0)
+
+
+def _read(job, devices: list[str]) -> JobRead:
+    return JobRead.model_validate(job).model_copy(update={"devices": devices})
+
+
+@router.post("", status_code=201, response_model=JobRead)
+def submit(body: JobCreate, request: Request, principal: UserDep, settings: SettingsDep,
+           clock: ClockDep, session: SessionDep):
+    """Validate completely (the dataset too), then queue as Pending."""
+    spec = body.model_dump()
+    total = jobs.plan_total_steps(spec, settings.data_dir)
+    with session.begin():
+        job = jobs.submit_job(session, spec, total_steps=total, now=clock(),
+                              owner_token_id=principal.token_id)
+    request.app.state.scheduler_hooks.job_changed(job.id)
+    return _read(job, [])
+
+
+@router.get("", response_model=Page[JobRead])
+def list_jobs(_: UserDep, session: SessionDep, state: str | None = None, limit: int = Limit,
+              offset: int = Offset):
+    rows = list(jobs.list_jobs(session, states=jobs.parse_job_states(state), limit=limit,
+                               offset=offset))
+    held = jobs.devices_of(session, [job.id for job in rows])
+    return page_of([_read(job, held[job.id]) for job in rows], limit, offset)
+
+
+@router.get("/{job_id}", response_model=JobRead)
+def get_job(job_id: str, _: UserDep, session: SessionDep):
+    job = jobs.get_job(session, job_id)
+    return _read(job, jobs.devices_of(session, [job_id])[job_id])
+
+
+@router.post("/{job_id}/cancel", response_model=JobRead)
+def cancel(job_id: str, request: Request, principal: UserDep, session: SessionDep,
+           clock: ClockDep):
+    """Pending or Running -> Cancelled; 409 when the job has already finished."""
+    with session.begin():
+        job = jobs.cancel_job(session, job_id, clock(), by=principal.name or principal.kind)
+        held = jobs.devices_of(session, [job_id])[job_id]
+    request.app.state.scheduler_hooks.job_changed(job_id)
+    return _read(job, held)
+
+
+@router.get("/{job_id}/events", response_model=Page[EventRead])
+def job_events(job_id: str, _: UserDep, session: SessionDep, limit: int = Limit,
+               offset: int = Offset):
+    jobs.get_job(session, job_id)
+    rows = events.list_events(session, job_id=job_id, limit=limit, offset=offset)
+    return page_of(list(rows), limit, offset)
+
+
+@router.get("/{job_id}/metrics", response_model=Page[StepMetricRead])
+def job_metrics(job_id: str, _: UserDep, session: SessionDep,
+                since_step: int = Query(0, ge=0), limit: int = Query(10000, ge=1, le=100000)):
+    """The per-step curve (loss, accuracy, lr, ...), oldest step first."""
+    rows = list(jobs.step_metrics(session, job_id, since_step=since_step, limit=limit))
+    more = len(rows) > limit
+    return {"items": rows[:limit], "next_offset": rows[limit].step if more else None}
+
+
+@router.get("/{job_id}/checkpoint", response_class=FileResponse,
+            responses={200: {"content": {"application/octet-stream": {}}}})
+def checkpoint(job_id: str, _: UserDep, session: SessionDep, settings: SettingsDep):
+    """The latest checkpoint's weights as an .npz of named arrays."""
+    row, path = jobs.latest_checkpoint(session, job_id, settings.data_dir)
+    return FileResponse(path, media_type="application/octet-stream",
+                        filename=f"{job_id}-step{row.step}.npz",
+                        headers={"X-Phalanx-Step": str(row.step), "X-Phalanx-Sha256": row.sha256})

@@ -1,0 +1,62 @@
+"""Shared schema pieces: the forbid-extras request base, list pages, labels, events."""
+
+from __future__ import annotations
+
+import datetime as dt
+import re
+from typing import Annotated, Any, Generic, TypeVar
+
+from pydantic import AfterValidator, BaseModel, ConfigDict
+
+T = TypeVar("T")
+
+_LABEL_KEY = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9_./-]{0,61}[A-Za-z0-9])?$")
+_LABEL_VALUE = re.compile(r"^[A-Za-z0-9_./-]{0,63}$")
+
+
+class RequestModel(BaseModel):
+    """Every request body: unknown fields are an error, never silently ignored."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class ReadModel(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+
+class Page(BaseModel, Generic[T]):
+    """A page of a list: `next_offset` is where the next page starts, null on the last one."""
+
+    items: list[T]
+    next_offset: int | None = None
+
+
+def check_labels(labels: dict[str, str]) -> dict[str, str]:
+    if len(labels) > 64:
+        raise ValueError("at most 64 labels")
+    for key, value in labels.items():
+        if not _LABEL_KEY.match(key):
+            raise ValueError(f"label key {key!r}: 1-63 of A-Z a-z 0-9 _ . / -, alphanumeric ends")
+        if not _LABEL_VALUE.match(value):
+            raise ValueError(f"label {key}={value!r}: value is 0-63 of A-Z a-z 0-9 _ . / -")
+    return labels
+
+
+Labels = Annotated[dict[str, str], AfterValidator(check_labels)]
+
+
+class EventRead(ReadModel):
+    id: int
+    ts: dt.datetime
+    kind: str
+    reason: str
+    message: str
+    job_id: str | None = None
+    device_id: str | None = None
+    data: dict[str, Any] = {}
+
+
+def page_of(items: list[Any], limit: int, offset: int) -> dict[str, Any]:
+    """Build a page from `limit + 1` fetched rows (the extra row says there is a next page)."""
+    more = len(items) > limit
+    return {"items": items[:limit], "next_offset": offset + limit if more else None}

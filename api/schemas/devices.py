@@ -1,0 +1,117 @@
+"""Device registration, reads, and the heartbeat body (see docs/contracts.md)."""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from api.schemas.common import Labels, ReadModel, RequestModel
+
+MAX_SAMPLES_PER_HEARTBEAT = 1000
+
+
+class DeviceSpec(BaseModel):
+    """Hardware facts; the known keys are typed, unknown keys are kept as sent."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = Field(default=None, max_length=200)
+    soc: str | None = Field(default=None, max_length=200)
+    cpu_cores: int | None = Field(default=None, ge=1, le=1024)
+    ram_mb: int | None = Field(default=None, ge=1, le=10_000_000)
+    clusters: list[Any] | None = None
+    backends: list[str] | None = None
+
+
+class DeviceRegister(RequestModel):
+    enrollment_token: str = Field(min_length=1, max_length=200)
+    name: str = Field(min_length=1, max_length=200)
+    labels: Labels = Field(default_factory=dict)
+    spec: DeviceSpec = Field(default_factory=DeviceSpec)
+
+
+class DeviceRegistered(BaseModel):
+    device_id: str
+    device_token: str = Field(description="the secret; shown only here, stored hashed")
+    name: str
+    labels: dict[str, str]
+    state: str
+    heartbeat_interval_s: float
+    lease_grace_s: float
+
+
+class DeviceRead(ReadModel):
+    id: str
+    name: str
+    state: str
+    cordoned: bool
+    draining: bool
+    labels: dict[str, str]
+    spec: dict[str, Any]
+    pause_reason: str | None
+    lease_renewed_at: dt.datetime | None
+    agent_version: str | None
+    capabilities: dict[str, Any]
+    profiles: dict[str, Any]
+    latest_telemetry: dict[str, Any]
+    latest_telemetry_at: dt.datetime | None
+    created: dt.datetime
+
+
+class TelemetrySampleIn(RequestModel):
+    ts: dt.datetime = Field(description="Unix seconds (float) or ISO 8601")
+    battery_pct: float | None = Field(default=None, ge=0, le=100)
+    charging: bool | None = None
+    battery_temp_c: float | None = Field(default=None, ge=-50, le=200)
+    cpu_temp_c: float | None = Field(default=None, ge=-50, le=200)
+    power_w: float | None = Field(default=None, ge=-1000, le=1000)
+    cpu_freq_mhz: float | None = Field(default=None, ge=0, le=100_000)
+    throttled: bool | None = None
+    busy: bool | None = None
+
+    @field_validator("ts")
+    @classmethod
+    def _utc(cls, value: dt.datetime) -> dt.datetime:
+        if value.tzinfo is None:
+            return value.replace(tzinfo=dt.timezone.utc)
+        return value.astimezone(dt.timezone.utc)
+
+
+class Pause(RequestModel):
+    reason: str = Field(min_length=1, max_length=40)
+    detail: str | None = Field(default=None, max_length=1000)
+
+
+class HeartbeatIn(RequestModel):
+    telemetry: list[TelemetrySampleIn] = Field(max_length=MAX_SAMPLES_PER_HEARTBEAT)
+    agent_version: str | None = Field(default=None, max_length=40)
+    capabilities: dict[str, Any] | None = None
+    profiles: dict[str, Any] | None = None
+    pause: Pause | None = None
+
+
+class Lease(BaseModel):
+    renewed_at: dt.datetime
+    grace_s: float
+
+
+class HeartbeatOut(BaseModel):
+    device_id: str
+    state: str
+    lease: Lease
+    heartbeat_interval_s: float
+    commands: list[dict[str, Any]]
+
+
+class TelemetrySampleRead(ReadModel):
+    ts: dt.datetime
+    battery_pct: float | None
+    charging: bool | None
+    battery_temp_c: float | None
+    cpu_temp_c: float | None
+    power_w: float | None
+    cpu_freq_mhz: float | None
+    throttled: bool | None
+    busy: bool | None

@@ -1,0 +1,131 @@
+"""The job spec (every field, default and range: docs/contracts.md) and job reads."""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field, ValidationInfo, field_validator, model_validator
+
+from api.schemas.common import Labels, ReadModel, RequestModel
+
+ARCHS = ("logreg", "mlp", "cnn", "mobilenet_v1", "resnet")
+JOB_STATES = ("Pending", "Running", "Succeeded", "Failed", "Cancelled")
+FINISHED_STATES = ("Succeeded", "Failed", "Cancelled")
+
+
+class ModelSpec(RequestModel):
+    arch: Literal["logreg", "mlp", "cnn", "mobilenet_v1", "resnet"]
+    width: float = Field(1.0, ge=0.125, le=4)
+    hidden: int = Field(128, ge=1, le=8192)
+    dropout: float = Field(0.0, ge=0, le=0.9)
+    blocks: int = Field(1, ge=1, le=8)
+
+
+class OptimizerSpec(RequestModel):
+    lr: float = Field(0.1, gt=0, le=100)
+    momentum: float = Field(0.9, ge=0, le=0.999)
+    nesterov: bool = False
+    weight_decay: float = Field(0.0, ge=0, le=1)
+    warmup_epochs: float = Field(0.0, ge=0, le=1000)
+    schedule: Literal["constant", "cosine", "step"] = "cosine"
+    decay_epochs: list[float] = Field(default_factory=list, max_length=1000)
+    decay_factor: float = Field(0.1, ge=0, le=1)
+    lr_scaling: bool = True
+
+    @field_validator("decay_epochs")
+    @classmethod
+    def _non_negative(cls, value: list[float]) -> list[float]:
+        if any(e < 0 for e in value):
+            raise ValueError("decay epochs must be >= 0")
+        return sorted(value)
+
+
+class PlacementSpec(RequestModel):
+    min_devices: int = Field(1, ge=1, le=10000)
+    max_devices: int = Field(8, ge=1, le=10000)
+    selector: Labels = Field(default_factory=dict)
+    min_battery: float = Field(20, ge=0, le=100)
+    max_temp_c: float = Field(45, ge=20, le=120)
+    backend: Literal["any", "numpy", "torch"] = "any"
+    shared_mode: bool = False
+
+    @field_validator("max_devices")
+    @classmethod
+    def _at_least_min(cls, value: int, info: ValidationInfo) -> int:
+        low = info.data.get("min_devices")
+        if low is not None and value < low:
+            raise ValueError(f"max_devices ({value}) must be >= min_devices ({low})")
+        return value
+
+
+class JobCreate(RequestModel):
+    name: str = Field(min_length=1, max_length=200)
+    model: ModelSpec
+    dataset: str = Field(min_length=1, max_length=200)
+    global_batch_size: int = Field(256, ge=1, le=65536)
+    shards: int = Field(16, ge=1, le=4096)
+    epochs: int = Field(10, ge=1, le=10000)
+    seed: int = Field(0, ge=0, le=2**31 - 1)
+    optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
+    placement: PlacementSpec = Field(default_factory=PlacementSpec)
+    priority: int = Field(0, ge=-1000, le=1000)
+    checkpoint_every: int = Field(50, ge=1, le=100000)
+
+    @field_validator("shards")
+    @classmethod
+    def _divides_batch(cls, value: int, info: ValidationInfo) -> int:
+        batch = info.data.get("global_batch_size")
+        if batch is not None and batch % value:
+            raise ValueError(f"global_batch_size ({batch}) must be divisible by shards ({value})")
+        return value
+
+    @model_validator(mode="after")
+    def _warmup_before_end(self) -> JobCreate:
+        if self.optimizer.warmup_epochs >= self.epochs:
+            raise ValueError(f"optimizer.warmup_epochs ({self.optimizer.warmup_epochs:g}) must "
+                             f"be < epochs ({self.epochs})")
+        return self
+
+
+class JobRead(ReadModel):
+    id: str
+    name: str
+    state: str
+    reason: str | None
+    priority: int
+    step: int
+    total_steps: int
+    metrics: dict[str, Any]
+    spec: dict[str, Any]
+    devices: list[str] = []
+    created: dt.datetime
+    started_at: dt.datetime | None
+    finished_at: dt.datetime | None
+
+
+class StepMetricRead(ReadModel):
+    step: int
+    ts: dt.datetime
+    epoch: float
+    train_loss: float | None
+    train_accuracy: float | None
+    val_loss: float | None
+    val_accuracy: float | None
+    lr: float | None
+    samples: int
+    step_seconds: float | None
+    devices: int
+    energy_j: float | None
+
+
+class DatasetRead(BaseModel):
+    name: str
+    builtin: bool
+    n_train: int | None = None
+    n_val: int | None = None
+    input_shape: list[int] | None = None
+    num_classes: int | None = None
+    size_bytes: int | None = None
+    sha256: str | None = None
+    created: dt.datetime | None = None

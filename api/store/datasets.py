@@ -1,0 +1,57 @@
+"""Uploaded datasets: the file under `<data_dir>/datasets/` and its row."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from api.errors import Conflict, Invalid
+from api.store.models import Dataset
+
+BUILTIN = ("digits",)
+
+
+def check_name(name: str) -> None:
+    from agent.nn.data import NAME_RE
+
+    if not NAME_RE.match(name):
+        raise Invalid("name", "dataset name: 1-64 of A-Z a-z 0-9 _ . -, starting alphanumeric")
+    if name in BUILTIN or name.startswith("synthetic"):
+        raise Conflict(f"dataset name {name!r} is reserved for a built-in dataset")
+
+
+def validate_upload(data: bytes, max_bytes: int) -> Any:
+    from agent.nn.data import DatasetError, validate_npz
+
+    try:
+        return validate_npz(data, max_bytes)
+    except DatasetError as exc:
+        raise Invalid("file", str(exc)) from exc
+
+
+def store_dataset(session: Session, name: str, data: bytes, dataset: Any, data_dir: Path
+                  ) -> Dataset:
+    """Write the file atomically, then the row; a duplicate name is 409 and writes nothing."""
+    if session.get(Dataset, name) is not None:
+        raise Conflict(f"dataset {name!r} already exists")
+    folder = data_dir / "datasets"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}.npz"  # a file without a row is a failed earlier upload: replaced
+    tmp = folder / f".{name}.{os.getpid()}.tmp"
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+    row = Dataset(name=name, path=str(path), n_samples=len(dataset.y_train),
+                  input_shape=list(dataset.input_shape), num_classes=dataset.num_classes,
+                  sha256=hashlib.sha256(data).hexdigest(), size_bytes=len(data))
+    session.add(row)
+    session.flush()
+    return row
+
+
+def list_uploaded(session: Session) -> list[Dataset]:
+    return list(session.scalars(select(Dataset).order_by(Dataset.name)))

@@ -1,0 +1,92 @@
+"""Device rows: registration, listing with filters, deletion, telemetry history and pruning."""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Sequence
+from typing import Any
+
+from sqlalchemy import delete, select
+from sqlalchemy.orm import Session
+
+from api.errors import Invalid
+from api.lifecycle import READY, STATES, get_device
+from api.store import events, tokens
+from api.store.models import Device, TelemetrySample
+
+
+def register_device(session: Session, *, enrollment_secret: str, name: str,
+                    labels: dict[str, str], spec: dict[str, Any], now: dt.datetime
+                    ) -> tuple[Device, str]:
+    """Use one enrollment, create the device (leased from now) and its token."""
+    enrollment = tokens.use_enrollment_token(session, enrollment_secret, now)
+    device = Device(name=name, labels={**enrollment.labels, **labels}, spec=spec, state=READY,
+                    cordoned=False, draining=False, lease_renewed_at=now, capabilities={},
+                    profiles={}, latest_telemetry={})
+    session.add(device)
+    session.flush()
+    _, secret = tokens.create_api_token(session, kind="device", name=name, device_id=device.id)
+    events.record(session, "Registered", f"enrolled as {name!r} with {enrollment.id}", now=now,
+                  device_id=device.id)
+    return device, secret
+
+
+def parse_selector(selector: str | None) -> dict[str, str]:
+    """`rack=a,zone=b` -> {"rack": "a", "zone": "b"} (label equality, all must match)."""
+    if not selector:
+        return {}
+    wanted: dict[str, str] = {}
+    for term in selector.split(","):
+        key, sep, value = term.partition("=")
+        if not sep or not key.strip():
+            raise Invalid("selector", f"selector term {term!r} is not key=value")
+        wanted[key.strip()] = value.strip()
+    return wanted
+
+
+def parse_states(state: str | None) -> list[str]:
+    if not state:
+        return []
+    states = [s.strip() for s in state.split(",") if s.strip()]
+    for value in states:
+        if value not in STATES:
+            raise Invalid("state", f"unknown state {value!r}; one of {', '.join(STATES)}")
+    return states
+
+
+def list_devices(session: Session, *, states: list[str], selector: dict[str, str],
+                 limit: int, offset: int) -> Sequence[Device]:
+    """One query, whatever the page size (no N+1); `limit + 1` rows say if a next page exists."""
+    query = select(Device).order_by(Device.created, Device.id)
+    if states:
+        query = query.where(Device.state.in_(states))
+    for key, value in selector.items():
+        query = query.where(Device.labels[key].as_string() == value)
+    return session.scalars(query.limit(limit + 1).offset(offset)).all()
+
+
+def delete_device(session: Session, device_id: str, now: dt.datetime) -> Device:
+    """Revoke the device's tokens, then delete it (its assignments and samples cascade)."""
+    device = get_device(session, device_id, for_update=True)
+    tokens.revoke_device_tokens(session, device_id)
+    events.record(session, "Deleted", f"device {device.name!r} deleted; its token is revoked",
+                  now=now, device_id=device_id, kind="Warning")
+    session.delete(device)
+    session.flush()
+    return device
+
+
+def telemetry_history(session: Session, device_id: str, *, since: dt.datetime | None,
+                      limit: int, offset: int) -> Sequence[TelemetrySample]:
+    get_device(session, device_id)
+    query = select(TelemetrySample).where(TelemetrySample.device_id == device_id)
+    if since is not None:
+        query = query.where(TelemetrySample.ts >= since)
+    query = query.order_by(TelemetrySample.ts, TelemetrySample.id)
+    return session.scalars(query.limit(limit + 1).offset(offset)).all()
+
+
+def prune_telemetry(session: Session, older_than: dt.datetime) -> int:
+    """Delete history samples older than `older_than` (the latest stays on the device row)."""
+    result = session.execute(delete(TelemetrySample).where(TelemetrySample.ts < older_than))
+    return int(result.rowcount or 0)  # type: ignore[attr-defined]

@@ -1,0 +1,126 @@
+"""Jobs: submission (after complete validation), reads with their devices, cancel, curves."""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session
+
+from api.errors import Conflict, Invalid, NotFound
+from api.schemas.jobs import FINISHED_STATES, JOB_STATES
+from api.store import events
+from api.store.models import Checkpoint, Job, ShardAssignment, StepMetric
+
+
+def dataset_facts(name: str, data_dir: Path) -> Any:
+    from agent.nn.data import DatasetError, dataset_info
+
+    try:
+        return dataset_info(name, data_dir)
+    except DatasetError as exc:
+        raise Invalid("dataset", str(exc)) from exc
+
+
+def plan_total_steps(spec: dict[str, Any], data_dir: Path) -> int:
+    """The cross-checks that need the dataset: shards fit, and at least one step per epoch."""
+    from agent.nn.sampler import total_steps
+
+    info = dataset_facts(spec["dataset"], data_dir)
+    if spec["shards"] > info.n_train:
+        raise Invalid("shards", f"shards ({spec['shards']}) must be <= the {info.n_train} "
+                      f"training samples of dataset {spec['dataset']!r}")
+    try:
+        return total_steps(info.n_train, spec["shards"], spec["global_batch_size"],
+                           spec["epochs"])
+    except ValueError as exc:
+        raise Invalid("global_batch_size", str(exc)) from exc
+
+
+def submit_job(session: Session, spec: dict[str, Any], *, total_steps: int,
+               owner_token_id: str | None, now: dt.datetime) -> Job:
+    job = Job(name=spec["name"], spec=spec, state="Pending", priority=spec["priority"], step=0,
+              total_steps=total_steps, metrics={}, owner_token_id=owner_token_id)
+    session.add(job)
+    session.flush()
+    events.record(session, "Submitted", f"{total_steps} steps on {spec['dataset']!r}",
+                  now=now, job_id=job.id)
+    return job
+
+
+def get_job(session: Session, job_id: str) -> Job:
+    job = session.get(Job, job_id)
+    if job is None:
+        raise NotFound(f"job {job_id} not found")
+    return job
+
+
+def devices_of(session: Session, job_ids: list[str]) -> dict[str, list[str]]:
+    """job id -> ids of the devices holding its shards, for a whole page in one query."""
+    held: dict[str, list[str]] = {job_id: [] for job_id in job_ids}
+    if not job_ids:
+        return held
+    rows = session.execute(
+        select(ShardAssignment.job_id, ShardAssignment.device_id).distinct()
+        .where(ShardAssignment.job_id.in_(job_ids))
+        .order_by(ShardAssignment.job_id, ShardAssignment.device_id)
+    )
+    for job_id, device_id in rows:
+        held[job_id].append(device_id)
+    return held
+
+
+def parse_job_states(state: str | None) -> list[str]:
+    states = [s.strip() for s in (state or "").split(",") if s.strip()]
+    for value in states:
+        if value not in JOB_STATES:
+            raise Invalid("state", f"unknown job state {value!r}; one of {', '.join(JOB_STATES)}")
+    return states
+
+
+def list_jobs(session: Session, *, states: list[str], limit: int, offset: int) -> Sequence[Job]:
+    query = select(Job).order_by(Job.created.desc(), Job.id)
+    if states:
+        query = query.where(Job.state.in_(states))
+    return session.scalars(query.limit(limit + 1).offset(offset)).all()
+
+
+def cancel_job(session: Session, job_id: str, now: dt.datetime, by: str) -> Job:
+    """Pending/Running -> Cancelled with a guarded UPDATE; 409 once the job has finished."""
+    job = get_job(session, job_id)
+    result = session.execute(
+        update(Job).where(Job.id == job_id, Job.state.not_in(FINISHED_STATES))
+        .values(state="Cancelled", reason=f"cancelled by {by}", finished_at=now, updated=now),
+        execution_options={"synchronize_session": False},
+    )
+    if result.rowcount != 1:  # type: ignore[attr-defined]
+        session.refresh(job)
+        raise Conflict(f"job {job_id} already finished ({job.state}); nothing to cancel")
+    events.record(session, "Cancelled", f"cancelled by {by}", now=now, job_id=job_id)
+    session.flush()
+    session.refresh(job)
+    return job
+
+
+def step_metrics(session: Session, job_id: str, *, since_step: int, limit: int
+                 ) -> Sequence[StepMetric]:
+    get_job(session, job_id)
+    query = (select(StepMetric).where(StepMetric.job_id == job_id, StepMetric.step >= since_step)
+             .order_by(StepMetric.step).limit(limit + 1))
+    return session.scalars(query).all()
+
+
+def latest_checkpoint(session: Session, job_id: str, data_dir: Path) -> tuple[Checkpoint, Path]:
+    get_job(session, job_id)
+    row = session.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id)
+                          .order_by(Checkpoint.step.desc(), Checkpoint.id.desc())).first()
+    if row is None:
+        raise NotFound(f"job {job_id} has no checkpoint yet")
+    path = Path(row.path)
+    path = path if path.is_absolute() else data_dir / path
+    if not path.is_file():
+        raise NotFound(f"checkpoint of step {row.step} is recorded but its file is missing")
+    return row, path

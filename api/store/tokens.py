@@ -1,0 +1,101 @@
+"""Enrollment tokens and API tokens (admin, user, device): only hashes are stored."""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Sequence
+from typing import Any
+
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session
+
+from api.auth import hash_token, new_secret
+from api.errors import Forbidden, NotFound, Unauthorized
+from api.store.models import ApiToken, EnrollmentToken
+
+
+def create_enrollment_token(session: Session, *, expires_at: dt.datetime, max_uses: int | None,
+                            labels: dict[str, str], description: str | None
+                            ) -> tuple[EnrollmentToken, str]:
+    secret = new_secret("enrollment")
+    row = EnrollmentToken(token_hash=hash_token(secret), expires_at=expires_at, max_uses=max_uses,
+                          labels=labels, description=description, uses=0, revoked=False)
+    session.add(row)
+    session.flush()
+    return row, secret
+
+
+def list_enrollment_tokens(session: Session, limit: int, offset: int) -> Sequence[EnrollmentToken]:
+    query = select(EnrollmentToken).order_by(EnrollmentToken.created, EnrollmentToken.id)
+    return session.scalars(query.limit(limit + 1).offset(offset)).all()
+
+
+def revoke_enrollment_token(session: Session, token_id: str) -> EnrollmentToken:
+    row = session.get(EnrollmentToken, token_id)
+    if row is None:
+        raise NotFound(f"enrollment token {token_id} not found")
+    row.revoked = True
+    session.flush()
+    return row
+
+
+def use_enrollment_token(session: Session, secret: str, now: dt.datetime) -> EnrollmentToken:
+    """Count one use atomically (a guarded UPDATE), or say exactly why the token is refused."""
+    token_hash = hash_token(secret)
+    row = session.scalars(
+        select(EnrollmentToken).where(EnrollmentToken.token_hash == token_hash)
+    ).first()
+    if row is None:
+        raise Unauthorized("invalid enrollment token")
+    if row.revoked:
+        raise Forbidden("enrollment token revoked")
+    if row.expires_at <= now:
+        raise Forbidden(f"enrollment token expired at {row.expires_at.isoformat()}")
+    guard = update(EnrollmentToken).where(
+        EnrollmentToken.id == row.id, EnrollmentToken.revoked.is_(False),
+        EnrollmentToken.expires_at > now,
+    )
+    if row.max_uses is not None:
+        guard = guard.where(EnrollmentToken.uses < EnrollmentToken.max_uses)
+    result = session.execute(guard.values(uses=EnrollmentToken.uses + 1),
+                             execution_options={"synchronize_session": False})
+    if result.rowcount != 1:  # type: ignore[attr-defined]
+        raise Forbidden(f"enrollment token used up ({row.max_uses} uses)")
+    session.refresh(row)
+    return row
+
+
+def create_api_token(session: Session, *, kind: str, name: str | None,
+                     device_id: str | None = None, expires_at: dt.datetime | None = None
+                     ) -> tuple[ApiToken, str]:
+    secret = new_secret(kind)
+    row = ApiToken(kind=kind, name=name, token_hash=hash_token(secret), device_id=device_id,
+                   expires_at=expires_at, revoked=False)
+    session.add(row)
+    session.flush()
+    return row, secret
+
+
+def list_api_tokens(session: Session, limit: int, offset: int,
+                    kind: str | None = None) -> Sequence[ApiToken]:
+    query = select(ApiToken).order_by(ApiToken.created, ApiToken.id)
+    if kind:
+        query = query.where(ApiToken.kind == kind)
+    return session.scalars(query.limit(limit + 1).offset(offset)).all()
+
+
+def revoke_api_token(session: Session, token_id: str) -> ApiToken:
+    row = session.get(ApiToken, token_id)
+    if row is None:
+        raise NotFound(f"token {token_id} not found")
+    row.revoked = True
+    session.flush()
+    return row
+
+
+def revoke_device_tokens(session: Session, device_id: str) -> list[Any]:
+    result = session.execute(
+        update(ApiToken).where(ApiToken.device_id == device_id).values(revoked=True)
+        .returning(ApiToken.id)
+    )
+    return list(result.scalars())
