@@ -178,7 +178,10 @@ def _take(win: np.ndarray, buf: np.ndarray | None) -> np.ndarray:
 
 
 class DepthwiseConv2d(Layer):
-    """One k x k filter per channel (MobileNet); weight (C, 1, k, k) as in torch groups=C."""
+    """One k x k filter per channel (MobileNet); weight (C, 1, k, k) as in torch groups=C.
+
+    Each kernel offset is one multiply-add over a strided slice; a few images at a time, so
+    the k*k passes over a chunk run in cache rather than in memory."""
 
     def __init__(self, k: int, name: str, stride: int = 1, pad: int | None = None) -> None:
         self.k, self.name, self.s = k, name, stride
@@ -191,16 +194,27 @@ class DepthwiseConv2d(Layer):
         self.w = b.param(f"{self.name}.weight", (c, 1, self.k, self.k), "he", kk, kk, decay=True)
         return (c, _out(h, self.k, self.s, self.p), _out(w, self.k, self.s, self.p))
 
+    def _chunks(self, xp: np.ndarray, ho: int, wo: int) -> list[tuple[int, int]]:
+        per_image = xp.shape[1] * xp.shape[2] * xp.shape[3] + 2 * ho * wo * xp.shape[3]
+        return _chunks(xp.shape[0], 1, per_image)
+
     def forward(self, x, P, ctx):
         n, h, w, c = x.shape
         k, s, p = self.k, self.s, self.p
         ho, wo = _out(h, k, s, p), _out(w, k, s, p)
-        wk = P[self.w][:, 0].transpose(1, 2, 0)  # (k, k, C)
+        wk = np.ascontiguousarray(P[self.w][:, 0].transpose(1, 2, 0))  # (k, k, C)
         xp = _pad(x, p)
-        y = np.zeros((n, ho, wo, c), dtype=x.dtype)
-        tmp = np.empty_like(y)
-        for i, j, sl in _offsets(k, s, ho, wo):
-            y += np.multiply(xp[sl], wk[i, j], out=tmp)
+        y = np.empty((n, ho, wo, c), dtype=x.dtype)
+        tmp = None
+        for a, b in self._chunks(xp, ho, wo):
+            xc, yc = xp[a:b], y[a:b]
+            if tmp is None or tmp.shape != yc.shape:
+                tmp = np.empty_like(yc)
+            for i, j, sl in _offsets(k, s, ho, wo):
+                if i == 0 and j == 0:
+                    np.multiply(xc[sl], wk[0, 0], out=yc)
+                else:
+                    yc += np.multiply(xc[sl], wk[i, j], out=tmp)
         return y, (xp, wk, x.shape)
 
     def backward(self, dy, cache, P, G, need_dx=True):
@@ -208,13 +222,18 @@ class DepthwiseConv2d(Layer):
         n, h, w, c = shape
         k, s, p = self.k, self.s, self.p
         ho, wo = dy.shape[1], dy.shape[2]
-        dw = np.empty((k, k, c), dtype=dy.dtype)
+        dw = np.zeros((k, k, c), dtype=dy.dtype)
         dxp = np.zeros(xp.shape, dtype=dy.dtype) if need_dx else None
-        tmp = np.empty_like(dy)
-        for i, j, sl in _offsets(k, s, ho, wo):
-            dw[i, j] = np.multiply(dy, xp[sl], out=tmp).sum(axis=(0, 1, 2))
-            if need_dx:
-                dxp[sl] += np.multiply(dy, wk[i, j], out=tmp)
+        tmp = ones = None
+        for a, b in self._chunks(xp, ho, wo):
+            xc, dyc = xp[a:b], dy[a:b]
+            if tmp is None or tmp.shape != dyc.shape:
+                tmp = np.empty_like(dyc)
+                ones = np.ones((b - a) * ho * wo, dtype=dy.dtype)
+            for i, j, sl in _offsets(k, s, ho, wo):
+                dw[i, j] += ones @ np.multiply(dyc, xc[sl], out=tmp).reshape(-1, c)
+                if need_dx:
+                    dxp[a:b][sl] += np.multiply(dyc, wk[i, j], out=tmp)
         G[self.w][...] = dw.transpose(2, 0, 1)[:, None]
         if not need_dx:
             return None

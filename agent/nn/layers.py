@@ -59,7 +59,9 @@ class ReLU6(Layer):
 
     def backward(self, dy, y, P, G, need_dx=True):
         # the gradient passes strictly inside (0, 6), as torch's hardtanh backward does
-        return dy * ((y > 0) & (y < 6))
+        inside = y > 0
+        inside &= y < 6
+        return dy * inside
 
     def torch_forward(self, x, P, ctx):
         import torch.nn.functional as F

@@ -164,3 +164,18 @@ def test_softmax_cross_entropy_gradient_and_counts():
     np.testing.assert_allclose(grad.reshape(-1), num, rtol=1e-6, atol=1e-8)
     big, _, _ = softmax_cross_entropy(np.array([[1000.0, 0.0]]), np.array([1]))
     assert big == pytest.approx(1000.0)  # stable for large logits
+
+
+@pytest.mark.parametrize("case", ["conv 3x3", "conv 3x3 stride 2", "depthwise 3x3",
+                                  "depthwise 3x3 stride 2"])
+def test_cache_sized_chunks_change_nothing_but_speed(case, monkeypatch):
+    make, shape = CASES[case]
+    bound = Bound(make(), shape)
+    x = _input(shape, n=5)
+    r = np.random.default_rng(2).standard_normal((5, *bound.out_shape))
+    whole = _numpy_loss_and_grads(bound, x, r)
+    monkeypatch.setattr("agent.nn.conv.CHUNK_FLOATS", 1)  # one image per chunk
+    split = _numpy_loss_and_grads(bound, x, r)
+    assert split[0] == pytest.approx(whole[0], rel=1e-12)
+    np.testing.assert_allclose(split[1], whole[1], rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(split[2], whole[2], rtol=1e-12, atol=1e-12)

@@ -1,0 +1,40 @@
+"""The agent's engine needs numpy only: torch is optional, scikit-learn is control-plane only."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+
+def _run(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_the_engine_trains_without_torch_and_says_so_when_torch_is_asked_for():
+    out = _run("""
+        import sys
+        sys.modules["torch"] = None  # as on a phone without python-torch
+        import numpy as np
+        from agent.nn import torch_backend
+        from agent.nn.models import build_model
+        from agent.nn.spec import TrainSpec
+        from agent.nn.step import compute_shard
+        from agent.wire import encode_results
+        assert not torch_backend.available()
+        m = build_model("cnn", (1, 8, 8), 10, {})
+        p, b = m.init(0)
+        spec = TrainSpec.from_job_spec({"model": {"arch": "cnn"}, "dataset": "digits"})
+        x, y = np.zeros((4, 1, 8, 8), np.float32), np.arange(4)
+        r = compute_shard(m, p, b, x, y, spec, 0, 0)
+        encode_results("job-1", 0, [r])
+        try:
+            compute_shard(m, p, b, x, y, spec, 0, 0, backend="torch")
+        except RuntimeError as exc:
+            print("refused:", exc)
+        print("sklearn loaded:", "sklearn" in sys.modules)
+    """)
+    assert out.returncode == 0, out.stderr
+    assert "refused: backend 'torch' needs PyTorch installed" in out.stdout
+    assert "sklearn loaded: False" in out.stdout
