@@ -1,0 +1,79 @@
+"""Filters and scores, table-driven: each row is a sentence about one phone."""
+
+from __future__ import annotations
+
+import pytest
+
+from scheduler.policy.filters import FILTERS, KEEP_FILTERS, UNRESOLVABLE, UNSCHEDULABLE, run_filters
+from scheduler.policy.scores import device_speed, score
+from scheduler.policy.types import DeviceView, PlacementRequest
+
+REQ = PlacementRequest(job_id="job-a", arch="cnn", shards=8, min_battery=20, max_temp_c=45,
+                       selector={"rack": "a"})
+BASE = DeviceView(id="dev-1", labels={"rack": "a"}, battery_pct=80, charging=False, temp_c=35)
+
+FILTER_CASES = {
+    "a healthy phone in the right rack passes": (BASE, None),
+    "a phone whose lease expired is not ready": (
+        DeviceView(**{**BASE.__dict__, "state": "NotReady"}), UNSCHEDULABLE),
+    "a cordoned phone needs a person": (
+        DeviceView(**{**BASE.__dict__, "cordoned": True}), UNRESOLVABLE),
+    "a draining phone needs a person": (
+        DeviceView(**{**BASE.__dict__, "draining": True}), UNRESOLVABLE),
+    "a phone paused for heat waits": (
+        DeviceView(**{**BASE.__dict__, "pause_reason": "thermal"}), UNSCHEDULABLE),
+    "a phone in another rack never matches the selector": (
+        DeviceView(**{**BASE.__dict__, "labels": {"rack": "b"}}), UNRESOLVABLE),
+    "a phone at 10% on battery is below min_battery": (
+        DeviceView(**{**BASE.__dict__, "battery_pct": 10}), UNSCHEDULABLE),
+    "a phone at 10% but charging is fine": (
+        DeviceView(**{**BASE.__dict__, "battery_pct": 10, "charging": True}), None),
+    "a phone at 47 C is above max_temp_c": (
+        DeviceView(**{**BASE.__dict__, "temp_c": 47}), UNSCHEDULABLE),
+    "a phone whose agent lacks the arch cannot run it": (
+        DeviceView(**{**BASE.__dict__, "archs": frozenset({"mlp"})}), UNRESOLVABLE),
+    "a phone busy with another job is not free": (
+        DeviceView(**{**BASE.__dict__, "job_id": "job-b"}), UNSCHEDULABLE),
+    "a phone already in this job is free for it": (
+        DeviceView(**{**BASE.__dict__, "job_id": "job-a"}), None),
+    "a phone with no telemetry yet is not refused for it": (
+        DeviceView(id="dev-2", labels={"rack": "a"}), None),
+}
+
+
+@pytest.mark.parametrize("case", FILTER_CASES)
+def test_filters(case: str) -> None:
+    device, expected = FILTER_CASES[case]
+    status = run_filters(device, REQ, FILTERS)
+    assert (None if status.ok else status.code) == expected, status.reason
+
+
+KEEP_CASES = {
+    "a running phone that got hot keeps its shards until its agent pauses": (
+        DeviceView(**{**BASE.__dict__, "temp_c": 60}), True),
+    "a paused phone loses its shards": (
+        DeviceView(**{**BASE.__dict__, "pause_reason": "busy"}), False),
+    "a drained phone loses its shards": (DeviceView(**{**BASE.__dict__, "draining": True}), False),
+    "a NotReady phone loses its shards": (
+        DeviceView(**{**BASE.__dict__, "state": "NotReady"}), False),
+}
+
+
+@pytest.mark.parametrize("case", KEEP_CASES)
+def test_keep_filters(case: str) -> None:
+    device, keeps = KEEP_CASES[case]
+    assert run_filters(device, REQ, KEEP_FILTERS).ok is keeps
+
+
+def test_measured_speed_beats_the_estimate_and_scores_rank_by_it() -> None:
+    slow = DeviceView(**{**BASE.__dict__, "id": "slow", "speeds": {"cnn": 100.0}})
+    fast = DeviceView(**{**BASE.__dict__, "id": "fast", "speeds": {"cnn": 400.0}})
+    assert device_speed(fast, "cnn") == 400.0
+    assert score(fast, REQ, 400.0) > score(slow, REQ, 400.0)
+
+
+def test_a_cool_charging_phone_scores_above_a_hot_draining_one() -> None:
+    cool = DeviceView(**{**BASE.__dict__, "id": "cool", "temp_c": 25, "charging": True})
+    hot = DeviceView(**{**BASE.__dict__, "id": "hot", "temp_c": 44, "battery_pct": 25})
+    fastest = device_speed(cool, "cnn")
+    assert 0 <= score(hot, REQ, fastest) < score(cool, REQ, fastest) <= 100
