@@ -1,0 +1,105 @@
+"""Device reads and the admin's lifecycle actions, with the events they record."""
+
+from __future__ import annotations
+
+import pytest
+
+from api.store.models import Device, Event
+
+
+def _reasons(api, device_id: str) -> list[str]:
+    return [e["reason"] for e in api.get(f"/v1/devices/{device_id}/events").json()["items"]]
+
+
+def test_list_filters_by_state_and_label_selector(api):
+    a = api.register("a", {"rack": "a", "zone": "1"})
+    api.register("b", {"rack": "a", "zone": "2"})
+    api.register("c", {"rack": "b", "zone": "1"})
+    api.post(f"/v1/devices/{a['device_id']}/cordon")
+
+    def names(query: str) -> list[str]:
+        resp = api.get(f"/v1/devices{query}")
+        assert resp.status_code == 200, resp.text
+        return [d["name"] for d in resp.json()["items"]]
+
+    assert names("") == ["a", "b", "c"]
+    assert names("?selector=rack=a") == ["a", "b"]
+    assert names("?selector=rack=a,zone=1") == ["a"]
+    assert names("?state=Ready") == ["b", "c"]
+    assert names("?state=Cordoned,NotReady") == ["a"]
+    assert names("?selector=rack=z") == []
+
+
+def test_pagination_walks_every_device_once(api):
+    for i in range(5):
+        api.register(f"p{i}")
+    seen, offset = [], 0
+    while offset is not None:
+        page = api.get(f"/v1/devices?limit=2&offset={offset}").json()
+        seen += [d["name"] for d in page["items"]]
+        offset = page["next_offset"]
+    assert seen == [f"p{i}" for i in range(5)]
+
+
+@pytest.mark.parametrize("query, field", [("?state=Sleeping", "state"), ("?selector=rack", "selector"),
+                                          ("?limit=0", "limit"), ("?limit=x", "limit"),
+                                          ("?offset=-1", "offset")])
+def test_bad_list_queries_are_422(api, query, field):
+    resp = api.get(f"/v1/devices{query}")
+    assert resp.status_code == 422 and field in [e["field"] for e in resp.json()["detail"]]
+
+
+def test_get_shows_spec_labels_and_latest_telemetry(api):
+    device = api.register("p", {"rack": "a"})
+    api.heartbeat(device, {"telemetry": [{"ts": 100.0, "battery_pct": 50},
+                                         {"ts": 200.0, "battery_pct": 49, "charging": True}]})
+    shown = api.get(f"/v1/devices/{device['device_id']}").json()
+    assert shown["labels"] == {"rack": "a"} and shown["spec"]["model"] == "SM-G975F"
+    assert shown["latest_telemetry"] == {"ts": 200.0, "battery_pct": 49.0, "charging": True}
+
+
+def test_cordon_drain_uncordon_change_state_and_record_events(api):
+    device = api.register()
+    dev_id = device["device_id"]
+    assert api.post(f"/v1/devices/{dev_id}/cordon").json()["state"] == "Cordoned"
+    assert api.post(f"/v1/devices/{dev_id}/cordon").json()["state"] == "Cordoned"  # no-op
+    assert api.heartbeat(device).json()["commands"] == []
+    drained = api.post(f"/v1/devices/{dev_id}/drain").json()
+    assert drained["state"] == "Draining" and drained["cordoned"] is True
+    assert api.heartbeat(device).json()["commands"] == [{"type": "drain"}]
+    assert api.heartbeat(device).json()["state"] == "Draining"
+    back = api.post(f"/v1/devices/{dev_id}/uncordon").json()
+    assert back["state"] == "Ready" and not back["draining"]
+    assert api.heartbeat(device).json()["commands"] == []
+    assert _reasons(api, dev_id) == ["Registered", "Cordoned", "Draining", "Uncordoned"]
+
+
+def test_delete_revokes_the_device_token(api):
+    device = api.register()
+    assert api.heartbeat(device).status_code == 200  # its token is now cached
+    assert api.delete(f"/v1/devices/{device['device_id']}").status_code == 200
+    assert api.heartbeat(device).status_code == 401
+    assert api.get(f"/v1/devices/{device['device_id']}").status_code == 404
+    assert api.count(Device) == 0
+
+
+@pytest.mark.parametrize("method, suffix", [("get", ""), ("post", "/cordon"), ("post", "/uncordon"),
+                                            ("post", "/drain"), ("delete", ""), ("get", "/events"),
+                                            ("get", "/telemetry")])
+def test_unknown_device_ids_are_404(api, method, suffix):
+    events = api.count(Event)
+    resp = getattr(api, method)(f"/v1/devices/dev-missing{suffix}")
+    assert resp.status_code == 404 and "dev-missing" in resp.json()["detail"]
+    assert api.count(Event) == events
+
+
+def test_telemetry_history_since(api):
+    device = api.register()
+    api.heartbeat(device, {"telemetry": [{"ts": t, "power_w": t / 100} for t in (100.0, 200.0)]})
+    api.heartbeat(device, {"telemetry": [{"ts": 300.0, "power_w": 3.0}]})
+    history = api.get(f"/v1/devices/{device['device_id']}/telemetry").json()["items"]
+    assert [s["power_w"] for s in history] == [1.0, 2.0, 3.0]
+    since = api.get(f"/v1/devices/{device['device_id']}/telemetry",
+                    params={"since": "1970-01-01T00:03:20Z"}).json()["items"]
+    assert [s["power_w"] for s in since] == [2.0, 3.0]
+    assert api.get(f"/v1/devices/{device['device_id']}/telemetry?since=yesterday").status_code == 422

@@ -1,0 +1,146 @@
+"""Jobs: complete validation at the door, reads, cancel, events, metrics and checkpoints."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+
+from api.store.models import Checkpoint, Event, Job, ShardAssignment, StepMetric
+
+SPEC = {"name": "digits-cnn", "model": {"arch": "cnn"}, "dataset": "digits",
+        "global_batch_size": 256, "shards": 16, "epochs": 20, "seed": 0,
+        "optimizer": {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.0001, "warmup_epochs": 2,
+                      "schedule": "cosine"},
+        "placement": {"min_devices": 1, "max_devices": 8, "selector": {"rack": "a"},
+                      "min_battery": 20, "max_temp_c": 45}}
+
+
+def _with(path: str, value):
+    spec = {**SPEC, "optimizer": dict(SPEC["optimizer"]), "placement": dict(SPEC["placement"]),
+            "model": dict(SPEC["model"])}
+    *parents, leaf = path.split(".")
+    target = spec
+    for key in parents:
+        target = target[key]
+    target[leaf] = value
+    return spec
+
+
+def test_submit_returns_201_with_the_job_and_defaults_filled_in(api):
+    resp = api.post("/v1/jobs", token=api.user_token(), json=SPEC)
+    assert resp.status_code == 201, resp.text
+    job = resp.json()
+    assert job["id"].startswith("job-") and job["state"] == "Pending" and job["step"] == 0
+    # digits: 1438 training samples, 16 shards of >= 89, 16 per shard per step -> 5 steps/epoch
+    assert job["total_steps"] == 20 * 5
+    assert job["spec"]["optimizer"]["nesterov"] is False and job["spec"]["checkpoint_every"] == 50
+    assert job["devices"] == [] and job["metrics"] == {}
+    assert api.get(f"/v1/jobs/{job['id']}").json()["spec"] == job["spec"]
+    assert [e["reason"] for e in api.get(f"/v1/jobs/{job['id']}/events").json()["items"]] == ["Submitted"]
+
+
+@pytest.mark.parametrize("path, value, field", [
+    ("name", "", "name"),
+    ("model.arch", "transformer", "model.arch"),
+    ("model.width", 8, "model.width"),
+    ("model.depth", 3, "model.depth"),
+    ("dataset", "imagenet", "dataset"),
+    ("global_batch_size", 0, "global_batch_size"),
+    ("global_batch_size", "big", "global_batch_size"),
+    ("shards", 7, "shards"),  # 256 % 7
+    ("shards", 2048, "shards"),  # more shards than digits has samples
+    ("global_batch_size", 4096, "global_batch_size"),  # 256/shard > the 89 samples a shard holds
+    ("epochs", 0, "epochs"),
+    ("seed", -1, "seed"),
+    ("optimizer.lr", 0, "optimizer.lr"),
+    ("optimizer.momentum", 1.5, "optimizer.momentum"),
+    ("optimizer.schedule", "linear", "optimizer.schedule"),
+    ("optimizer.warmup_epochs", 20, ""),
+    ("optimizer.beta", 0.9, "optimizer.beta"),
+    ("placement.min_devices", 9, "placement.max_devices"),
+    ("placement.max_temp_c", 500, "placement.max_temp_c"),
+    ("placement.backend", "cuda", "placement.backend"),
+    ("placement.selector", {"rack": 1}, "placement.selector.rack"),
+    ("priority", 5000, "priority"),
+    ("checkpoint_every", 0, "checkpoint_every"),
+    ("owner", "me", "owner"),
+])
+def test_bad_specs_are_422_naming_the_field_and_store_nothing(api, path, value, field):
+    resp = api.post("/v1/jobs", json=_with(path, value))
+    assert resp.status_code == 422, resp.text
+    detail = resp.json()["detail"]
+    assert field in [err["field"] for err in detail], detail
+    if path == "optimizer.warmup_epochs":
+        assert "warmup_epochs" in detail[0]["msg"]
+    assert api.count(Job) == 0 and api.count(Event) == 0
+
+
+def test_not_json_object_bodies_are_422(api):
+    for body in ([], "spec", 3):
+        assert api.post("/v1/jobs", json=body).status_code == 422
+    assert api.count(Job) == 0
+
+
+def test_list_filters_by_state_and_paginates(api):
+    ids = [api.post("/v1/jobs", json=_with("name", f"j{i}")).json()["id"] for i in range(3)]
+    api.post(f"/v1/jobs/{ids[0]}/cancel")
+    assert {j["id"] for j in api.get("/v1/jobs?state=Pending").json()["items"]} == set(ids[1:])
+    assert [j["id"] for j in api.get("/v1/jobs?state=Cancelled").json()["items"]] == [ids[0]]
+    first = api.get("/v1/jobs?limit=2").json()
+    second = api.get(f"/v1/jobs?limit=2&offset={first['next_offset']}").json()
+    assert len(first["items"]) == 2 and len(second["items"]) == 1 and second["next_offset"] is None
+    assert api.get("/v1/jobs?state=Done").status_code == 422
+
+
+def test_cancel_then_cancel_again_is_409(api):
+    job_id = api.post("/v1/jobs", json=SPEC).json()["id"]
+    cancelled = api.post(f"/v1/jobs/{job_id}/cancel", token=api.user_token())
+    assert cancelled.status_code == 200 and cancelled.json()["state"] == "Cancelled"
+    assert "cancelled by" in cancelled.json()["reason"]
+    again = api.post(f"/v1/jobs/{job_id}/cancel")
+    assert again.status_code == 409 and "Cancelled" in again.json()["detail"]
+    reasons = [e["reason"] for e in api.get(f"/v1/jobs/{job_id}/events").json()["items"]]
+    assert reasons == ["Submitted", "Cancelled"]
+
+
+@pytest.mark.parametrize("suffix", ["", "/cancel", "/events", "/metrics", "/checkpoint"])
+def test_unknown_job_ids_are_404(api, suffix):
+    method = api.post if suffix == "/cancel" else api.get
+    resp = method(f"/v1/jobs/job-missing{suffix}")
+    assert resp.status_code == 404 and "job-missing" in resp.json()["detail"]
+
+
+def test_get_shows_the_devices_holding_shards_and_the_metrics_curve(api):
+    device = api.register()
+    job_id = api.post("/v1/jobs", json=SPEC).json()["id"]
+    with api.app.state.session_factory() as session, session.begin():
+        session.add_all([ShardAssignment(job_id=job_id, shard=k, device_id=device["device_id"])
+                         for k in range(3)])
+        session.add_all([StepMetric(job_id=job_id, step=t, train_loss=2.0 - t / 10, samples=256)
+                         for t in range(3)])
+    assert api.get(f"/v1/jobs/{job_id}").json()["devices"] == [device["device_id"]]
+    assert api.get("/v1/jobs").json()["items"][0]["devices"] == [device["device_id"]]
+    curve = api.get(f"/v1/jobs/{job_id}/metrics").json()["items"]
+    assert [p["train_loss"] for p in curve] == [2.0, 1.9, 1.8]
+    assert [p["step"] for p in api.get(f"/v1/jobs/{job_id}/metrics?since_step=2").json()["items"]] == [2]
+
+
+def test_checkpoint_is_404_until_one_is_recorded_then_streams_the_latest(api):
+    job_id = api.post("/v1/jobs", json=SPEC).json()["id"]
+    none_yet = api.get(f"/v1/jobs/{job_id}/checkpoint")
+    assert none_yet.status_code == 404 and "no checkpoint yet" in none_yet.json()["detail"]
+    folder = api.settings.data_dir / "checkpoints"
+    folder.mkdir(parents=True)
+    for step in (50, 100):
+        buf = io.BytesIO()
+        np.savez(buf, w=np.full(3, step, dtype=np.float32))
+        (folder / f"{step}.npz").write_bytes(buf.getvalue())
+        with api.app.state.session_factory() as session, session.begin():
+            session.add(Checkpoint(job_id=job_id, step=step, path=f"checkpoints/{step}.npz",
+                                   sha256="0" * 64, size_bytes=len(buf.getvalue())))
+    resp = api.get(f"/v1/jobs/{job_id}/checkpoint")
+    assert resp.status_code == 200 and resp.headers["x-phalanx-step"] == "100"
+    with np.load(io.BytesIO(resp.content), allow_pickle=False) as arrays:
+        assert arrays["w"].tolist() == [100.0] * 3

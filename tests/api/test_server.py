@@ -1,0 +1,100 @@
+"""`phalanx server` as a real process: migrations at start, the admin token, real concurrency."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+
+from tests.support.server import REPO_ROOT, free_port, start_server
+
+
+def _run_server_once(data_dir) -> str:
+    """Start `phalanx server` without PHALANX_ADMIN_TOKEN, wait for /healthz, stop; its output."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PHALANX_")}
+    env.update(PHALANX_DATA_DIR=str(data_dir), PYTHONUNBUFFERED="1")
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "phalanx.cli.main", "server", "--port",
+                             str(port)], cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        for _ in range(600):
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                if proc.poll() is not None:
+                    break
+                time.sleep(0.1)
+        proc.terminate()
+        out, _ = proc.communicate(timeout=20)
+    finally:
+        proc.kill()
+    return out
+
+
+def test_admin_token_is_generated_printed_once_and_stored(tmp_path):
+    first = _run_server_once(tmp_path)
+    lines = [line for line in first.splitlines() if "generated admin token" in line]
+    assert len(lines) == 1, first
+    second = _run_server_once(tmp_path)
+    assert "admin token" not in second
+    assert lines[0].rsplit(" ", 1)[-1] not in (tmp_path / "phalanx.sqlite").read_bytes().decode(
+        "latin-1")
+
+
+def test_db_upgrade_command(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PHALANX_")}
+    env["PHALANX_DATA_DIR"] = str(tmp_path)
+    out = subprocess.run([sys.executable, "-m", "phalanx.cli.main", "db", "upgrade"],
+                         cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "newest schema" in out.stdout
+    assert (tmp_path / "phalanx.sqlite").is_file()
+
+
+def test_live_server_concurrent_heartbeats_lose_no_sample(live_server):
+    admin = live_server.client()
+    enroll = admin.post("/v1/enrollment-tokens", json={}).json()["token"]
+    devices = [admin.post("/v1/devices/register", json={"enrollment_token": enroll,
+                                                        "name": f"p{i}"}).json()
+               for i in range(6)]
+    rounds = 20
+
+    def beat(args):
+        device, i = args
+        with live_server.client(device["device_token"]) as client:
+            body = {"telemetry": [{"ts": 1000.0 + i * 3 + k, "battery_pct": 50} for k in range(3)]}
+            return client.post(f"/v1/devices/{device['device_id']}/heartbeat", json=body).status_code
+
+    with ThreadPoolExecutor(max_workers=24) as pool:
+        codes = list(pool.map(beat, [(d, i) for d in devices for i in range(rounds)]))
+    assert codes == [200] * (len(devices) * rounds)
+    for device in devices:
+        history = admin.get(f"/v1/devices/{device['device_id']}/telemetry").json()["items"]
+        assert len(history) == rounds * 3
+    admin.close()
+
+
+def test_postgres_server_with_two_workers(pg_url, tmp_path, redis_url):
+    server = start_server(database_url=pg_url, data_dir=tmp_path / "d", admin_token="phx-adm-x",
+                          redis_url=redis_url, args=["--workers", "2"])
+    try:
+        with server.client() as admin:
+            assert admin.get("/readyz").status_code == 200
+            enroll = admin.post("/v1/enrollment-tokens", json={}).json()["token"]
+            device = admin.post("/v1/devices/register",
+                                json={"enrollment_token": enroll, "name": "p"}).json()
+        with server.client(device["device_token"]) as client:
+            for i in range(20):
+                resp = client.post(f"/v1/devices/{device['device_id']}/heartbeat",
+                                   json={"telemetry": [{"ts": float(i)}]})
+                assert resp.status_code == 200
+        with server.client() as admin:
+            history = admin.get(f"/v1/devices/{device['device_id']}/telemetry").json()["items"]
+            assert len(history) == 20
+    finally:
+        server.stop()
