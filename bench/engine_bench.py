@@ -1,6 +1,6 @@
 """numpy vs torch, single thread, same inputs: a 3x3 conv layer and mobilenet_v1, fwd+bwd.
 
-Run:  env -u OPENBLAS_CORETYPE .venv/bin/python bench/engine_bench.py [--reps 7]
+Run:  env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE .venv/bin/python bench/engine_bench.py [--reps 7]
 Then trains the DESIGN.md digits cnn spec with the reference trainer (numpy backend) and
 prints its samples/s. Prints each case's best-of-reps time for both backends and the ratio torch_time / numpy_time
 (numpy's speed as a fraction of torch's; the target is >= 0.5). Reps alternate backends so
@@ -84,6 +84,16 @@ def model_case(arch: str, shape, width: float) -> dict[str, Callable[[], object]
     }
 
 
+def blas_kernel() -> str:
+    try:
+        from threadpoolctl import threadpool_info
+    except ImportError:
+        return "unknown"
+    kinds = [i.get("architecture", "?") for i in threadpool_info() if i.get("internal_api") ==
+             "openblas"]
+    return ",".join(kinds) or "none"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=7)
@@ -96,8 +106,8 @@ def main() -> None:
         "mobilenet_v1 w1.0 b32 3x32x32 fwd+bwd": model_case("mobilenet_v1", (3, 32, 32), 1.0),
         "cnn b32 1x8x8 fwd+bwd": model_case("cnn", (1, 8, 8), 1.0),
     }
-    print(f"numpy {np.__version__}, torch {torch.__version__}, 1 thread each, best of "
-          f"{args.reps}")
+    print(f"numpy {np.__version__} (OpenBLAS kernel {blas_kernel()}), torch {torch.__version__}, "
+          f"1 thread each, best of {args.reps}")
     print(f"{'case':42} {'numpy ms':>9} {'torch ms':>9} {'numpy speed / torch':>20}")
     for name, fns in cases.items():
         t = best(fns, args.reps)
