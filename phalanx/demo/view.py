@@ -53,15 +53,18 @@ def ago(value: Any, now: dt.datetime | None = None) -> str:
     return f"{int(secs)}s"
 
 
-def shards_by_device(job: dict[str, Any]) -> dict[str, int]:
-    """How many shards each device of a job holds."""
-    raw = job.get("devices") or job.get("assignments") or []
-    out: dict[str, int] = {}
+def shards_by_device(job: dict[str, Any]) -> dict[str, int | None]:
+    """How many shards each device of a job holds (None: holds some, the count not shown).
+
+    Reads `shards` / `assignments` ({device: [k...] or count}) where the server gives them,
+    else `devices` (the ids of the holders)."""
+    raw = job.get("shards") or job.get("assignments") or job.get("devices") or []
+    out: dict[str, int | None] = {}
     if isinstance(raw, dict):
         raw = [{"device_id": k, "shards": v} for k, v in raw.items()]
     for item in raw:
         if isinstance(item, str):
-            out[item] = out.get(item, 0)
+            out[item] = None
             continue
         if not isinstance(item, dict):
             continue
@@ -69,11 +72,18 @@ def shards_by_device(job: dict[str, Any]) -> dict[str, int]:
         shards = item.get("shards", item.get("n_shards", 0))
         count = len(shards) if isinstance(shards, list) else int(shards or 0)
         if dev:
-            out[str(dev)] = out.get(str(dev), 0) + count
+            out[str(dev)] = (out.get(str(dev)) or 0) + count
     return out
 
 
-def device_table(devices: list[dict[str, Any]], shards: dict[str, int] | None = None,
+def shard_cell(shards: dict[str, int | None] | None, device_id: Any) -> str:
+    if shards is None or str(device_id) not in shards:
+        return "-"
+    count = shards[str(device_id)]
+    return "✓" if count is None else str(count)
+
+
+def device_table(devices: list[dict[str, Any]], shards: dict[str, int | None] | None = None,
                  notes: dict[str, str] | None = None, title: str | None = None) -> Table:
     table = Table(title=title, title_justify="left", header_style="bold")
     for col in ("ID", "NAME", "STATE", "MODEL", "BATTERY", "TEMP", "FREQ", "SHARDS", "SEEN"):
@@ -95,7 +105,7 @@ def device_table(devices: list[dict[str, Any]], shards: dict[str, int] | None = 
         seen = dev.get("last_heartbeat_at") or dev.get("lease_renewed_at") or t.get("ts")
         row = [dash(dev.get("id")), dash(dev.get("name")), state, dash(spec.get("model")), battery,
                temp, dash(t.get("cpu_freq_mhz"), "{:.0f} MHz"),
-               dash((shards or {}).get(str(dev.get("id"))) if shards is not None else None),
+               shard_cell(shards, dev.get("id")),
                ago(seen)]
         if notes is not None:
             row.append(notes.get(str(dev.get("id")), ""))

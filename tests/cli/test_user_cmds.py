@@ -1,0 +1,238 @@
+"""Every user command against a live server, including what a user sees when it goes wrong."""
+
+from __future__ import annotations
+
+import io
+import json
+import stat
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import yaml
+
+from tests.cli.conftest import Cli, one_line_error
+
+SMALL_JOB = {
+    "name": "tiny-logreg",
+    "model": {"arch": "logreg"},
+    "dataset": "digits",
+    "global_batch_size": 64,
+    "shards": 4,
+    "epochs": 1,
+    "placement": {"selector": {"rack": "nowhere"}},  # stays Pending: nothing matches
+}
+
+
+def write_spec(tmp_path: Path, spec: dict[str, Any], name: str = "job.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+# -- login and where the server/token come from ------------------------------------------------
+
+def test_login_saves_a_private_config_that_later_commands_use(cli: Cli) -> None:
+    result = cli("login", "--server", cli.server.url, "--token", cli.server.admin_token,
+                 server=None, token=None)
+    assert result.exit_code == 0, result.output
+    assert stat.S_IMODE(cli.config.stat().st_mode) == 0o600
+    assert json.loads(cli.config.read_text()) == {"server": cli.server.url,
+                                                  "token": cli.server.admin_token}
+    listed = cli("datasets", "ls", server=None, token=None)
+    assert listed.exit_code == 0, listed.output
+    assert "digits" in listed.stdout
+
+
+def test_login_with_a_bad_token_fails_and_saves_nothing(cli: Cli) -> None:
+    result = cli("login", "--server", cli.server.url, "--token", "phx-wrong", server=None,
+                 token=None)
+    line = one_line_error(result)
+    assert "401" in line
+    assert not cli.config.exists()
+
+
+def test_flags_override_the_environment_which_overrides_the_config(cli: Cli) -> None:
+    cli.config.parent.mkdir(parents=True)
+    cli.config.write_text(json.dumps({"server": "http://127.0.0.1:9", "token": "stale"}))
+    assert cli("jobs", "ls").exit_code == 0  # env (live server) beats the stale config
+    flagged = cli("jobs", "ls", "--token", "phx-flag-wins")
+    assert "401" in one_line_error(flagged)
+
+
+def test_a_bad_token_is_one_clear_line_and_exit_1(cli: Cli) -> None:
+    line = one_line_error(cli("devices", "ls", token="phx-not-a-token"))
+    assert "401" in line
+
+
+def test_an_unreachable_server_is_one_clear_line(cli: Cli) -> None:
+    line = one_line_error(cli("jobs", "ls", server="http://127.0.0.1:9"))
+    assert "cannot reach http://127.0.0.1:9" in line
+
+
+# -- tokens -------------------------------------------------------------------------------------
+
+def test_user_token_works_for_jobs_but_not_for_admin_commands(cli: Cli) -> None:
+    created = cli("tokens", "create", "--user", "--name", "alice")
+    assert created.exit_code == 0, created.output
+    user_token = created.stdout.strip()
+    assert cli("jobs", "ls", token=user_token).exit_code == 0
+    assert "403" in one_line_error(cli("tokens", "create", "--enroll", token=user_token))
+
+
+def test_enrollment_token_enrolls_a_phone_with_its_labels(cli: Cli) -> None:
+    created = cli("tokens", "create", "--enroll", "--label", "rack=b", "--max-uses", "1")
+    assert created.exit_code == 0, created.output
+    secret = created.stdout.strip()
+    assert "phalanx-agent enroll --server" in created.stderr
+    body = {"enrollment_token": secret, "name": "p1", "labels": {}, "spec": {}}
+    reply = httpx.post(f"{cli.server.url}/v1/devices/register", json=body, timeout=30)
+    assert reply.status_code == 201, reply.text
+    assert reply.json()["labels"]["rack"] == "b"
+    again = httpx.post(f"{cli.server.url}/v1/devices/register", json=body, timeout=30)
+    assert again.status_code in (401, 403, 409, 422)
+
+
+def test_bad_label_flag_is_refused_before_any_request(cli: Cli) -> None:
+    assert "key=value" in one_line_error(cli("tokens", "create", "--enroll", "--label", "oops"))
+
+
+# -- devices ------------------------------------------------------------------------------------
+
+def test_devices_ls_describe_and_the_admin_actions(
+        cli: Cli, register_device: Callable[..., dict[str, Any]]) -> None:
+    dev = register_device("rack-a-phone-7")
+    dev_id = dev["device_id"]
+    table = cli("devices", "ls")
+    assert table.exit_code == 0, table.output
+    assert "rack-a-phone-7" in table.stdout and dev_id in table.stdout
+    assert dev_id in [d["id"] for d in cli.json("devices", "ls")]
+    described = cli("devices", "describe", dev_id)
+    assert described.exit_code == 0 and "SM-G975U" in described.stdout
+    for action, state in (("cordon", "Cordoned"), ("uncordon", None), ("drain", "Draining")):
+        result = cli("devices", action, dev_id)
+        assert result.exit_code == 0, result.output
+        shown = cli.json("devices", "describe", dev_id)
+        if state:
+            assert shown["state"] == state
+        else:
+            assert shown["state"] != "Cordoned" and not shown["cordoned"]
+    removed = cli("devices", "rm", dev_id)
+    assert removed.exit_code == 0 and "deleted" in removed.stdout
+    assert dev_id not in [d["id"] for d in cli.json("devices", "ls")]
+
+
+def test_unknown_device_is_one_line_naming_it(cli: Cli) -> None:
+    for args in (("describe",), ("cordon",), ("drain",), ("rm",)):
+        line = one_line_error(cli("devices", *args, "dev-doesnotexist"))
+        assert "404" in line
+
+
+# -- jobs -----------------------------------------------------------------------------------
+
+def test_submit_ls_describe_events_cancel(cli: Cli, tmp_path: Path) -> None:
+    submitted = cli("jobs", "submit", "-f", str(write_spec(tmp_path, SMALL_JOB)))
+    assert submitted.exit_code == 0, submitted.output
+    job_id = submitted.stdout.split()[0]
+    assert job_id.startswith("job-")
+    listed = cli("jobs", "ls")
+    assert job_id in listed.stdout and "tiny-logreg" in listed.stdout
+    job = cli.json("jobs", "describe", job_id)
+    assert job["state"] == "Pending" and job["spec"]["model"]["arch"] == "logreg"
+    assert cli("jobs", "describe", job_id).exit_code == 0
+    assert cli("jobs", "events", job_id).exit_code == 0
+    assert isinstance(cli.json("jobs", "events", job_id), list)
+    cancelled = cli("jobs", "cancel", job_id)
+    assert cancelled.exit_code == 0 and "Cancelled" in cancelled.stdout
+    assert cli.json("jobs", "describe", job_id)["state"] == "Cancelled"
+    assert "409" in one_line_error(cli("jobs", "cancel", job_id))
+    watched = cli("jobs", "watch", job_id)
+    assert watched.exit_code == 1 and "Cancelled" in watched.stdout
+    events = cli.json("jobs", "events", job_id)
+    assert any("ancel" in (e["reason"] + e["message"]) for e in events)
+
+
+def test_a_json_spec_file_works_too(cli: Cli, tmp_path: Path) -> None:
+    path = tmp_path / "job.json"
+    path.write_text(json.dumps(SMALL_JOB))
+    job = cli.json("jobs", "submit", "-f", str(path))
+    assert job["name"] == "tiny-logreg" and job["state"] == "Pending"
+
+
+def test_invalid_yaml_names_the_file_and_line(cli: Cli, tmp_path: Path) -> None:
+    path = tmp_path / "broken.yaml"
+    path.write_text("name: x\nmodel: {arch: cnn\ndataset: digits\n")
+    line = one_line_error(cli("jobs", "submit", "-f", str(path)))
+    assert "broken.yaml" in line and "line" in line
+
+
+def test_yaml_that_is_not_a_mapping_is_refused(cli: Cli, tmp_path: Path) -> None:
+    path = tmp_path / "list.yaml"
+    path.write_text("- a\n- b\n")
+    assert "mapping" in one_line_error(cli("jobs", "submit", "-f", str(path)))
+
+
+def test_yaml_with_python_tags_is_refused_not_executed(cli: Cli, tmp_path: Path) -> None:
+    path = tmp_path / "evil.yaml"
+    path.write_text("name: !!python/object/apply:os.system ['touch pwned']\n")
+    one_line_error(cli("jobs", "submit", "-f", str(path)))
+    assert not Path("pwned").exists()
+
+
+def test_a_spec_the_server_rejects_names_the_field(cli: Cli, tmp_path: Path) -> None:
+    bad = dict(SMALL_JOB, shards=5)  # 64 is not divisible by 5
+    line = one_line_error(cli("jobs", "submit", "-f", str(write_spec(tmp_path, bad))))
+    assert "422" in line and "shards" in line
+    typo = dict(SMALL_JOB, epochz=3)
+    assert "epochz" in one_line_error(cli("jobs", "submit", "-f", str(write_spec(tmp_path, typo))))
+
+
+def test_missing_spec_file_is_one_line(cli: Cli, tmp_path: Path) -> None:
+    assert "cannot read" in one_line_error(cli("jobs", "submit", "-f", str(tmp_path / "no.yaml")))
+
+
+def test_unknown_job_is_one_line_for_every_job_command(cli: Cli) -> None:
+    for cmd in ("describe", "events", "cancel", "checkpoint", "watch"):
+        assert "404" in one_line_error(cli("jobs", cmd, "job-doesnotexist")), cmd
+
+
+def test_checkpoint_of_a_job_without_one_is_one_line(cli: Cli, tmp_path: Path) -> None:
+    job = cli.json("jobs", "submit", "-f", str(write_spec(tmp_path, SMALL_JOB)))
+    line = one_line_error(cli("jobs", "checkpoint", job["id"], "-O", str(tmp_path / "c.npz")))
+    assert "404" in line or "409" in line
+    assert not (tmp_path / "c.npz").exists()
+
+
+# -- datasets -------------------------------------------------------------------------------
+
+def npz(**arrays: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    np.savez(buf, **arrays)
+    return buf.getvalue()
+
+
+def test_datasets_ls_shows_digits_and_an_upload(cli: Cli, tmp_path: Path) -> None:
+    rng = np.random.default_rng(0)
+    path = tmp_path / "blobs.npz"
+    path.write_bytes(npz(x=rng.normal(size=(120, 10)).astype(np.float32),
+                         y=rng.integers(0, 3, size=120)))
+    uploaded = cli("datasets", "upload", str(path))
+    assert uploaded.exit_code == 0, uploaded.output
+    names = {d["name"] for d in cli.json("datasets", "ls")}
+    assert {"digits", "blobs"} <= names
+    table = cli("datasets", "ls")
+    assert "blobs" in table.stdout and "digits" in table.stdout
+
+
+def test_upload_errors_are_one_line(cli: Cli, tmp_path: Path) -> None:
+    junk = tmp_path / "junk.npz"
+    junk.write_bytes(b"not a zip file")
+    assert "junk.npz" in one_line_error(cli("datasets", "upload", str(junk)))
+    no_y = tmp_path / "no_y.npz"
+    no_y.write_bytes(npz(x=np.zeros((4, 2), np.float32)))
+    assert "y" in one_line_error(cli("datasets", "upload", str(no_y)))
+    bad_name = tmp_path / "ok.npz"
+    bad_name.write_bytes(npz(x=np.zeros((4, 2), np.float32), y=np.zeros(4, np.int64)))
+    assert "422" in one_line_error(cli("datasets", "upload", str(bad_name), "--name", "no spaces!"))
