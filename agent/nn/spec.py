@@ -54,26 +54,30 @@ class TrainSpec:
             raise SpecError("model.arch is required")
         if "dataset" not in spec:
             raise SpecError("dataset is required")
+        decay = opt.get("decay_epochs", ()) or ()
+        if not isinstance(decay, (list, tuple)):
+            raise SpecError("optimizer.decay_epochs must be a list of numbers")
         out = cls(
             arch=str(model["arch"]),
             dataset=str(spec["dataset"]),
-            width=float(model.get("width", 1.0)),
-            hidden=int(model.get("hidden", 128)),
-            dropout=float(model.get("dropout", 0.0)),
-            blocks=int(model.get("blocks", 1)),
-            global_batch_size=int(spec.get("global_batch_size", 256)),
-            shards=int(spec.get("shards", 16)),
-            epochs=int(spec.get("epochs", 10)),
-            seed=int(spec.get("seed", 0)),
-            lr=float(opt.get("lr", 0.1)),
-            momentum=float(opt.get("momentum", 0.9)),
-            nesterov=bool(opt.get("nesterov", False)),
-            weight_decay=float(opt.get("weight_decay", 0.0)),
-            warmup_epochs=float(opt.get("warmup_epochs", 0.0)),
+            width=_read(model, "width", 1.0, float, "model."),
+            hidden=_read(model, "hidden", 128, int, "model."),
+            dropout=_read(model, "dropout", 0.0, float, "model."),
+            blocks=_read(model, "blocks", 1, int, "model."),
+            global_batch_size=_read(spec, "global_batch_size", 256, int),
+            shards=_read(spec, "shards", 16, int),
+            epochs=_read(spec, "epochs", 10, int),
+            seed=_read(spec, "seed", 0, int),
+            lr=_read(opt, "lr", 0.1, float, "optimizer."),
+            momentum=_read(opt, "momentum", 0.9, float, "optimizer."),
+            nesterov=_read(opt, "nesterov", False, bool, "optimizer."),
+            weight_decay=_read(opt, "weight_decay", 0.0, float, "optimizer."),
+            warmup_epochs=_read(opt, "warmup_epochs", 0.0, float, "optimizer."),
             schedule=str(opt.get("schedule", "cosine")),
-            decay_epochs=tuple(float(e) for e in opt.get("decay_epochs", ()) or ()),
-            decay_factor=float(opt.get("decay_factor", 0.1)),
-            lr_scaling=bool(opt.get("lr_scaling", True)),
+            decay_epochs=tuple(_read({"e": e}, "e", 0.0, float, "optimizer.decay_epochs ")
+                               for e in decay),
+            decay_factor=_read(opt, "decay_factor", 0.1, float, "optimizer."),
+            lr_scaling=_read(opt, "lr_scaling", True, bool, "optimizer."),
             n_train=None if n_train is None else int(n_train),
             name=str(spec.get("name", "")),
             raw=dict(spec),
@@ -135,6 +139,22 @@ class TrainSpec:
                 "TrainSpec.from_job_spec(spec, n_train=dataset_info(name).n_train)"
             )
         return self.n_train
+
+
+def _read(section: dict[str, Any], key: str, default: Any, cast: type, where: str = "") -> Any:
+    """section[key] as `cast`, refusing strings, bools-for-numbers and the like by name."""
+    value = section.get(key, default)
+    if cast is bool:
+        if not isinstance(value, bool):
+            raise SpecError(f"{where}{key} must be true or false")
+        return value
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if cast is int:
+        ok = ok and float(value).is_integer()
+    if not ok:
+        kind = "an integer" if cast is int else "a number"
+        raise SpecError(f"{where}{key} must be {kind}, got {value!r}")
+    return cast(value)
 
 
 def _section(spec: dict[str, Any], key: str) -> dict[str, Any]:

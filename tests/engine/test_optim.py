@@ -73,3 +73,17 @@ def test_bad_specs_are_refused_naming_the_field(change, needle):
     job = {"model": {"arch": "cnn"}, "dataset": "digits", "epochs": 20, **change}
     with pytest.raises(SpecError, match=needle):
         TrainSpec.from_job_spec(job, n_train=1438)
+
+
+@pytest.mark.parametrize(("change", "needle"), [
+    ({"epochs": "ten"}, "epochs must be an integer, got 'ten'"),
+    ({"epochs": 2.5}, "epochs must be an integer"),
+    ({"optimizer": {"lr": True}}, "optimizer.lr must be a number"),
+    ({"optimizer": {"nesterov": "yes"}}, "optimizer.nesterov must be true or false"),
+    ({"model": {"arch": "cnn", "width": "wide"}}, "model.width must be a number"),
+    ({"optimizer": {"decay_epochs": 5}}, "decay_epochs must be a list"),
+])
+def test_wrongly_typed_fields_are_refused_by_name(change, needle):
+    job = {"model": {"arch": "cnn"}, "dataset": "digits", **change}
+    with pytest.raises(SpecError, match=needle):
+        TrainSpec.from_job_spec(job)
