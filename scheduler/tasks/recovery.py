@@ -57,6 +57,7 @@ def ensure_state(ctx: SchedulerContext, job: Job, info: JobInfo) -> TrainState |
     # state first, then the row: a crash in between leaves a harmless extra key
     ctx.blobs.set(keys.state(job.id, restored.step), encode_state(restored))
     if restored.step == job.step:
+        bump_version(ctx.blobs)  # long polls hold back work until the weights exist
         return restored
     now = ctx.clock()
     with transaction(ctx.session_factory) as session:

@@ -108,7 +108,8 @@ class Cluster:
         self.admin_token = admin_token
         self.data_dir = root / "data"
         self.server_env = {"PHALANX_RECONCILE_INTERVAL_S": "0.5", "PHALANX_LEASE_GRACE_S": "4",
-                           "PHALANX_HEARTBEAT_INTERVAL_S": "1", **(server_env or {})}
+                           "PHALANX_HEARTBEAT_INTERVAL_S": "1",
+                           "PHALANX_SCHED_APPLY_CLAIM_TTL_S": "3", **(server_env or {})}
         self.server: LiveServer | None = None
         self.agents: list[Agent] = []
         self.workers: list[Worker] = []
@@ -161,8 +162,17 @@ class Cluster:
         return agent
 
     def stop(self) -> None:
-        for agent in self.agents:
-            agent.stop()
+        # all at once: one by one, each agent's graceful exit would add up
+        live = [a.process for a in self.agents if a.process and a.process.poll() is None]
+        for proc in live:
+            proc.terminate()
+        deadline = time.monotonic() + 5
+        for proc in live:
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
         for worker in self.workers:
             worker.stop()
         if self.server is not None:

@@ -1,0 +1,195 @@
+"""Distributed training end to end: Postgres, Redis, `phalanx server`, `phalanx worker`
+processes and phones running the real agent. Every job must end where the single-process
+reference trainer (`phalanx train --local`) ends: train_loss within 1e-5 relative."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from tests.e2e.cluster import Cluster, reference_metrics, rel_diff, wait_for
+
+pytestmark = pytest.mark.slow
+
+ADMIN = "phx-admin-test-" + "0" * 24
+TOLERANCE = 1e-5
+
+
+def digits_spec(epochs: int = 3, min_devices: int = 1, **extra: Any) -> dict[str, Any]:
+    return {
+        "name": "digits-cnn", "model": {"arch": "cnn"}, "dataset": "digits",
+        "global_batch_size": 256, "shards": 16, "epochs": epochs, "seed": 0,
+        "checkpoint_every": 5,
+        "optimizer": {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.0001, "warmup_epochs": 1,
+                      "schedule": "cosine"},
+        "placement": {"min_devices": min_devices, "max_devices": 8},
+        **extra,
+    }
+
+
+_REFERENCE: dict[str, dict[str, Any]] = {}
+
+
+def reference(spec: dict[str, Any], tmp_path: Path) -> dict[str, Any]:
+    key = json.dumps({k: v for k, v in spec.items() if k != "placement"}, sort_keys=True)
+    if key not in _REFERENCE:
+        _REFERENCE[key] = reference_metrics(spec, tmp_path / "reference")
+    return _REFERENCE[key]
+
+
+def assert_matches_reference(job: dict[str, Any], spec: dict[str, Any], tmp_path: Path) -> None:
+    ref = reference(spec, tmp_path)
+    got = job["metrics"]["train_loss"]
+    assert rel_diff(got, ref["train_loss"]) < TOLERANCE, (got, ref)
+    assert job["step"] == ref["steps"]
+    assert job["metrics"]["val_accuracy"] == pytest.approx(ref["val_accuracy"], abs=0.01)
+
+
+@pytest.fixture
+def cluster(tmp_path: Path, pg_url: str, redis_url: str) -> Iterator[Cluster]:
+    c = Cluster(tmp_path, pg_url, ADMIN, redis_url=redis_url)
+    try:
+        c.start_server()
+        c.start_worker()
+        yield c
+    finally:
+        c.stop()
+
+
+def reasons(c: Cluster, job_id: str) -> list[str]:
+    return [e["reason"] for e in c.events(job_id)]
+
+
+def slowdown_file(c: Cluster, name: str, factor: float) -> Path:
+    path = c.root / f"slowdown-{name}"
+    path.write_text(str(factor))
+    return path
+
+
+def test_four_agents_wait_for_the_gang_then_match_the_reference(cluster: Cluster, tmp_path: Path) -> None:
+    for i in range(3):
+        cluster.start_agent(f"phone-{i}")
+    spec = digits_spec(min_devices=4)
+    job_id = cluster.submit(spec)
+    waiting = cluster.wait_job(job_id, lambda j: "min_devices 4" in (j.get("reason") or ""),
+                               "the gang to wait for a fourth phone")
+    assert waiting["state"] == "Pending" and waiting["step"] == 0
+    cluster.start_agent("phone-3")
+    job = cluster.wait_done(job_id)
+    assert_matches_reference(job, spec, tmp_path)
+    assert "Scheduled" in reasons(cluster, job_id)
+
+
+def test_an_agent_killed_mid_run_and_a_fifth_joining_change_nothing(cluster: Cluster, tmp_path: Path) -> None:
+    slow = {"PHALANX_AGENT_SLOWDOWN": "4"}  # steps long enough to kill and join mid-run
+    agents = [cluster.start_agent(f"phone-{i}", slow) for i in range(4)]
+    spec = digits_spec(epochs=4, min_devices=2)
+    job_id = cluster.submit(spec)
+    cluster.wait_job(job_id, lambda j: j["step"] >= 3, "step 3")
+    victim = agents[0]
+    victim.kill()
+    cluster.start_agent("phone-4", slow)
+    cluster.wait_job(job_id, lambda j: "ShardsMoved" in reasons(cluster, job_id)
+                     or j["state"] == "Succeeded", "the dead phone's shards to move")
+    job = cluster.wait_done(job_id, timeout=240)
+    assert_matches_reference(job, spec, tmp_path)
+    events = cluster.events(job_id)
+    moved = [e for e in events if e["reason"] == "ShardsMoved"]
+    assert any(victim.device_id in e["message"] for e in moved), moved
+    assert "DeviceJoined" in [e["reason"] for e in events], [e["reason"] for e in events]
+
+
+def test_a_stragglers_shards_are_recomputed_elsewhere(
+        tmp_path: Path, pg_url: str, redis_url: str) -> None:
+    cluster = Cluster(tmp_path, pg_url, ADMIN, redis_url=redis_url,
+                      server_env={"PHALANX_SCHED_STRAGGLER_FLOOR_S": "0.5"})
+    try:
+        cluster.start_server()
+        cluster.start_worker()
+        straggle(cluster, tmp_path)
+    finally:
+        cluster.stop()
+
+
+def straggle(cluster: Cluster, tmp_path: Path) -> None:
+    knob = slowdown_file(cluster, "straggler", 1.0)
+    cluster.start_agent("straggler", {"PHALANX_AGENT_SLOWDOWN_FILE": str(knob)})
+    for i in range(3):
+        cluster.start_agent(f"phone-{i}")
+    spec = digits_spec(epochs=2, min_devices=4)
+    job_id = cluster.submit(spec)
+    cluster.wait_job(job_id, lambda j: j["step"] >= 2, "step 2")
+    knob.write_text("200")  # after profiling: the phone now looks fast but is very slow
+    job = cluster.wait_done(job_id, timeout=240)
+    assert_matches_reference(job, spec, tmp_path)
+    late = [e for e in cluster.events(job_id) if e["reason"] == "BackupAssigned"
+            and e["data"].get("step", 0) >= 2]
+    assert late, reasons(cluster, job_id)
+
+
+def test_a_worker_killed_between_state_write_and_commit_loses_nothing(
+        tmp_path: Path, pg_url: str, redis_url: str) -> None:
+    c = Cluster(tmp_path, pg_url, ADMIN, redis_url=redis_url)
+    try:
+        c.start_server()
+        first = c.start_worker({"PHALANX_SCHED_APPLY_PAUSE_S": "2.0"})
+        for i in range(4):
+            c.start_agent(f"phone-{i}")
+        spec = digits_spec(epochs=3)
+        job_id = c.submit(spec)
+        r = redis.Redis.from_url(redis_url)
+        c.wait_job(job_id, lambda j: j["step"] >= 3, "step 3")
+
+        def mid_step() -> int | None:
+            step = c.job(job_id)["step"]
+            return step if r.exists(f"job:{job_id}:state:{step + 1}") else None
+
+        crashed_at = wait_for("apply_step to be inside its crash window", mid_step, every=0.05)
+        first.kill()
+        assert c.job(job_id)["step"] == crashed_at  # state t+1 written, step t+1 not committed
+        c.start_worker()
+        job = c.wait_done(job_id)
+        assert_matches_reference(job, spec, tmp_path)
+        with c.client() as http:
+            curve = http.get(f"/v1/jobs/{job_id}/metrics", params={"limit": 1000}).json()
+        items = curve["items"] if isinstance(curve, dict) and "items" in curve else curve
+        steps = [row["step"] for row in items]
+        assert steps == sorted(set(steps)) and len(steps) == job["total_steps"]
+    finally:
+        c.stop()
+
+
+def test_redis_losing_every_key_resumes_from_the_last_checkpoint(cluster: Cluster, tmp_path: Path) -> None:
+    for i in range(4):
+        cluster.start_agent(f"phone-{i}", {"PHALANX_AGENT_SLOWDOWN": "3"})
+    spec = digits_spec(epochs=4)
+    job_id = cluster.submit(spec)
+    at = cluster.wait_job(job_id, lambda j: j["step"] >= 7, "a step past the first checkpoint")
+    assert at["state"] == "Running", at
+    redis.Redis.from_url(cluster.redis_url).flushdb()
+    job = cluster.wait_done(job_id, timeout=240)
+    assert_matches_reference(job, spec, tmp_path)
+    restored = [e for e in cluster.events(job_id) if e["reason"] == "StateRestored"]
+    assert restored, reasons(cluster, job_id)
+    resumed = restored[0]["data"]["resumed_step"]
+    assert resumed % 5 == 0 and 5 <= resumed <= restored[0]["data"]["lost_step"]
+
+
+def test_cancel_releases_the_devices_for_the_next_job(cluster: Cluster, tmp_path: Path) -> None:
+    agents = [cluster.start_agent(f"phone-{i}") for i in range(4)]
+    job_id = cluster.submit(digits_spec(epochs=200, min_devices=4))
+    cluster.wait_job(job_id, lambda j: j["state"] == "Running" and len(j["devices"]) == 4,
+                     "the job to run on 4 phones")
+    with cluster.client() as http:
+        assert http.post(f"/v1/jobs/{job_id}/cancel").status_code == 200
+    cluster.wait_job(job_id, lambda j: j["state"] == "Cancelled" and not j["devices"],
+                     "the cancelled job to let its phones go")
+    second = cluster.submit(digits_spec(epochs=200, min_devices=4, name="second"))
+    placed = cluster.wait_job(second, lambda j: j["state"] == "Running" and len(j["devices"]) == 4,
+                              "the next job to get the same phones")
+    assert sorted(placed["devices"]) == sorted(a.device_id for a in agents)

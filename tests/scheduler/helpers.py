@@ -1,0 +1,127 @@
+"""Factories for scheduler tests: a context on a real database, devices, jobs, real results."""
+
+from __future__ import annotations
+
+import datetime as dt
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import select
+
+from agent.nn.data import load_dataset
+from agent.nn.sampler import select_microbatch, shard_indices
+from agent.nn.step import compute_shard
+from agent.wire import encode_results
+from api.settings import Settings
+from api.store.db import make_engine, make_session_factory, transaction
+from api.store.models import Device, Event, Job, ShardAssignment
+from scheduler import keys
+from scheduler.blobs import MemoryBlobStore
+from scheduler.context import SchedulerContext, Tuning
+from scheduler.jobinfo import job_info
+from scheduler.tasks.recovery import load_state
+
+NOW = dt.datetime(2026, 12, 2, 12, 0, tzinfo=dt.timezone.utc)
+TINY = "synthetic:1x4x4:3:64"  # 64 samples of 1x4x4, 3 classes: steps take milliseconds
+
+
+class Clock:
+    def __init__(self, now: dt.datetime = NOW) -> None:
+        self.now = now
+
+    def __call__(self) -> dt.datetime:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += dt.timedelta(seconds=seconds)
+
+
+def tiny_spec(**over: Any) -> dict[str, Any]:
+    spec: dict[str, Any] = {
+        "name": "tiny", "model": {"arch": "mlp", "hidden": 8}, "dataset": TINY,
+        "global_batch_size": 16, "shards": 4, "epochs": 2, "seed": 3, "checkpoint_every": 3,
+        "optimizer": {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.0001, "schedule": "cosine"},
+        "placement": {"min_devices": 1, "max_devices": 8}, "priority": 0,
+    }
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(spec.get(key), dict):
+            spec[key] = {**spec[key], **value}
+        else:
+            spec[key] = value
+    return spec
+
+
+def make_ctx(db_url: str, tmp_path: Path, clock: Clock | None = None, **tuning: Any) -> SchedulerContext:
+    settings = Settings(database_url=db_url, data_dir=tmp_path / "data")
+    factory = make_session_factory(make_engine(db_url))
+    return SchedulerContext(settings, factory, MemoryBlobStore(), clock or Clock(),
+                            Tuning(**tuning))
+
+
+def add_devices(ctx: SchedulerContext, n: int, prefix: str = "dev", **fields: Any) -> list[str]:
+    ids = [f"{prefix}-{i:02d}" for i in range(n)]
+    with transaction(ctx.session_factory) as s:
+        for device_id in ids:
+            s.add(Device(id=device_id, name=device_id, state="Ready",
+                         lease_renewed_at=ctx.clock(), profiles={"mlp": {"samples_per_s": 100.0}},
+                         latest_telemetry={"battery_pct": 90, "charging": True, "cpu_temp_c": 30},
+                         **fields))
+    return ids
+
+
+def submit(ctx: SchedulerContext, spec: dict[str, Any]) -> str:
+    info = job_info("probe", spec, ctx.settings.data_dir)
+    with transaction(ctx.session_factory) as s:
+        job = Job(name=spec["name"], spec=spec, state="Pending", priority=spec.get("priority", 0),
+                  total_steps=info.total_steps)
+        s.add(job)
+        s.flush()
+        return job.id
+
+
+def job(ctx: SchedulerContext, job_id: str) -> Job:
+    with ctx.session_factory() as s:
+        row = s.get(Job, job_id)
+        assert row is not None
+        s.expunge(row)
+        return row
+
+
+def assignments(ctx: SchedulerContext, job_id: str) -> list[tuple[int, str, str]]:
+    with ctx.session_factory() as s:
+        rows = s.scalars(select(ShardAssignment).where(ShardAssignment.job_id == job_id))
+        return sorted((a.shard, a.device_id, a.role) for a in rows)
+
+
+def event_reasons(ctx: SchedulerContext, job_id: str) -> list[str]:
+    with ctx.session_factory() as s:
+        return [e.reason for e in s.scalars(select(Event).where(Event.job_id == job_id)
+                                            .order_by(Event.id))]
+
+
+def set_device(ctx: SchedulerContext, device_id: str, **values: Any) -> None:
+    with transaction(ctx.session_factory) as s:
+        device = s.get(Device, device_id)
+        for key, value in values.items():
+            setattr(device, key, value)
+
+
+def shard_result_blobs(ctx: SchedulerContext, job_id: str, step: int) -> dict[int, bytes]:
+    """Every shard's result for `step`, computed by the engine from the stored weights."""
+    row = job(ctx, job_id)
+    info = job_info(job_id, row.spec, ctx.settings.data_dir)
+    state = load_state(ctx, job_id, step)
+    assert state is not None, f"no state for step {step}"
+    data = load_dataset(info.spec.dataset)
+    out = {}
+    for k, idx in enumerate(shard_indices(info.n_train, info.spec.shards, info.spec.seed)):
+        xb, yb = select_microbatch(data.x_train[idx], data.y_train[idx], info.spec.per_shard_batch,
+                                   info.spec.seed, step, k, info.spec.steps_per_epoch)
+        r = compute_shard(info.model, state.params, state.buffers, xb, yb, info.spec, step, k)
+        out[k] = encode_results(job_id, step, [r])
+    return out
+
+
+def upload_all(ctx: SchedulerContext, job_id: str, step: int) -> None:
+    for k, blob in shard_result_blobs(ctx, job_id, step).items():
+        ctx.blobs.set_if_absent(keys.grad(job_id, step, k), blob)

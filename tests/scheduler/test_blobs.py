@@ -1,0 +1,77 @@
+"""The BlobStore contract, on Redis and in memory alike; and the hot-state codec."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from agent.nn.step import TrainState
+from scheduler.blobs import BlobStore, MemoryBlobStore, RedisBlobStore
+from scheduler.hotstate import StateError, decode_state, encode_state
+from scheduler.locks import acquire, release
+
+
+@pytest.fixture(params=["memory", "redis"])
+def store(request: pytest.FixtureRequest) -> Iterator[BlobStore]:
+    if request.param == "memory":
+        yield MemoryBlobStore()
+    else:
+        yield RedisBlobStore(request.getfixturevalue("redis_url"))
+
+
+def test_set_get_delete(store: BlobStore) -> None:
+    assert store.get("a") is None
+    store.set("a", b"1")
+    assert store.get("a") == b"1" and store.exists("a")
+    store.delete("a", "missing")
+    assert store.get("a") is None and not store.exists("a")
+
+
+def test_first_set_if_absent_wins(store: BlobStore) -> None:
+    assert store.set_if_absent("g", b"first")
+    assert not store.set_if_absent("g", b"second")
+    assert store.get("g") == b"first"
+
+
+def test_keys_by_prefix_even_with_glob_characters(store: BlobStore) -> None:
+    for key in ("job:a:grad:1:0", "job:a:grad:1:1", "job:a:grad:10:0", "job:b:grad:1:0", "job:[x]:1"):
+        store.set(key, b"x")
+    assert sorted(store.keys("job:a:grad:1:")) == ["job:a:grad:1:0", "job:a:grad:1:1"]
+    assert store.keys("job:[x]:") == ["job:[x]:1"]
+
+
+def test_ttl_expires(store: BlobStore) -> None:
+    store.set("t", b"1", ttl=0.05)
+    assert store.set_if_absent("u", b"1", ttl=0.05)
+    deadline = time.monotonic() + 5
+    while (store.exists("t") or store.exists("u")) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert store.get("t") is None and store.set_if_absent("u", b"2")
+
+
+def test_a_lock_is_held_once_and_freed_by_its_holder_only(store: BlobStore) -> None:
+    token = acquire(store, "lock", ttl=10)
+    assert token and acquire(store, "lock", ttl=10) is None
+    release(store, "lock", "someone-else")
+    assert store.exists("lock")
+    release(store, "lock", token)
+    assert acquire(store, "lock", ttl=10)
+
+
+def test_state_round_trips_exactly() -> None:
+    rng = np.random.default_rng(0)
+    state = TrainState(7, rng.standard_normal(1000).astype(np.float32),
+                       rng.standard_normal(1000).astype(np.float32),
+                       rng.standard_normal(10).astype(np.float32))
+    back = decode_state(encode_state(state), expect_step=7)
+    assert back.step == 7
+    for a, b in ((state.params, back.params), (state.momentum, back.momentum),
+                 (state.buffers, back.buffers)):
+        assert np.array_equal(a, b)
+    with pytest.raises(StateError):
+        decode_state(encode_state(state), expect_step=8)
+    with pytest.raises(StateError):
+        decode_state(encode_state(state)[:-4])

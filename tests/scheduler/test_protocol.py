@@ -1,0 +1,148 @@
+"""The step protocol through the real app (create_app + the control plane's auth): first upload
+wins, stale steps are 409, foreign shards 403, malformed bodies 422, long polls wake."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+
+from agent.wire import decode_weights, encode_results
+from api.main import create_app
+from api.settings import Settings
+from scheduler import context, keys
+from scheduler.tasks.reconcile import run_reconcile, run_reconcile_job
+from scheduler.tasks.steps import run_apply_step
+from tests.scheduler.helpers import assignments, job, shard_result_blobs, tiny_spec
+
+ADMIN = "phx-admin-test-" + "1" * 24
+
+
+@pytest.fixture
+def app_client(sqlite_url: str, tmp_path: Path) -> Iterator[TestClient]:
+    settings = Settings(database_url=sqlite_url, data_dir=tmp_path / "data", admin_token=ADMIN)
+    app = create_app(settings)
+    with TestClient(app) as client:
+        yield client
+    context.reset()
+
+
+def admin(client: TestClient) -> dict[str, str]:
+    return {"Authorization": f"Bearer {ADMIN}"}
+
+
+def enroll(client: TestClient, name: str) -> tuple[str, dict[str, str]]:
+    token = client.post("/v1/enrollment-tokens", json={}, headers=admin(client)).json()["token"]
+    reg = client.post("/v1/devices/register", json={"enrollment_token": token, "name": name})
+    assert reg.status_code == 201, reg.text
+    body = reg.json()
+    headers = {"Authorization": f"Bearer {body['device_token']}"}
+    hb = client.post(f"/v1/devices/{body['device_id']}/heartbeat", json={"telemetry": []},
+                     headers=headers)
+    assert hb.status_code == 200, hb.text
+    return body["device_id"], headers
+
+
+def running_job(client: TestClient, devices: int = 2) -> tuple[str, list[tuple[str, dict]]]:
+    phones = [enroll(client, f"phone-{i}") for i in range(devices)]
+    r = client.post("/v1/jobs", json=tiny_spec(placement={"min_devices": devices}),
+                    headers=admin(client))
+    assert r.status_code == 201, r.text
+    ctx = context.get_context()
+    run_reconcile(ctx)
+    run_reconcile_job(ctx, r.json()["id"])
+    return r.json()["id"], phones
+
+
+def shards_of(job_id: str, device_id: str) -> list[int]:
+    return [s for s, d, _ in assignments(context.get_context(), job_id) if d == device_id]
+
+
+def test_work_weights_and_data_for_the_devices_own_shards(app_client: TestClient) -> None:
+    job_id, [(dev, hdr), (other, _)] = running_job(app_client)
+    work = app_client.get(f"/v1/devices/{dev}/work", params={"wait": 0}, headers=hdr).json()
+    a = work["assignment"]
+    assert a["job_id"] == job_id and a["step"] == 0 and a["shards"] == shards_of(job_id, dev)
+    assert a["n_train"] == 64 and a["input_shape"] == [1, 4, 4] and a["num_classes"] == 3
+    w = app_client.get(f"/v1/jobs/{job_id}/weights", params={"step": 0}, headers=hdr)
+    assert w.status_code == 200
+    step, params, _ = decode_weights(w.content, expect_job=job_id)
+    assert step == 0 and params.size == a["n_params"]
+    assert app_client.get(f"/v1/jobs/{job_id}/weights", params={"step": 3},
+                          headers=hdr).status_code == 409
+    mine, theirs = shards_of(job_id, dev)[0], shards_of(job_id, other)[0]
+    assert app_client.get(f"/v1/jobs/{job_id}/shards/{mine}/data", headers=hdr).status_code == 200
+    assert app_client.get(f"/v1/jobs/{job_id}/shards/{theirs}/data", headers=hdr).status_code == 403
+    assert app_client.get(f"/v1/devices/{other}/work", headers=hdr).status_code == 403
+
+
+def test_duplicate_uploads_change_nothing_and_first_upload_wins(app_client: TestClient) -> None:
+    job_id, [(dev, hdr), (other, other_hdr)] = running_job(app_client)
+    ctx = context.get_context()
+    blobs = shard_result_blobs(ctx, job_id, 0)
+    mine = shards_of(job_id, dev)
+    url = f"/v1/jobs/{job_id}/steps/0/gradients"
+    first = app_client.post(url, content=blobs[mine[0]], headers=hdr)
+    assert first.json() == {"accepted": [mine[0]], "duplicates": []}
+    again = app_client.post(url, content=blobs[mine[0]], headers=hdr)
+    assert again.status_code == 200 and again.json() == {"accepted": [], "duplicates": [mine[0]]}
+    assert ctx.blobs.get(keys.grad(job_id, 0, mine[0])) == blobs[mine[0]]
+    theirs = shards_of(job_id, other)[0]
+    assert app_client.post(url, content=blobs[theirs], headers=hdr).status_code == 403
+    assert app_client.post(url, content=b"garbage", headers=hdr).status_code == 422
+    for device, headers in ((dev, hdr), (other, other_hdr)):
+        for k in shards_of(job_id, device):
+            app_client.post(url, content=blobs[k], headers=headers)
+    assert run_apply_step(ctx, job_id, 0) == "applied"
+    assert run_apply_step(ctx, job_id, 0) == "stale"
+    late = app_client.post(url, content=blobs[mine[0]], headers=hdr)
+    assert late.status_code == 409 and "step 1" in late.json()["detail"]
+    assert job(ctx, job_id).step == 1
+
+
+def test_a_multi_shard_upload_is_stored_per_shard(app_client: TestClient) -> None:
+    from agent.wire import decode_results
+
+    job_id, [(dev, hdr), _] = running_job(app_client)
+    ctx = context.get_context()
+    blobs = shard_result_blobs(ctx, job_id, 0)
+    mine = shards_of(job_id, dev)
+    results = [decode_results(blobs[k])[0] for k in mine]
+    r = app_client.post(f"/v1/jobs/{job_id}/steps/0/gradients",
+                        content=encode_results(job_id, 0, results), headers=hdr)
+    assert r.json()["accepted"] == mine
+    for k in mine:
+        stored = decode_results(ctx.blobs.get(keys.grad(job_id, 0, k)))
+        assert [s.shard for s in stored] == [k]
+
+
+def test_the_long_poll_wakes_when_work_arrives(app_client: TestClient) -> None:
+    dev, hdr = enroll(app_client, "lonely")
+    got: dict = {}
+
+    def poll() -> None:
+        started = time.monotonic()
+        got["reply"] = app_client.get(f"/v1/devices/{dev}/work", params={"wait": 20},
+                                      headers=hdr).json()
+        got["seconds"] = time.monotonic() - started
+
+    thread = threading.Thread(target=poll)
+    thread.start()
+    time.sleep(0.3)
+    r = app_client.post("/v1/jobs", json=tiny_spec(), headers=admin(app_client))
+    ctx = context.get_context()
+    run_reconcile(ctx)
+    run_reconcile_job(ctx, r.json()["id"])
+    thread.join(30)
+    assert got["reply"]["assignment"]["job_id"] == r.json()["id"]
+    assert got["seconds"] < 15  # woke on the change, not at the end of the wait
+
+
+def test_a_device_with_nothing_to_do_gets_null_after_the_wait(app_client: TestClient) -> None:
+    dev, hdr = enroll(app_client, "idle")
+    r = app_client.get(f"/v1/devices/{dev}/work", params={"wait": 0.2}, headers=hdr)
+    assert r.status_code == 200 and r.json() == {"assignment": None}

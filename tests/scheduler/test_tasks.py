@@ -1,0 +1,236 @@
+"""Reconcile and apply_step against a real database: twice equals once, vanished entities,
+lost hot state, elastic moves. Tasks are called directly (the Celery wrapper only times them)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from sqlalchemy import func, select
+
+from agent.nn.step import apply_step as engine_apply_step
+from agent.nn.step import initial_state
+from agent.wire import decode_results
+from api.store.db import transaction
+from api.store.models import Job, StepMetric
+from phalanx.train_local import run_reference
+from scheduler import keys
+from scheduler.hotstate import decode_state
+from scheduler.jobinfo import job_info
+from scheduler.tasks import steps
+from scheduler.tasks.reconcile import run_reconcile, run_reconcile_job
+from scheduler.tasks.recovery import load_state
+from scheduler.tasks.steps import run_apply_step
+from tests.scheduler.helpers import (
+    Clock,
+    add_devices,
+    assignments,
+    event_reasons,
+    job,
+    make_ctx,
+    set_device,
+    shard_result_blobs,
+    submit,
+    tiny_spec,
+    upload_all,
+)
+
+
+@pytest.fixture
+def ctx(db_url: str, tmp_path: Path):
+    return make_ctx(db_url, tmp_path)
+
+
+def start(ctx, spec=None, devices: int = 2) -> str:
+    add_devices(ctx, devices)
+    job_id = submit(ctx, spec or tiny_spec())
+    run_reconcile(ctx)
+    assert run_reconcile_job(ctx, job_id) == "ok"  # writes step 0's seeded state
+    return job_id
+
+
+def run_to(ctx, job_id: str, step: int) -> None:
+    while job(ctx, job_id).step < step:
+        t = job(ctx, job_id).step
+        upload_all(ctx, job_id, t)
+        assert run_apply_step(ctx, job_id, t) == "applied"
+
+
+def test_placement_twice_equals_once(ctx) -> None:
+    add_devices(ctx, 3)
+    job_id = submit(ctx, tiny_spec())
+    run_reconcile(ctx)
+    first = assignments(ctx, job_id)
+    run_reconcile(ctx)
+    assert assignments(ctx, job_id) == first
+    assert sorted(s for s, _, _ in first) == [0, 1, 2, 3]
+    assert event_reasons(ctx, job_id).count("Scheduled") == 1
+    assert job(ctx, job_id).state == "Running"
+
+
+def test_tasks_for_a_vanished_job_return_quietly(ctx) -> None:
+    assert run_reconcile_job(ctx, "job-gone") == "gone"
+    assert run_apply_step(ctx, "job-gone", 0) == "gone"
+
+
+def test_apply_step_twice_equals_once(ctx) -> None:
+    job_id = start(ctx)
+    upload_all(ctx, job_id, 0)
+    state0 = load_state(ctx, job_id, 0)
+    results = [r for k in range(4) for r in decode_results(ctx.blobs.get(keys.grad(job_id, 0, k)))]
+    assert run_apply_step(ctx, job_id, 0) == "applied"
+    stored = ctx.blobs.get(keys.state(job_id, 1))
+    assert run_apply_step(ctx, job_id, 0) == "stale"
+    assert ctx.blobs.get(keys.state(job_id, 1)) == stored
+    assert job(ctx, job_id).step == 1
+    with ctx.session_factory() as s:
+        assert s.scalar(select(func.count()).select_from(StepMetric)) == 1
+    # the stored step is exactly the engine's step on the same results, in any order
+    info = job_info(job_id, job(ctx, job_id).spec, ctx.settings.data_dir)
+    expected, _ = engine_apply_step(info.model, info.spec, state0, list(reversed(results)))
+    assert np.array_equal(decode_state(stored).params, expected.params)
+
+
+class Crash(Exception):
+    pass
+
+
+def test_a_crash_between_state_write_and_commit_is_recomputed(ctx, monkeypatch) -> None:
+    job_id = start(ctx)
+    upload_all(ctx, job_id, 0)
+
+    def crash(*args, **kwargs):
+        raise Crash("worker killed before the commit")
+
+    monkeypatch.setattr(steps, "commit_step", crash)
+    with pytest.raises(Crash):
+        run_apply_step(ctx, job_id, 0)
+    written = ctx.blobs.get(keys.state(job_id, 1))
+    assert written is not None and job(ctx, job_id).step == 0
+    monkeypatch.undo()
+    assert run_apply_step(ctx, job_id, 0) == "applied"
+    assert ctx.blobs.get(keys.state(job_id, 1)) == written
+    assert job(ctx, job_id).step == 1
+
+
+def test_a_whole_run_matches_the_reference_trainer(ctx, tmp_path: Path) -> None:
+    spec = tiny_spec()
+    job_id = start(ctx, spec)
+    run_to(ctx, job_id, job(ctx, job_id).total_steps)
+    done = job(ctx, job_id)
+    assert done.state == "Succeeded" and assignments(ctx, job_id) == []
+    ref = run_reference(spec, None, progress=False)
+    assert abs(done.metrics["train_loss"] - ref["train_loss"]) / ref["train_loss"] < 1e-5
+    assert done.metrics["val_accuracy"] == pytest.approx(ref["val_accuracy"])
+    assert done.metrics["params_sha256"] == ref["params_sha256"]
+
+
+def test_lost_hot_state_resumes_from_the_last_checkpoint(ctx) -> None:
+    job_id = start(ctx)
+    run_to(ctx, job_id, 5)  # checkpoint_every 3: a checkpoint of step 3
+    before = decode_state(ctx.blobs.get(keys.state(job_id, 5)))
+    ctx.blobs.flush()
+    assert run_reconcile_job(ctx, job_id) == "restored"
+    assert job(ctx, job_id).step == 3
+    assert "StateRestored" in event_reasons(ctx, job_id)
+    with ctx.session_factory() as s:
+        assert s.scalar(select(func.max(StepMetric.step))) == 2
+    assert run_reconcile_job(ctx, job_id) == "ok"  # twice equals once
+    run_to(ctx, job_id, 5)
+    assert np.array_equal(decode_state(ctx.blobs.get(keys.state(job_id, 5))).params, before.params)
+
+
+def test_lost_hot_state_without_a_checkpoint_restarts_from_the_seeded_init(ctx) -> None:
+    job_id = start(ctx, tiny_spec(checkpoint_every=1000))
+    run_to(ctx, job_id, 2)
+    ctx.blobs.flush()
+    run_reconcile_job(ctx, job_id)
+    assert job(ctx, job_id).step == 0
+    info = job_info(job_id, job(ctx, job_id).spec, ctx.settings.data_dir)
+    assert np.array_equal(load_state(ctx, job_id, 0).params, initial_state(info.model, info.spec).params)
+
+
+def test_cancel_releases_assignments_twice_equals_once(ctx) -> None:
+    job_id = start(ctx)
+    with transaction(ctx.session_factory) as s:
+        s.get(Job, job_id).state = "Cancelled"
+    assert run_reconcile_job(ctx, job_id) == "released:4"
+    assert run_reconcile_job(ctx, job_id) == "released:0"
+    assert assignments(ctx, job_id) == [] and ctx.blobs.keys(keys.job_prefix(job_id)) == []
+
+
+def test_a_notready_device_loses_its_shards_at_once(ctx) -> None:
+    job_id = start(ctx, devices=3)
+    set_device(ctx, "dev-01", state="NotReady")
+    run_reconcile(ctx)
+    held = {d for _, d, _ in assignments(ctx, job_id)}
+    assert "dev-01" not in held and len(assignments(ctx, job_id)) == 4
+    assert "ShardsMoved" in event_reasons(ctx, job_id)
+    run_reconcile(ctx)
+    assert event_reasons(ctx, job_id).count("ShardsMoved") == 1
+
+
+def test_below_min_devices_the_job_waits_at_its_step(ctx) -> None:
+    job_id = start(ctx, tiny_spec(placement={"min_devices": 2}), devices=2)
+    run_to(ctx, job_id, 2)
+    set_device(ctx, "dev-00", pause_reason="thermal")
+    run_reconcile(ctx)
+    waiting = job(ctx, job_id)
+    assert waiting.state == "Pending" and waiting.step == 2
+    assert "min_devices 2" in waiting.reason
+    set_device(ctx, "dev-00", pause_reason=None)
+    run_reconcile(ctx)
+    assert job(ctx, job_id).state == "Running" and job(ctx, job_id).step == 2
+
+
+def test_a_higher_priority_gang_preempts_at_its_step(ctx) -> None:
+    low = start(ctx, tiny_spec(placement={"min_devices": 2}), devices=2)
+    run_to(ctx, low, 1)
+    high = submit(ctx, tiny_spec(name="high", priority=10, placement={"min_devices": 2}))
+    run_reconcile(ctx)
+    assert job(ctx, high).state == "Running"
+    preempted = job(ctx, low)
+    assert preempted.state == "Pending" and preempted.step == 1 and "preempted" in preempted.reason
+
+
+def test_a_late_device_gets_backups_once(ctx) -> None:
+    clock: Clock = ctx.clock
+    job_id = start(ctx, devices=2)
+    shards_of_00 = [s for s, d, _ in assignments(ctx, job_id) if d == "dev-00"]
+    blobs = shard_result_blobs(ctx, job_id, 0)
+    for k in range(4):
+        if k not in shards_of_00:
+            ctx.blobs.set(keys.grad(job_id, 0, k), blobs[k])
+    ctx.blobs.set(keys.latency(job_id, "dev-01"), b"0.1")
+    clock.advance(1.0)
+    assert run_reconcile_job(ctx, job_id) == "ok"  # floor 2 s not reached yet
+    clock.advance(5.0)
+    assert run_reconcile_job(ctx, job_id) == f"backups:{len(shards_of_00)}"
+    assert run_reconcile_job(ctx, job_id) == "ok"
+    backups = [(s, d) for s, d, role in assignments(ctx, job_id) if role == "backup"]
+    assert backups == [(s, "dev-01") for s in shards_of_00]
+
+
+def test_a_new_device_joins_at_the_next_step_boundary(ctx) -> None:
+    job_id = start(ctx, tiny_spec(placement={"max_devices": 4}), devices=2)
+    add_devices(ctx, 2, prefix="new")
+    run_reconcile(ctx)
+    assert {d for _, d, _ in assignments(ctx, job_id)} == {"dev-00", "dev-01"}
+    run_to(ctx, job_id, 1)
+    assert {d for _, d, _ in assignments(ctx, job_id)} == {"dev-00", "dev-01", "new-00", "new-01"}
+    assert "DeviceJoined" in event_reasons(ctx, job_id)
+
+
+def test_lease_loss_of_most_of_the_fleet_evicts_slowly(ctx) -> None:
+    add_devices(ctx, 10)
+    ids = [submit(ctx, tiny_spec(name=f"j{i}", shards=1, global_batch_size=4,
+                                 placement={"max_devices": 1})) for i in range(10)]
+    run_reconcile(ctx)
+    assert all(job(ctx, i).state == "Running" for i in ids)
+    for i in range(7):
+        set_device(ctx, f"dev-{i:02d}", state="NotReady")
+    run_reconcile(ctx)
+    run_reconcile(ctx)
+    waiting = [i for i in ids if job(ctx, i).state == "Pending"]
+    assert len(waiting) == 1  # one eviction per window while 70% of the fleet looks down
