@@ -27,6 +27,7 @@ from agent.runtime.buffer import TelemetryBuffer
 from agent.runtime.cache import WorkCache
 from agent.runtime.execution import ExecutionManager
 from agent.runtime.executor import ExecConfig
+from agent.runtime.guard import Limits
 from agent.runtime.heartbeat import HeartbeatLoop
 from agent.runtime.ledger import UploadLedger
 from agent.runtime.monitor import Monitor
@@ -55,11 +56,14 @@ class AgentRuntime:
         self.execution: ExecutionManager | None = None
         self.probes = probes or Probes(termux_timeout_s=cfg.termux_timeout_s,
                                        own_cpu=self._own_cpu)
-        self.monitor = Monitor(self.probes.read)
+        self.monitor = Monitor(self.probes.read, limits=Limits(shared_mode=cfg.shared_mode))
         self.client = Client(cfg.server, cfg.device_token, timeout_s=cfg.request_timeout_s)
         self.backends = [b for b in installed_backends() if not cfg.backends or b in cfg.backends]
+        # power is sampled while profiling only when a limit makes it matter: each reading
+        # runs termux-battery-status, which costs a phone ~0.5 s
+        metered = cfg.power_limit_w is not None
         self.execution = ExecutionManager(candidates or self._candidates,
-                                          read_power=self.monitor.power_w,
+                                          read_power=self.monitor.power_w if metered else None,
                                           power_limit_w=cfg.power_limit_w)
         self.heartbeat = HeartbeatLoop(self.client, cfg.device_id, self.monitor, self.state,
                                        TelemetryBuffer(cfg.telemetry_buffer), self.capabilities,
@@ -76,7 +80,11 @@ class AgentRuntime:
         return choice.candidates(clusters(read_cores(self.probes.fs)), self.backends)
 
     def capabilities(self) -> dict[str, Any]:
-        return {"backends": self.backends, "archs": ARCHS}
+        try:
+            from agent.nn.models import ARCHS as archs
+        except ImportError:  # engine unusable here: say what we were built for
+            archs = ARCHS
+        return {"backends": self.backends, "archs": list(archs)}
 
     def run(self, stop: threading.Event | None = None) -> None:
         """Run until `stop` is set; raises AgentStopped if the control plane cut us off."""
