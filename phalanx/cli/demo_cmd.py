@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Annotated, Optional
@@ -10,7 +11,7 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
-console = Console()
+console = Console(width=None if sys.stdout.isatty() else 140)
 err = Console(stderr=True)
 
 

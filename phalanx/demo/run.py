@@ -129,7 +129,7 @@ class Demo:
         shards = view.shards_by_device(job)
         candidates = [p for p in self.rack.phones if p.alive and p.device_id not in skip
                       and p.name not in self._done_faults]
-        candidates.sort(key=lambda p: -shards.get(str(p.device_id), 0))
+        candidates.sort(key=lambda p: -(shards.get(str(p.device_id)) or 0.5 * (str(p.device_id) in shards)))
         return candidates[0] if candidates else None
 
     def inject_faults(self, job: dict[str, Any]) -> None:
@@ -167,13 +167,20 @@ class Demo:
     def frame(self, job: dict[str, Any], devices: list[dict[str, Any]],
               events: list[dict[str, Any]], bar: view.JobProgress) -> Group:
         table = view.device_table(devices, view.shards_by_device(job), self.notes,
-                                  title="Fleet (what the control plane sees)")
+                                  title="Fleet (what the control plane sees)", show_id=False)
         recent = Table.grid(padding=(0, 1))
         for ev in events[-5:]:
             recent.add_row(f"[dim]{view.ago(ev.get('ts'))}[/dim]", str(ev.get("reason", "")),
-                           str(ev.get("message", ""))[:100])
+                           self.named(str(ev.get("message", "")))[:110])
         bar.update(job)
         return Group(table, bar.progress, recent)
+
+    def named(self, text: str) -> str:
+        """Device ids in a message replaced by the phones' names."""
+        for phone in self.rack.phones if self.rack else []:
+            if phone.device_id:
+                text = text.replace(phone.device_id, phone.name)
+        return text
 
     def follow(self, client: PhalanxClient, job_id: str) -> dict[str, Any]:
         bar = view.JobProgress()

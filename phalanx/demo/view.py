@@ -84,9 +84,11 @@ def shard_cell(shards: dict[str, int | None] | None, device_id: Any) -> str:
 
 
 def device_table(devices: list[dict[str, Any]], shards: dict[str, int | None] | None = None,
-                 notes: dict[str, str] | None = None, title: str | None = None) -> Table:
+                 notes: dict[str, str] | None = None, title: str | None = None,
+                 show_id: bool = True) -> Table:
     table = Table(title=title, title_justify="left", header_style="bold")
-    for col in ("ID", "NAME", "STATE", "MODEL", "BATTERY", "TEMP", "FREQ", "SHARDS", "SEEN"):
+    cols = ("ID", "NAME", "STATE", "MODEL", "BATTERY", "TEMP", "FREQ", "SHARDS", "SEEN")
+    for col in cols if show_id else cols[1:]:
         table.add_column(col, no_wrap=True)
     if notes is not None:
         table.add_column("NOTE")
@@ -103,10 +105,12 @@ def device_table(devices: list[dict[str, Any]], shards: dict[str, int | None] | 
         if dev.get("pause_reason"):
             state += f" [yellow]({dev['pause_reason']})[/yellow]"
         seen = dev.get("last_heartbeat_at") or dev.get("lease_renewed_at") or t.get("ts")
-        row = [dash(dev.get("id")), dash(dev.get("name")), state, dash(spec.get("model")), battery,
+        row = [dash(dev.get("name")), state, dash(spec.get("model")), battery,
                temp, dash(t.get("cpu_freq_mhz"), "{:.0f} MHz"),
                shard_cell(shards, dev.get("id")),
                ago(seen)]
+        if show_id:
+            row.insert(0, dash(dev.get("id")))
         if notes is not None:
             row.append(notes.get(str(dev.get("id")), ""))
         table.add_row(*row)

@@ -70,33 +70,45 @@ class NetLink:
             threading.Thread(target=self._pump, args=(client, upstream), daemon=True).start()
 
     def _pump(self, a: socket.socket, b: socket.socket) -> None:
+        """Copy bytes both ways; an EOF is passed on as a half-close, so a response still in
+        flight is delivered. Only a cut link (`set_online(False)`) resets connections."""
         sel = selectors.DefaultSelector()
         try:
-            a.setblocking(False)
-            b.setblocking(False)
-            sel.register(a, selectors.EVENT_READ, b)
-            sel.register(b, selectors.EVENT_READ, a)
-            while not self._stop.is_set() and self.online:
+            for sock, other in ((a, b), (b, a)):
+                sock.setblocking(False)
+                sel.register(sock, selectors.EVENT_READ, other)
+            open_sides = 2
+            while open_sides and not self._stop.is_set() and self.online:
                 for key, _ in sel.select(timeout=0.5):
-                    data = key.fileobj.recv(65536)  # type: ignore[union-attr]
+                    src, dst = key.fileobj, key.data
+                    try:
+                        data = src.recv(65536)  # type: ignore[union-attr]
+                    except BlockingIOError:
+                        continue
                     if not data:
-                        return
-                    key.data.setblocking(True)
-                    key.data.sendall(data)
-                    key.data.setblocking(False)
+                        sel.unregister(src)
+                        open_sides -= 1
+                        with contextlib.suppress(OSError):
+                            dst.shutdown(socket.SHUT_WR)
+                        continue
+                    dst.setblocking(True)
+                    dst.sendall(data)
+                    dst.setblocking(False)
         except (OSError, ValueError):
-            return
+            pass
         finally:
             sel.close()
             with self._lock:
+                cut = a not in self._open
                 self._open.discard(a)
                 self._open.discard(b)
-            _close(a)
-            _close(b)
+            for sock in (a, b):
+                _close(sock, reset=cut)
 
 
-def _close(sock: socket.socket) -> None:
-    with contextlib.suppress(OSError):
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # RST
+def _close(sock: socket.socket, reset: bool = True) -> None:
+    if reset:  # RST, as when the network goes away; a clean close lets queued bytes drain
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
     with contextlib.suppress(OSError):
         sock.close()

@@ -105,13 +105,18 @@ class SimulatedPhone:
                 os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait(timeout=10)
 
-    def stop(self, timeout_s: float = 10.0) -> None:
-        """A clean shutdown (SIGTERM, then SIGKILL), and the network link closed."""
+    def terminate(self) -> None:
+        """Ask the agent to stop (SIGTERM); `stop` waits for it."""
         if self.process is not None and self.process.poll() is None:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.process.pid, signal.SIGTERM)
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """A clean shutdown (SIGTERM, SIGKILL after `timeout_s`), and the network link closed."""
+        self.terminate()
+        if self.process is not None and self.process.poll() is None:
             try:
-                self.process.wait(timeout=timeout_s)
+                self.process.wait(timeout=max(0.0, timeout_s))
             except subprocess.TimeoutExpired:
                 self.kill()
         if self.link is not None:
@@ -206,5 +211,8 @@ class PhoneRack:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=5)
+        for phone in self.phones:  # all at once: each agent may finish a long poll first
+            phone.terminate()
+        deadline = time.monotonic() + 5.0
         for phone in self.phones:
-            phone.stop()
+            phone.stop(timeout_s=deadline - time.monotonic())

@@ -14,9 +14,10 @@ from phalanx.sim.netproxy import NetLink
 
 class Hello(BaseHTTPRequestHandler):
     def do_GET(self) -> None:  # noqa: N802 (http.server's name)
-        body = b"hello"
+        body = b"x" * (4 << 20) if self.path == "/big" else b"hello"
         self.send_response(200)
         self.send_header("Content-Length", str(len(body)))
+        self.send_header("Connection", "close")
         self.end_headers()
         self.wfile.write(body)
 
@@ -55,5 +56,14 @@ def test_going_down_cuts_an_open_keep_alive_connection(upstream: str) -> None:
             link.set_online(False)
             with pytest.raises(httpx.TransportError):
                 client.get("/")
+    finally:
+        link.close()
+
+
+def test_a_large_response_arrives_whole_when_the_server_closes_after_it(upstream: str) -> None:
+    link = NetLink(upstream)
+    try:
+        for _ in range(5):
+            assert len(httpx.get(f"{link.url}/big", timeout=10).content) == 4 << 20
     finally:
         link.close()
