@@ -96,7 +96,7 @@ class Worker:
         if self.process.poll() is None:
             self.process.terminate()
             try:
-                self.process.wait(timeout=15)
+                self.process.wait(timeout=3)  # warm shutdown; nothing here needs more
             except subprocess.TimeoutExpired:
                 self.kill()
 
