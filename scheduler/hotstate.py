@@ -27,7 +27,7 @@ def encode_state(state: TrainState) -> bytes:
     if momentum.size != params.size:
         raise StateError("momentum and params differ in size")
     head = _HEADER.pack(MAGIC, int(state.step), params.size, buffers.size)
-    return b"".join((head, params.tobytes(), momentum.tobytes(), buffers.tobytes()))
+    return b"".join((head, *(memoryview(a).cast("B") for a in (params, momentum, buffers))))
 
 
 def decode_state(data: bytes, expect_step: int | None = None) -> TrainState:

@@ -21,10 +21,11 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from agent.nn.data import load_dataset
 from agent.nn.sampler import shard_indices
-from agent.wire import WireError, decode_results, encode_results, encode_weights
+from agent.wire import WireError, decode_results, encode_weights
 from api.store.models import Job, ShardAssignment
 from scheduler import keys
 from scheduler.blobs import BlobStore
+from scheduler.gradstore import pack_result
 from scheduler.hotstate import decode_state
 from scheduler.jobinfo import JobInfo, job_info
 from scheduler.tasks.stragglers import uploaded_shards
@@ -190,8 +191,7 @@ class StepProtocol:
             raise ForeignShard(f"shards {foreign} of {job_id} are not assigned to {device_id}")
         accepted, duplicates = [], []
         for r in sorted(results, key=lambda r: r.shard):
-            blob = body if len(results) == 1 else encode_results(job_id, step, [r])
-            if self.blobs.set_if_absent(keys.grad(job_id, step, r.shard), blob):
+            if self.blobs.set_if_absent(keys.grad(job_id, step, r.shard), pack_result(r)):
                 accepted.append(r.shard)
             else:
                 duplicates.append(r.shard)

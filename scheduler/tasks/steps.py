@@ -23,7 +23,6 @@ import numpy as np
 from agent.nn.data import load_dataset
 from agent.nn.step import ShardResult, StepMetrics, TrainState, evaluate
 from agent.nn.step import apply_step as engine_apply_step
-from agent.wire import WireError, decode_results
 from api.metrics import observe_task
 from api.store.db import transaction
 from api.store.models import Job, StepMetric
@@ -31,6 +30,7 @@ from scheduler import keys, store_ops
 from scheduler.celery_app import app
 from scheduler.checkpoints import WrittenCheckpoint, write_checkpoint
 from scheduler.context import SchedulerContext, get_context
+from scheduler.gradstore import GradBlobError, unpack_result
 from scheduler.hotstate import encode_state
 from scheduler.jobinfo import JobInfo, job_info
 from scheduler.notify import bump_version
@@ -72,9 +72,8 @@ def load_results(ctx: SchedulerContext, job_id: str, step: int, info: JobInfo) -
         if data is None:
             return None
         try:
-            results += decode_results(data, expect_job=job_id, expect_step=step,
-                                      n_params=info.model.n_params, n_stats=info.model.n_stats)
-        except WireError:
+            results.append(unpack_result(data, info.model.n_params, info.model.n_stats))
+        except GradBlobError:
             ctx.blobs.delete(keys.grad(job_id, step, shard))  # cannot happen unless corrupted
             return None
     return results

@@ -8,13 +8,16 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
-from agent.wire import decode_weights, encode_results
+from agent.wire import decode_results, decode_weights, encode_results
 from api.main import create_app
 from api.settings import Settings
 from scheduler import context, keys
+from scheduler.gradstore import pack_result, unpack_result
+from scheduler.jobinfo import job_info
 from scheduler.tasks.reconcile import run_reconcile, run_reconcile_job
 from scheduler.tasks.steps import run_apply_step
 from tests.scheduler.helpers import assignments, job, shard_result_blobs, tiny_spec
@@ -90,7 +93,7 @@ def test_duplicate_uploads_change_nothing_and_first_upload_wins(app_client: Test
     assert first.json() == {"accepted": [mine[0]], "duplicates": []}
     again = app_client.post(url, content=blobs[mine[0]], headers=hdr)
     assert again.status_code == 200 and again.json() == {"accepted": [], "duplicates": [mine[0]]}
-    assert ctx.blobs.get(keys.grad(job_id, 0, mine[0])) == blobs[mine[0]]
+    assert ctx.blobs.get(keys.grad(job_id, 0, mine[0])) == pack_result(decode_results(blobs[mine[0]])[0])
     theirs = shards_of(job_id, other)[0]
     assert app_client.post(url, content=blobs[theirs], headers=hdr).status_code == 403
     assert app_client.post(url, content=b"garbage", headers=hdr).status_code == 422
@@ -105,8 +108,6 @@ def test_duplicate_uploads_change_nothing_and_first_upload_wins(app_client: Test
 
 
 def test_a_multi_shard_upload_is_stored_per_shard(app_client: TestClient) -> None:
-    from agent.wire import decode_results
-
     job_id, [(dev, hdr), _] = running_job(app_client)
     ctx = context.get_context()
     blobs = shard_result_blobs(ctx, job_id, 0)
@@ -115,9 +116,11 @@ def test_a_multi_shard_upload_is_stored_per_shard(app_client: TestClient) -> Non
     r = app_client.post(f"/v1/jobs/{job_id}/steps/0/gradients",
                         content=encode_results(job_id, 0, results), headers=hdr)
     assert r.json()["accepted"] == mine
-    for k in mine:
-        stored = decode_results(ctx.blobs.get(keys.grad(job_id, 0, k)))
-        assert [s.shard for s in stored] == [k]
+    info = job_info(job_id, job(ctx, job_id).spec, ctx.settings.data_dir)
+    for k, r in zip(mine, results):
+        stored = unpack_result(ctx.blobs.get(keys.grad(job_id, 0, k)), info.model.n_params,
+                               info.model.n_stats)
+        assert stored.shard == k and np.array_equal(stored.grad_sum, r.grad_sum)
 
 
 def test_the_long_poll_wakes_when_work_arrives(app_client: TestClient) -> None:

@@ -78,7 +78,7 @@ def test_apply_step_twice_equals_once(ctx) -> None:
     job_id = start(ctx)
     upload_all(ctx, job_id, 0)
     state0 = load_state(ctx, job_id, 0)
-    results = [r for k in range(4) for r in decode_results(ctx.blobs.get(keys.grad(job_id, 0, k)))]
+    results = [r for b in shard_result_blobs(ctx, job_id, 0).values() for r in decode_results(b)]
     assert run_apply_step(ctx, job_id, 0) == "applied"
     stored = ctx.blobs.get(keys.state(job_id, 1))
     assert run_apply_step(ctx, job_id, 0) == "stale"

@@ -1,0 +1,160 @@
+"""Heartbeat throughput of `phalanx server` on Postgres, against /healthz of the same server.
+
+    .venv/bin/python bench/heartbeats.py [--devices 1000] [--connections 32] [--duration 10]
+
+Creates a fresh Postgres database, starts `phalanx server --workers 2` (Postgres + Redis, so not
+embedded), registers N devices through the API, then drives the server with `wrk` (a Lua script
+rotates the device tokens; each heartbeat carries 3 samples): first /healthz, then heartbeats,
+same connections and duration. Prints heartbeats/s, p50/p99 latency, the /healthz rate and the
+ratio, and checks that every 2xx heartbeat's samples are in the database.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import psycopg
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tests.support.server import start_server  # noqa: E402
+
+ADMIN = "phx-adm-bench-" + uuid.uuid4().hex
+LUA_COMMON = r"""
+local results = {}
+done = function(summary, latency, requests)
+  local non2xx = summary.errors.status
+  io.write(string.format('{"requests": %d, "seconds": %f, "non2xx": %d, "socket_errors": %d, '
+    .. '"p50_ms": %f, "p90_ms": %f, "p99_ms": %f, "max_ms": %f}\n',
+    summary.requests, summary.duration / 1e6, non2xx,
+    summary.errors.connect + summary.errors.read + summary.errors.write + summary.errors.timeout,
+    latency:percentile(50) / 1000, latency:percentile(90) / 1000,
+    latency:percentile(99) / 1000, latency.max / 1000))
+end
+"""
+LUA_HEARTBEAT = r"""
+local devices = {}
+for line in io.lines(os.getenv("BENCH_DEVICES")) do
+  local id, token = line:match("([^ ]+) ([^ ]+)")
+  devices[#devices + 1] = {id = id, token = token}
+end
+local counter = 0
+local base = 0
+setup = function(thread) thread:set("tid", thread.id or math.random(1000)) end
+init = function(args) counter = math.random(#devices) - 1; base = os.time() end
+request = function()
+  counter = counter + 1
+  local d = devices[(counter % #devices) + 1]
+  local ts = base + counter * 0.001
+  local s = '{"ts": %f, "battery_pct": 81.5, "charging": false, "battery_temp_c": 33.1, '
+    .. '"cpu_temp_c": 41.2, "power_w": 2.9, "cpu_freq_mhz": 1785.6, "throttled": false, "busy": false}'
+  local body = '{"telemetry": [' .. string.format(s, ts) .. ', ' .. string.format(s, ts + 0.0001)
+    .. ', ' .. string.format(s, ts + 0.0002) .. '], "agent_version": "0.1.0"}'
+  return wrk.format("POST", "/v1/devices/" .. d.id .. "/heartbeat",
+    {["Authorization"] = "Bearer " .. d.token, ["Content-Type"] = "application/json"}, body)
+end
+"""
+
+
+def _libpq(url: str) -> str:
+    return url.replace("postgresql+psycopg://", "postgresql://")
+
+
+def fresh_database(admin_url: str) -> str:
+    name = f"phalanx_bench_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(_libpq(admin_url), autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    return admin_url.rpartition("/")[0] + "/" + name
+
+
+def drop_database(url: str) -> None:
+    admin, name = url.rpartition("/")[0] + "/postgres", url.rpartition("/")[2]
+    with psycopg.connect(_libpq(admin), autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def register_devices(base_url: str, n: int) -> list[tuple[str, str]]:
+    headers = {"Authorization": f"Bearer {ADMIN}"}
+    with httpx.Client(base_url=base_url, headers=headers, timeout=60) as client:
+        token = client.post("/v1/enrollment-tokens", json={}).raise_for_status().json()["token"]
+
+        def one(i: int) -> tuple[str, str]:
+            body = {"enrollment_token": token, "name": f"bench-{i}", "labels": {"rack": "bench"}}
+            got = client.post("/v1/devices/register", json=body).raise_for_status().json()
+            return got["device_id"], got["device_token"]
+
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            return list(pool.map(one, range(n)))
+
+
+def run_wrk(url: str, script: Path, args: argparse.Namespace, env: dict[str, str]) -> dict:
+    cmd = ["wrk", f"-t{args.threads}", f"-c{args.connections}", f"-d{args.duration}s",
+           "--timeout", "5s", "-s", str(script), url]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def count_samples(db_url: str) -> int:
+    with psycopg.connect(_libpq(db_url)) as conn:
+        return conn.execute("SELECT count(*) FROM telemetry_samples").fetchone()[0]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--devices", type=int, default=1000)
+    parser.add_argument("--connections", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--duration", type=int, default=10)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--database", default=os.environ.get(
+        "PHALANX_TEST_DATABASE_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"))
+    parser.add_argument("--redis", default=os.environ.get(
+        "PHALANX_TEST_REDIS_URL", "redis://127.0.0.1:6379/14"))
+    args = parser.parse_args()
+    if shutil.which("wrk") is None:
+        sys.exit("wrk is not installed (Debian: apt-get install -y wrk)")
+    db_url = fresh_database(args.database)
+    work = Path(tempfile.mkdtemp(prefix="phalanx-bench-"))
+    server = start_server(database_url=db_url, data_dir=work / "data", admin_token=ADMIN,
+                          redis_url=args.redis, args=["--workers", str(args.workers)])
+    print(f"server pid {server.process.pid} at {server.url}", file=sys.stderr, flush=True)
+    try:
+        devices = register_devices(server.url, args.devices)
+        (work / "devices.txt").write_text("".join(f"{i} {t}\n" for i, t in devices))
+        (work / "healthz.lua").write_text(LUA_COMMON)
+        (work / "heartbeat.lua").write_text(LUA_HEARTBEAT + LUA_COMMON)
+        env = {**os.environ, "BENCH_DEVICES": str(work / "devices.txt")}
+        healthz = run_wrk(f"{server.url}/healthz", work / "healthz.lua", args, env)
+        before = count_samples(db_url)
+        beats = run_wrk(server.url, work / "heartbeat.lua", args, env)
+        stored = count_samples(db_url) - before
+    finally:
+        server.stop()
+    drop_database(db_url)
+    shutil.rmtree(work, ignore_errors=True)
+    ok = beats["requests"] - beats["non2xx"]
+    hb_rate, hz_rate = ok / beats["seconds"], healthz["requests"] / healthz["seconds"]
+    print(f"devices={args.devices} connections={args.connections} threads={args.threads} "
+          f"duration={args.duration}s workers={args.workers}")
+    print(f"/healthz:   {hz_rate:8.0f} req/s  p50 {healthz['p50_ms']:.1f} ms  "
+          f"p99 {healthz['p99_ms']:.1f} ms")
+    print(f"heartbeat:  {hb_rate:8.0f} req/s  p50 {beats['p50_ms']:.1f} ms  "
+          f"p99 {beats['p99_ms']:.1f} ms  (3 samples each; non-2xx {beats['non2xx']}, "
+          f"socket errors {beats['socket_errors']})")
+    print(f"ratio heartbeat/healthz: {hb_rate / hz_rate:.2f}")
+    print(f"samples stored: {stored} for {ok} accepted heartbeats "
+          f"({'none lost' if stored >= 3 * ok else 'LOST SAMPLES'})")
+
+
+if __name__ == "__main__":
+    main()
