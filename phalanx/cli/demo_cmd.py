@@ -59,20 +59,22 @@ def sim(
     interval: Annotated[Optional[float], typer.Option(help="heartbeat interval (default: the server's)")] = None,
     concurrency: Annotated[int, typer.Option(help="open HTTP connections")] = 64,
     compute: Annotated[bool, typer.Option(help="take and compute real work")] = False,
+    job: Annotated[Optional[Path], typer.Option(help="submit this job spec; stop when it ends (implies --compute)")] = None,
     cleanup: Annotated[bool, typer.Option(help="delete the simulated devices at the end")] = True,
     label: Annotated[list[str], typer.Option("--label", "-l", help="k=v on every phone")] = [],  # noqa: B006
     output: Annotated[str, typer.Option("--output", "-o", help="table or json")] = "table",
 ) -> None:
     """Many lightweight simulated phones in one process against a real server."""
-    from phalanx.cli.user_cmds import parse_labels
+    from phalanx.cli.user_cmds import parse_labels, read_spec
     from phalanx.client import resolve_target
     from phalanx.sim.fleet import FleetOptions, FleetStats, run_fleet
 
     target = resolve_target(server, token)
     opts = FleetOptions(server=target.server, phones=phones, duration_s=duration,
                         interval_s=interval, enroll_token=enroll_token,
-                        admin_token=target.token, concurrency=concurrency, compute=compute,
-                        cleanup=cleanup, labels=parse_labels(label))
+                        admin_token=target.token, concurrency=concurrency,
+                        compute=compute or job is not None, cleanup=cleanup,
+                        labels=parse_labels(label), job=read_spec(job) if job else None)
     last = [0.0]
 
     def progress(stats: FleetStats) -> None:
@@ -92,7 +94,7 @@ def sim(
         typer.echo(json.dumps(report, indent=2))
     else:
         print_report(report)
-    if report["errors"]:
+    if report["errors"] or (report.get("job") and report["job"].get("state") != "Succeeded"):
         raise typer.Exit(1)
 
 
@@ -113,6 +115,13 @@ def print_report(report: dict) -> None:
                   f"errors: {report['errors']}  retries: {report['retries']}", highlight=False)
     for kind, n in sorted(report["errors_by_kind"].items()):
         console.print(f"  {n:6d}  {kind}", highlight=False)
+    job = report.get("job")
+    if job:
+        acc = (job.get("metrics") or {}).get("val_accuracy")
+        console.print(f"job {job['id']}: {job.get('state')} at step {job.get('step')}/"
+                      f"{job.get('total_steps')}" + (f", val accuracy {acc:.2%}" if acc else "")
+                      + f"; {report.get('computed_shards', 0)} shard results uploaded",
+                      highlight=False)
 
 
 def register(app: typer.Typer) -> None:

@@ -82,13 +82,15 @@ async def one_step(phone: LightPhone, a: dict[str, Any]) -> bool:
     """Compute and upload this phone's shards of the assignment; False when it moved on."""
     job, step, shards = str(a["job_id"]), int(a["step"]), [int(k) for k in a["shards"]]
     model, spec = ENGINE.model(a)
-    resp = await _get(phone, "weights", f"/v1/jobs/{job}/weights", params={"step": step})
+    resp = await _get(phone, "weights", f"/v1/jobs/{job}/weights", params={"step": step},
+                      expected=(409,))
     if resp.status_code == 409:
         return False
     params, buffers = ENGINE.weights_of(job, step, resp.content)
     data = {}
     for k in shards:
-        got = await _get(phone, "shard_data", f"/v1/jobs/{job}/shards/{k}/data")
+        got = await _get(phone, "shard_data", f"/v1/jobs/{job}/shards/{k}/data",
+                         expected=(403,))
         if got.status_code != 200:
             return False
         data[k] = ENGINE.shard_of(job, k, got.content)
@@ -104,7 +106,7 @@ async def one_step(phone: LightPhone, a: dict[str, Any]) -> bool:
     headers = {"Authorization": f"Bearer {phone.token}",
                "Content-Type": "application/octet-stream"}
     up = await phone.call("gradients", "POST", f"/v1/jobs/{job}/steps/{step}/gradients",
-                          content=body, headers=headers)
+                          content=body, headers=headers, expected=(403, 409))
     phone.computed_shards += len(shards) if up.status_code == 200 else 0
     return up.status_code == 200
 

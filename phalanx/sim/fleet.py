@@ -40,6 +40,7 @@ class FleetOptions:
     seed: int = 0
     cleanup: bool = True
     compute: bool = False  # take and compute real work (see phalanx.sim.compute)
+    job: dict[str, Any] | None = None  # submit this job (admin token) and stop when it ends
     labels: dict[str, str] = field(default_factory=dict)
 
 
@@ -124,14 +125,16 @@ class LightPhone:
         self.profiles: dict[str, Any] = {}  # measured throughput per arch (--compute)
         self.computed_shards = 0
 
-    async def call(self, endpoint: str, method: str, path: str, **kwargs: Any) -> httpx.Response:
-        """One request, retried with backoff on transport errors and 5xx/429."""
+    async def call(self, endpoint: str, method: str, path: str, *,
+                   expected: tuple[int, ...] = (), **kwargs: Any) -> httpx.Response:
+        """One request, retried with backoff on transport errors and 5xx/429. A 4xx counts as
+        an error unless it is `expected` (the step protocol's 409 "step moved on", ...)."""
         while not self.fleet.stopping.is_set():
             started = time.monotonic()
             error = None
             try:
                 resp = await self.fleet.http.request(method, path, **kwargs)
-                if resp.status_code >= 400:
+                if resp.status_code >= 400 and resp.status_code not in expected:
                     error = str(resp.status_code)
             except httpx.HTTPError as exc:
                 resp, error = None, type(exc).__name__
@@ -243,19 +246,43 @@ class Fleet:
         await self.prepare()
         self.stats = FleetStats()
         tasks = [asyncio.create_task(self._phone(p, work)) for p in self.phones]
+        job_id = await self.submit_job() if self.opts.job else None
+        job: dict[str, Any] | None = None
         deadline = time.monotonic() + self.opts.duration_s
         while time.monotonic() < deadline and not all(t.done() for t in tasks):
             await self.sleep(min(1.0, deadline - time.monotonic()))
             if progress:
                 progress(self.stats)
+            if job_id:
+                job = await self.job(job_id) or job
+                if job and job.get("state") in ("Succeeded", "Failed", "Cancelled"):
+                    break
         self.stats.finished = time.monotonic()
         self.stopping.set()
         await asyncio.gather(*tasks, return_exceptions=True)
         report = self.stats.report()
+        if job_id:
+            report["job"] = {k: (job or {}).get(k) for k in
+                             ("id", "state", "reason", "step", "total_steps", "metrics")}
+            report["job"]["id"] = job_id
+            report["computed_shards"] = sum(p.computed_shards for p in self.phones)
         if self.opts.cleanup and self.opts.admin_token:
             report["cleanup_errors"] = await self.cleanup()
         await self.http.aclose()
         return report
+
+    async def submit_job(self) -> str:
+        resp = await self.http.post("/v1/jobs", json=self.opts.job, headers=self._admin())
+        if resp.status_code != 201:
+            raise SystemExit(f"job refused: HTTP {resp.status_code} {resp.text[:300]}")
+        return str(resp.json()["id"])
+
+    async def job(self, job_id: str) -> dict[str, Any] | None:
+        try:
+            resp = await self.http.get(f"/v1/jobs/{job_id}", headers=self._admin())
+        except httpx.HTTPError:
+            return None
+        return resp.json() if resp.status_code == 200 else None
 
     async def cleanup(self) -> int:
         """Delete the devices this run enrolled; the number of deletes that failed."""

@@ -1,0 +1,91 @@
+"""`phalanx sim` against a live server: enrollment and heartbeats at scale, zero errors; with
+--job, light phones train a real job over the step protocol."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import pytest
+from typer.testing import CliRunner
+
+from phalanx.cli.main import app
+from phalanx.sim.fleet import Backoff, FleetOptions, run_fleet
+from phalanx.train_local import run_reference
+from tests.conftest import ADMIN_TOKEN
+from tests.support.databases import migrated_sqlite
+from tests.support.server import LiveServer, start_server
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    base = tmp_path_factory.mktemp("fleet")
+    srv = start_server(database_url=migrated_sqlite(base / "db.sqlite"), data_dir=base / "data",
+                       admin_token=ADMIN_TOKEN)
+    yield srv
+    srv.stop()
+
+
+def test_fleet_enrolls_heartbeats_reports_a_rate_and_cleans_up(server: LiveServer) -> None:
+    report = run_fleet(FleetOptions(server=server.url, phones=60, duration_s=6, interval_s=1,
+                                    admin_token=ADMIN_TOKEN, concurrency=16))
+    assert report["errors"] == 0, report["errors_by_kind"]
+    assert report["phones_enrolled"] == 60
+    assert report["endpoints"]["register"]["requests"] == 60
+    assert report["endpoints"]["heartbeat"]["requests"] >= 60
+    assert report["requests_per_s"] > 10
+    assert report["latency_ms"]["p50"] > 0
+    assert report["cleanup_errors"] == 0
+    with server.client() as admin:
+        assert admin.get("/v1/devices").json()["items"] == []
+
+
+def test_the_sim_command_prints_requests_per_second_with_zero_errors(server: LiveServer) -> None:
+    result = CliRunner().invoke(app, ["sim", "--phones", "20", "--duration", "4", "--interval",
+                                      "1", "--server", server.url, "--token", ADMIN_TOKEN,
+                                      "-o", "json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["errors"] == 0 and report["requests_per_s"] > 0
+    table = CliRunner().invoke(app, ["sim", "--phones", "5", "--duration", "2", "--server",
+                                     server.url, "--token", ADMIN_TOKEN], env={"COLUMNS": "200"})
+    assert table.exit_code == 0, table.output
+    assert "requests/s" in table.stdout and "errors: 0" in table.stdout
+
+
+def test_without_an_admin_or_enrollment_token_sim_says_what_it_needs(server: LiveServer) -> None:
+    result = CliRunner().invoke(app, ["sim", "--phones", "2", "--duration", "1", "--server",
+                                      server.url], env={"PHALANX_TOKEN": None,
+                                                        "PHALANX_CONFIG": "/nonexistent/c.json"})
+    assert result.exit_code == 1
+    assert "admin token" in result.stderr
+
+
+def test_light_phones_train_a_job_to_the_reference_trainers_result(server: LiveServer) -> None:
+    job = {"name": "sim-logreg", "model": {"arch": "logreg"}, "dataset": "digits",
+           "global_batch_size": 64, "shards": 8, "epochs": 2,
+           "placement": {"min_devices": 2, "max_devices": 8, "selector": {"pool": "sim"}}}
+    report = run_fleet(FleetOptions(server=server.url, phones=8, duration_s=120, interval_s=1,
+                                    admin_token=ADMIN_TOKEN, compute=True, job=job,
+                                    labels={"pool": "sim"}))
+    assert report["job"]["state"] == "Succeeded", report
+    assert report["job"]["step"] == report["job"]["total_steps"]
+    reference = run_reference(job, None, progress=False)  # `phalanx train --local`
+    assert report["job"]["metrics"]["val_accuracy"] == pytest.approx(reference["val_accuracy"],
+                                                                     abs=1e-9)
+    assert report["job"]["metrics"]["train_loss"] == pytest.approx(reference["train_loss"],
+                                                                   rel=1e-5)
+    assert report["computed_shards"] >= 8 * report["job"]["total_steps"]
+    assert report["errors"] == 0, report["errors_by_kind"]
+
+
+def test_backoff_is_full_jitter_and_capped() -> None:
+    import random
+
+    backoff = Backoff(random.Random(1), base_s=0.5, cap_s=4.0)
+    delays = [backoff.next_delay() for _ in range(50)]
+    assert all(0 <= d <= 4.0 for d in delays)
+    assert max(delays) > 2.0  # grows
+    assert len({round(d, 3) for d in delays}) > 40  # spread, not lockstep
+    backoff.reset()
+    assert backoff.next_delay() <= 1.0
