@@ -4,6 +4,7 @@ from __future__ import annotations
 
 VERSION = "sched:version"  # bumped on any step or assignment change: wakes long polls
 PLACEMENT_LOCK = "sched:lock:placement"
+RECONCILE_ASKED = "sched:reconcile:asked"  # dedups API hooks' reconcile requests
 EVICTIONS = "sched:evictions"  # JSON list of recent NotReady eviction times (rate limit)
 
 
@@ -26,6 +27,10 @@ def job_prefix(job_id: str) -> str:
 def apply_claim(job_id: str, step: int) -> str:
     """Set when apply_step(job, step) is enqueued; expires so a lost task is re-enqueued."""
     return f"job:{job_id}:apply:{step}"
+
+
+def reconcile_claim(job_id: str) -> str:
+    return f"job:{job_id}:reconcile"
 
 
 def rebalance(job_id: str) -> str:

@@ -53,7 +53,7 @@ def reconcile_job(job_id: str) -> str:
 
 def request_reconcile(ctx: SchedulerContext) -> None:
     """Ask for a pass soon (API hooks); many asks within HOOK_DEDUP_S send one task."""
-    if ctx.blobs.set_if_absent("sched:reconcile:asked", b"1", ttl=HOOK_DEDUP_S):
+    if ctx.blobs.set_if_absent(keys.RECONCILE_ASKED, b"1", ttl=HOOK_DEDUP_S):
         reconcile.apply_async(queue="control")
 
 
@@ -69,15 +69,16 @@ def run_reconcile(ctx: SchedulerContext) -> dict:
                            preempted=result.preempted, moved=result.moved)
             if result.changed:
                 bump_version(ctx.blobs)
-    for job_id in placed_after_pass(summary):
-        reconcile_job.apply_async((job_id,), queue="control")
-    for job_id in jobs_to_look_after(ctx):
-        reconcile_job.apply_async((job_id,), queue="control")
+    for job_id in sorted(set(summary.get("placed") or []) | set(jobs_to_look_after(ctx))):
+        enqueue_reconcile_job(ctx, job_id)
     return summary
 
 
-def placed_after_pass(summary: dict) -> list[str]:
-    return list(summary.get("placed") or [])
+def enqueue_reconcile_job(ctx: SchedulerContext, job_id: str) -> None:
+    """One pending reconcile_job per job: a burst of monitor passes does not pile them up."""
+    ttl = max(0.1, ctx.settings.reconcile_interval_s / 2)
+    if ctx.blobs.set_if_absent(keys.reconcile_claim(job_id), b"1", ttl=ttl):
+        reconcile_job.apply_async((job_id,), queue="control")
 
 
 def mark_stale(ctx: SchedulerContext, now: dt.datetime) -> int:
@@ -107,9 +108,10 @@ def run_reconcile_job(ctx: SchedulerContext, job_id: str) -> str:
     if job.state != "Running":
         return "pending"
     info = job_info(job.id, job.spec, ctx.settings.data_dir)
-    state = ensure_state(ctx, job, info)
-    if state is None or state.step != job.step:
-        return "restored"
+    if not ctx.blobs.exists(keys.state(job.id, job.step)):  # cheap: never read 25 MB to check
+        state = ensure_state(ctx, job, info)
+        if state is None or state.step != job.step:
+            return "restored"
     if step_complete(ctx, job.id, job.step, info.spec.shards):
         enqueue_apply(ctx, job.id, job.step)
         return "apply-enqueued"

@@ -1,0 +1,289 @@
+"""Per-step coordination overhead of Phalanx vs a gloo allreduce of the same vector.
+
+    env -u OPENBLAS_CORETYPE .venv/bin/python bench/scheduler_coordination.py \
+        [--agents 4,8,16,64] [--modes embedded,redis] [--steps 5] [--gloo-max 16]
+
+Simulated agents (threads in a few processes) talk to a real `phalanx server` over HTTP: long
+poll for work, download the step's weights, upload a precomputed result for their shard (a
+mobilenet_v1-sized vector, 3,217,226 float32, zeros). One shard per agent, so every agent
+moves one full vector per step as in an allreduce. The agents' only local work is encoding
+the upload; coordination = step wall time (the server's step_seconds, commit to commit) minus
+the slowest agent's encode. `redis` runs the server on Redis with a separate `phalanx worker`.
+Then, in the same run, torch.distributed gloo allreduces the same vector across the same
+number of local processes. Reported: Phalanx coordination / gloo allreduce.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+ADMIN = "phx-admin-bench-" + "0" * 24
+DATASET = "synthetic:3x32x32:10:65536"
+N_PARAMS = 3_217_226  # mobilenet_v1 (width 1, 10 classes)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def base_env(root: Path, db_url: str, redis_url: str | None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PHALANX_")}
+    env.update(PHALANX_DATABASE_URL=db_url, PHALANX_DATA_DIR=str(root), PHALANX_ADMIN_TOKEN=ADMIN,
+               PHALANX_LEASE_GRACE_S="3600", PHALANX_RECONCILE_INTERVAL_S="1",
+               PHALANX_SCHED_STRAGGLER_FLOOR_S="600", PYTHONUNBUFFERED="1",
+               PHALANX_MAX_UPLOAD_BYTES=str(256 * 1024 * 1024))
+    if redis_url:
+        env["PHALANX_REDIS_URL"] = redis_url
+    return env
+
+
+class Services:
+    def __init__(self, root: Path, mode: str, pg_url: str | None, redis_url: str | None) -> None:
+        self.root, self.mode = root, mode
+        self.procs: list[subprocess.Popen[bytes]] = []
+        if mode == "redis":
+            import redis
+
+            assert redis_url, "--redis-url (or PHALANX_TEST_REDIS_URL) is needed for mode redis"
+            redis.Redis.from_url(redis_url).flushdb()
+        from api.store.db import upgrade
+
+        self.db_url = pg_url if (mode == "redis" and pg_url) else f"sqlite:///{root / 'db.sqlite'}"
+        upgrade(self.db_url)
+        self.env = base_env(root, self.db_url, redis_url if mode == "redis" else None)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        cmd = [sys.executable, "-m", "phalanx.cli.main", "server", "--port", str(self.port)]
+        self._spawn(cmd, "server.log")
+        if self.mode == "redis":
+            self._spawn([sys.executable, "-m", "phalanx.cli.main", "worker", "--beat",
+                         "--loglevel", os.environ.get("BENCH_WORKER_LOGLEVEL", "WARNING")], "worker.log")
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        raise RuntimeError((self.root / "server.log").read_text()[-3000:])
+
+    def _spawn(self, cmd: list[str], log: str) -> None:
+        with open(self.root / log, "ab") as fh:
+            self.procs.append(subprocess.Popen(cmd, cwd=REPO, env=self.env, stdout=fh,
+                                               stderr=subprocess.STDOUT))
+
+    def stop(self) -> None:
+        for p in self.procs:
+            p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def enroll(url: str, n: int) -> list[tuple[str, str]]:
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    with httpx.Client(base_url=url, timeout=30) as c:
+        token = c.post("/v1/enrollment-tokens", json={"max_uses": n}, headers=admin).json()["token"]
+        out = []
+        for i in range(n):
+            r = c.post("/v1/devices/register", json={"enrollment_token": token, "name": f"sim-{i}"})
+            r.raise_for_status()
+            dev, secret = r.json()["device_id"], r.json()["device_token"]
+            c.post(f"/v1/devices/{dev}/heartbeat", json={"telemetry": []},
+                   headers={"Authorization": f"Bearer {secret}"}).raise_for_status()
+            out.append((dev, secret))
+        return out
+
+
+def agent_thread(url: str, device: str, secret: str, stop: Any, log: Any) -> None:
+    from agent.nn.step import ShardResult
+    from agent.wire import encode_results
+
+    headers = {"Authorization": f"Bearer {secret}"}
+    grad = np.zeros(N_PARAMS, np.float32)
+    stats: np.ndarray | None = None
+    with httpx.Client(base_url=url, headers=headers, timeout=120) as c:
+        while not stop.is_set():
+            a = c.get(f"/v1/devices/{device}/work", params={"wait": 2}).json()["assignment"]
+            if a is None:
+                continue
+            job, step = a["job_id"], a["step"]
+            w = c.get(f"/v1/jobs/{job}/weights", params={"step": step})
+            if w.status_code != 200:
+                continue
+            t0 = time.perf_counter()
+            if stats is None:
+                stats = np.zeros(a["n_stats"], np.float32)
+            m = a["spec"]["global_batch_size"] // a["spec"]["shards"]
+            body = encode_results(job, step, [ShardResult(k, grad, 1.0, 0, m, stats)
+                                              for k in a["shards"]])
+            local = time.perf_counter() - t0
+            c.post(f"/v1/jobs/{job}/steps/{step}/gradients", content=body)
+            log.put((step, local))
+
+
+def agent_process(url: str, devices: list[tuple[str, str]], stop: Any, log: Any) -> None:
+    threads = [threading.Thread(target=agent_thread, args=(url, d, s, stop, log), daemon=True)
+               for d, s in devices]
+    for t in threads:
+        t.start()
+    while not stop.is_set():
+        time.sleep(0.1)
+
+
+def run_phalanx(root: Path, mode: str, n: int, steps: int, pg: str | None, rd: str | None) -> dict:
+    services = Services(root, mode, pg, rd)
+    services.start()
+    stop, log = mp.Event(), mp.Queue()
+    procs: list[mp.Process] = []
+    try:
+        devices = enroll(services.url, n)
+        groups = [devices[i::min(n, 8)] for i in range(min(n, 8))]
+        procs = [mp.Process(target=agent_process, args=(services.url, g, stop, log), daemon=True)
+                 for g in groups]
+        for p in procs:
+            p.start()
+        spec = {"name": f"coord-{n}", "model": {"arch": "mobilenet_v1"}, "dataset": DATASET,
+                "global_batch_size": 4 * n, "shards": n, "epochs": 1000, "seed": 0,
+                "checkpoint_every": 100000, "optimizer": {"lr": 0.01},
+                "placement": {"min_devices": n, "max_devices": n}}
+        admin = {"Authorization": f"Bearer {ADMIN}"}
+        with httpx.Client(base_url=services.url, headers=admin, timeout=60) as c:
+            job_id = c.post("/v1/jobs", json=spec).json()["id"]
+            deadline = time.monotonic() + 600
+            while c.get(f"/v1/jobs/{job_id}").json()["step"] < steps + 1:
+                assert time.monotonic() < deadline, "steps did not advance"
+                time.sleep(0.2)
+            rows = c.get(f"/v1/jobs/{job_id}/metrics").json()["items"]
+            c.post(f"/v1/jobs/{job_id}/cancel")
+    finally:
+        stop.set()
+        for p in procs:
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+        services.stop()
+    local: dict[int, float] = {}
+    while not log.empty():
+        step, seconds = log.get()
+        local[step] = max(seconds, local.get(step, 0.0))
+    measured = [r for r in rows if 1 <= r["step"] <= steps and r["step_seconds"]]
+    wall = [r["step_seconds"] for r in measured]
+    coord = [r["step_seconds"] - local.get(r["step"], 0.0) for r in measured]
+    return {"mode": mode, "agents": n, "step_wall_s": statistics.median(wall),
+            "slowest_agent_local_s": statistics.median(local.get(r["step"], 0.0) for r in measured),
+            "coordination_s": statistics.median(coord), "steps": len(measured)}
+
+
+def gloo_worker(rank: int, world: int, port: int, repeats: int, out: Any) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    x = torch.zeros(N_PARAMS, dtype=torch.float32)
+    times = []
+    for i in range(repeats + 2):
+        dist.barrier()
+        t0 = time.perf_counter()
+        dist.all_reduce(x)
+        if i >= 2:
+            times.append(time.perf_counter() - t0)
+    out.put((rank, times))
+    dist.destroy_process_group()
+
+
+def run_gloo(n: int, repeats: int = 5) -> dict:
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=gloo_worker, args=(r, n, port, repeats, out)) for r in range(n)]
+    for p in procs:
+        p.start()
+    per_rank = [out.get(timeout=600)[1] for _ in range(n)]
+    for p in procs:
+        p.join(30)
+    slowest = [max(ts[i] for ts in per_rank) for i in range(repeats)]
+    return {"agents": n, "allreduce_s": statistics.median(slowest)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--agents", default="4,8,16,64")
+    parser.add_argument("--modes", default="embedded,redis")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--gloo-max", type=int, default=16)
+    parser.add_argument("--pg-url", default=os.environ.get("PHALANX_TEST_DATABASE_URL"))
+    parser.add_argument("--redis-url", default=os.environ.get("PHALANX_TEST_REDIS_URL"))
+    args = parser.parse_args()
+    counts = [int(a) for a in args.agents.split(",")]
+    results: list[dict] = []
+    for mode in args.modes.split(","):
+        for n in counts:
+            with tempfile.TemporaryDirectory() as tmp:
+                pg = fresh_pg(args.pg_url) if mode == "redis" else None
+                try:
+                    row = run_phalanx(Path(tmp), mode, n, args.steps, pg, args.redis_url)
+                finally:
+                    drop_pg(args.pg_url, pg)
+            results.append(row)
+            print(f"phalanx {mode:8} {n:>3} agents: step {row['step_wall_s'] * 1000:7.0f} ms, "
+                  f"agent-local {row['slowest_agent_local_s'] * 1000:5.0f} ms, coordination "
+                  f"{row['coordination_s'] * 1000:7.0f} ms", flush=True)
+    gloo = {n: run_gloo(n) for n in counts if n <= args.gloo_max}
+    for n, g in gloo.items():
+        print(f"gloo allreduce {n:>3} processes: {g['allreduce_s'] * 1000:7.0f} ms", flush=True)
+    for row in results:
+        if row["agents"] in gloo:
+            row["gloo_allreduce_s"] = gloo[row["agents"]]["allreduce_s"]
+            row["ratio_vs_gloo"] = row["coordination_s"] / row["gloo_allreduce_s"]
+            print(f"ratio {row['mode']:8} {row['agents']:>3} agents: "
+                  f"phalanx/gloo = {row['ratio_vs_gloo']:.1f}")
+    print(json.dumps(results))
+
+
+def fresh_pg(admin_url: str | None) -> str | None:
+    if not admin_url:
+        return None
+    from tests.support.databases import PostgresTemplate
+
+    template = PostgresTemplate(admin_url)
+    name = template.name.replace("tmpl", "bench")
+    template._execute(f'CREATE DATABASE "{name}"')
+    return admin_url.rpartition("/")[0] + "/" + name
+
+
+def drop_pg(admin_url: str | None, url: str | None) -> None:
+    if admin_url and url:
+        from tests.support.databases import PostgresTemplate
+
+        PostgresTemplate(admin_url).drop_clone(url)
+
+
+if __name__ == "__main__":
+    main()
