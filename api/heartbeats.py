@@ -28,64 +28,74 @@ log = logging.getLogger(__name__)
 MAX_BATCH = 2000
 ACTIVE_ARCHS_TTL_S = 2.0
 
-_Pending = tuple[str, HeartbeatIn, asyncio.AbstractEventLoop, "asyncio.Future[Any]"]
+_Pending = tuple[str, str, HeartbeatIn, asyncio.AbstractEventLoop, "asyncio.Future[Any]"]
 
 
 class HeartbeatWriter:
     def __init__(self, factory: sessionmaker[Session], *, clock: Callable, grace_s: float,
-                 interval_s: float, on_device_changed: Callable[[str], None]) -> None:
+                 interval_s: float, on_device_changed: Callable[[str], None],
+                 threads: int = 1) -> None:
         self.factory, self.clock = factory, clock
+        # Several writer threads pipeline the commits: while one batch waits on the database
+        # (its fsync above all), the next batch is already being written.
+        self.threads = threads
         self.grace_s, self.interval_s = grace_s, interval_s
         self.on_device_changed = on_device_changed
         self._queue: queue.SimpleQueue[_Pending | None] = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
+        self._workers: list[threading.Thread] = []
         self._start_lock = threading.Lock()
         self._archs: tuple[float, set[str]] = (0.0, set())
         self.batches = 0  # for tests and the benchmark: how many transactions ran
 
-    async def submit(self, device_id: str, body: HeartbeatIn) -> dict[str, Any]:
+    async def submit(self, device_id: str, token_hash: str, body: HeartbeatIn) -> dict[str, Any]:
+        """Queue one heartbeat and wait for its commit. Raises the refusal (401/403) for a bad
+        token, or UnknownToken when the hash matches no device token."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Any] = loop.create_future()
         self._ensure_started()
-        self._queue.put((device_id, body, loop, future))
+        self._queue.put((device_id, token_hash, body, loop, future))
         return await future
 
     def _ensure_started(self) -> None:
-        if self._thread is None:
+        if not self._workers:
             with self._start_lock:
-                if self._thread is None:
-                    self._thread = threading.Thread(target=self._run, name="heartbeat-writer",
-                                                    daemon=True)
-                    self._thread.start()
+                if not self._workers:
+                    self._workers = [
+                        threading.Thread(target=self._run, name=f"heartbeat-writer-{i}",
+                                         daemon=True) for i in range(self.threads)]
+                    for worker in self._workers:
+                        worker.start()
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Finish everything queued, then end the thread."""
-        if self._thread is not None:
+        """Finish everything queued, then end the threads."""
+        workers, self._workers = self._workers, []
+        for _ in workers:
             self._queue.put(None)
-            self._thread.join(timeout)
-            self._thread = None
+        for worker in workers:
+            worker.join(timeout)
 
     def _run(self) -> None:
         while True:
             first = self._queue.get()
-            batch: list[_Pending] = [] if first is None else [first]
-            stopping = first is None
+            if first is None:  # stop signals come after everything queued before stop()
+                return
+            batch: list[_Pending] = [first]
+            stopping = False
             while len(batch) < MAX_BATCH:
                 try:
                     item = self._queue.get_nowait()
                 except queue.Empty:
                     break
-                if item is None:
+                if item is None:  # one stop signal per thread: take no other thread's
                     stopping = True
-                    continue
+                    break
                 batch.append(item)
-            if batch:
-                self._process(batch)
+            self._process(batch)
             if stopping:
                 return
 
     def _process(self, batch: list[_Pending]) -> None:
-        items = [(device_id, body) for device_id, body, _, _ in batch]
+        items = [(device_id, token_hash, body) for device_id, token_hash, body, _, _ in batch]
         try:
             outcome = self._commit(items)
             replies: list[Any] = outcome.replies
@@ -101,7 +111,7 @@ class HeartbeatWriter:
                 except Exception as exc:
                     replies.append(exc)
             outcome = BatchOutcome(replies=replies, changed_devices=changed)
-        for (_, _, loop, future), reply in zip(batch, replies):
+        for (_, _, _, loop, future), reply in zip(batch, replies):
             loop.call_soon_threadsafe(_resolve, future, reply)
         for device_id in outcome.changed_devices:
             try:
@@ -109,7 +119,7 @@ class HeartbeatWriter:
             except Exception:
                 log.exception("device_changed hook failed for %s", device_id)
 
-    def _commit(self, items: list[tuple[str, HeartbeatIn]]) -> BatchOutcome:
+    def _commit(self, items: list[tuple[str, str, HeartbeatIn]]) -> BatchOutcome:
         with self.factory() as session, session.begin():
             outcome = apply_heartbeats(session, items, self.clock(), grace_s=self.grace_s,
                                        interval_s=self.interval_s,

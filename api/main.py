@@ -85,6 +85,15 @@ def _include_routers(app: FastAPI) -> None:
         app.include_router(metrics.router)
 
 
+def _writer_factory(url: str):
+    """The heartbeat writers' own small pool: no pre-ping round trip (a dead connection fails
+    its batch, which is retried on a fresh one), and never starved by request handlers."""
+    if url.startswith("sqlite"):
+        return make_session_factory(make_engine(url))
+    return make_session_factory(make_engine(url, pool_pre_ping=False, pool_size=4,
+                                            max_overflow=2))
+
+
 def create_app(settings: Settings | None = None, clock: Callable[[], dt.datetime] | None = None,
                start_scheduler: bool = False) -> FastAPI:
     """Build the control plane. `start_scheduler` (embedded mode) is honoured by work.install."""
@@ -99,6 +108,7 @@ def create_app(settings: Settings | None = None, clock: Callable[[], dt.datetime
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
         app.state.heartbeats.stop()
+        app.state.heartbeats.factory.kw["bind"].dispose()
 
     app = FastAPI(title="Phalanx control plane", version="0.1.0", lifespan=lifespan,
                   docs_url="/docs", openapi_url="/openapi.json")
@@ -111,7 +121,8 @@ def create_app(settings: Settings | None = None, clock: Callable[[], dt.datetime
         ensure_admin_token(factory)
     app.state.authenticator = Authenticator(factory, admin, clock=clock)
     app.state.heartbeats = HeartbeatWriter(
-        factory, clock=clock, grace_s=settings.lease_grace_s,
+        _writer_factory(settings.resolved_database_url), clock=clock,
+        grace_s=settings.lease_grace_s, threads=1 if engine.dialect.name == "sqlite" else 4,
         interval_s=settings.heartbeat_interval_s,
         on_device_changed=lambda device_id: app.state.scheduler_hooks.device_changed(device_id))
     app.add_middleware(BodySizeLimit, default_limit=settings.max_body_bytes,

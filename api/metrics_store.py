@@ -179,17 +179,39 @@ def integrate_power(samples: Iterable[tuple[str, dt.datetime, float | None]],
     return joules
 
 
-def _telemetry_energy(session: Session, job: Job, devices: list[str], now: dt.datetime) -> float:
-    """Energy of the phones that hold the job's shards, from the job's start (or now) on."""
-    if not devices or job.started_at is None:
+def _device_starts(session: Session, job: Job, holders: list[str]) -> dict[str, dt.datetime]:
+    """When each phone began working for the job: its first mention in the job's events
+    (`device_id`, or `data["devices"]` of Scheduled/ShardsMoved), else the job's start."""
+    began = _aware(job.started_at or job.created)
+    starts = {device: began for device in holders}
+    rows = session.execute(select(Event.ts, Event.device_id, Event.data)
+                           .where(Event.job_id == job.id).order_by(Event.ts)).all()
+    named: dict[str, dt.datetime] = {}
+    for ts, device_id, data in rows:
+        listed = (data or {}).get("devices") if isinstance(data, dict) else None
+        for device in [device_id, *(listed if isinstance(listed, list) else [])]:
+            if isinstance(device, str) and device not in named:
+                named[device] = max(_aware(ts), began)
+    return {**starts, **named}
+
+
+def job_energy(session: Session, job: Job, holders: list[str], now: dt.datetime) -> float:
+    """Joules drawn by the job's phones, each from when it joined to the job's end (or now).
+
+    A phone that left the job mid-run keeps counting to the end: an upper bound, exact for a
+    job whose phones never changed. `step_metrics.energy_j`, when recorded, wins over this."""
+    if job.started_at is None:
+        return 0.0
+    starts = _device_starts(session, job, holders)
+    if not starts:
         return 0.0
     end = job.finished_at or now
     rows = session.execute(
         select(TelemetrySample.device_id, TelemetrySample.ts, TelemetrySample.power_w)
-        .where(TelemetrySample.device_id.in_(devices), TelemetrySample.ts >= job.started_at,
-               TelemetrySample.ts <= end)
+        .where(TelemetrySample.device_id.in_(list(starts)),
+               TelemetrySample.ts >= min(starts.values()), TelemetrySample.ts <= end)
         .order_by(TelemetrySample.device_id, TelemetrySample.ts)).all()
-    return integrate_power((d, _aware(ts), w) for d, ts, w in rows)
+    return integrate_power((d, _aware(ts), w) for d, ts, w in rows if _aware(ts) >= starts[d])
 
 
 def _aware(ts: dt.datetime) -> dt.datetime:
@@ -237,8 +259,8 @@ def _job_values(session: Session, job: Job, devices: list[str],
     energy = rates.energy_j
     if energy is None:
         energy = _number(metrics.get("energy_j"))
-    if energy is None and job.state == "Running":
-        energy = _telemetry_energy(session, job, devices, now)
+    if energy is None:
+        energy = _energy_cache.get(session, job, devices, now)
     progress = job.step / job.total_steps if job.total_steps else None
     val = _number(metrics.get("val_accuracy"))
     moved = job.step_started_at or job.started_at
@@ -255,6 +277,26 @@ def _job_values(session: Session, job: Job, devices: list[str],
         "phalanx_job_energy_joules": energy,
         "phalanx_job_last_progress_timestamp_seconds": _aware(moved).timestamp() if moved else None,
     }
+
+
+class EnergyCache:
+    """A finished job's energy never changes: compute it once per process."""
+
+    def __init__(self) -> None:
+        self._done: dict[tuple[str, dt.datetime], float] = {}
+
+    def get(self, session: Session, job: Job, holders: list[str], now: dt.datetime) -> float:
+        if job.finished_at is None:
+            return job_energy(session, job, holders, now)
+        key = (job.id, job.finished_at)
+        if key not in self._done:
+            if len(self._done) > 4 * MAX_JOBS:
+                self._done.clear()
+            self._done[key] = job_energy(session, job, holders, now)
+        return self._done[key]
+
+
+_energy_cache = EnergyCache()
 
 
 class StoreCollector(Collector):

@@ -5,10 +5,14 @@ from __future__ import annotations
 import datetime as dt
 import json
 
-from fastapi import APIRouter, Query, Request, Response
+from fastapi import APIRouter, Depends, Query, Request, Response
+from fastapi.security import HTTPBearer
+from starlette.concurrency import run_in_threadpool
 
 from api import lifecycle
-from api.deps import AdminDep, ClockDep, DeviceDep, SessionDep, SettingsDep, UserDep
+from api.auth import parse_bearer
+from api.deps import AdminDep, ClockDep, SessionDep, SettingsDep, UserDep, require_device
+from api.errors import Unauthorized
 from api.schemas.common import EventRead, Page, page_of
 from api.schemas.devices import (
     DeviceRead,
@@ -19,6 +23,7 @@ from api.schemas.devices import (
     TelemetrySampleRead,
 )
 from api.store import devices, events
+from api.store.heartbeats import UnknownToken
 
 router = APIRouter(prefix="/v1/devices", tags=["devices"])
 Limit = Query(100, ge=1, le=1000)
@@ -40,10 +45,20 @@ def register(body: DeviceRegister, request: Request, session: SessionDep, settin
             "lease_grace_s": settings.lease_grace_s}
 
 
-@router.post("/{device_id}/heartbeat", response_model=HeartbeatOut)
-async def heartbeat(device_id: str, body: HeartbeatIn, request: Request, _: DeviceDep):
-    """Renew the lease and store the telemetry; answers after the commit, with commands."""
-    reply = await request.app.state.heartbeats.submit(device_id, body)
+@router.post("/{device_id}/heartbeat", response_model=HeartbeatOut,
+             dependencies=[Depends(HTTPBearer(auto_error=False))])
+async def heartbeat(device_id: str, body: HeartbeatIn, request: Request):
+    """Renew the lease and store the telemetry (device token); answers after the commit, with
+    the device's commands. The token is checked inside the batch's transaction, not per request."""
+    auth = request.app.state.authenticator
+    token_hash, principal = auth.cached(parse_bearer(request.headers.get("authorization")))
+    if principal is not None:
+        await require_device(request, principal)
+    try:
+        reply = await request.app.state.heartbeats.submit(device_id, token_hash, body)
+    except UnknownToken:  # not a device token: 401 if unknown, 403 if a user/admin token
+        await require_device(request, await run_in_threadpool(auth.lookup, token_hash))
+        raise Unauthorized("invalid bearer token") from None
     return Response(json.dumps(reply), media_type="application/json")
 
 

@@ -14,16 +14,20 @@ from typing import Any
 from sqlalchemy import bindparam, insert, select, update
 from sqlalchemy.orm import Session
 
-from api.errors import Unauthorized
+from api.errors import Forbidden, Unauthorized
 from api.lifecycle import NOT_READY, derive_state, leased_state_sql
 from api.schemas.devices import HeartbeatIn
 from api.store.events import event_row
-from api.store.models import Device, Event, TelemetrySample
+from api.store.models import ApiToken, Device, Event, TelemetrySample
 
 DEVICES = Device.__table__
 SAMPLE_FIELDS = ("battery_pct", "charging", "battery_temp_c", "cpu_temp_c", "power_w",
                  "cpu_freq_mhz", "throttled", "busy")
 OPTIONAL_COLUMNS = ("agent_version", "capabilities", "profiles")
+
+
+class UnknownToken(Exception):
+    """The hash matches no device token: the route decides between 401 and 403."""
 
 
 @dataclass
@@ -85,21 +89,46 @@ def _commands(device: Any, profiles: dict[str, Any], active_archs: set[str]) -> 
     return commands
 
 
-def apply_heartbeats(session: Session, items: list[tuple[str, HeartbeatIn]], now: dt.datetime,
-                     *, grace_s: float, interval_s: float,
-                     active_archs: set[str] = frozenset()) -> BatchOutcome:  # type: ignore[assignment]
-    ids = sorted({device_id for device_id, _ in items})
-    current = {row.id: row for row in session.execute(
-        select(Device.id, Device.state, Device.cordoned, Device.draining, Device.pause_reason,
-               Device.profiles).where(Device.id.in_(ids))
-    )}
+def _authorize(token: Any, device_id: str, now: dt.datetime) -> Exception | None:
+    """The heartbeat's bearer token, checked against the row read in this same transaction."""
+    if token is None:
+        return UnknownToken()
+    if token.revoked:
+        return Unauthorized("bearer token revoked")
+    if token.expires_at is not None and token.expires_at <= now:
+        return Unauthorized("bearer token expired")
+    if token.device_id != device_id:
+        return Forbidden("a device token may act only for its own device")
+    return None
+
+
+def _read_batch(session: Session, items: list[tuple[str, str, HeartbeatIn]]) -> dict[str, Any]:
+    """token hash -> its device row, for the whole batch in one query (auth and state at once)."""
+    hashes = sorted({token_hash for _, token_hash, _ in items})
+    query = (select(ApiToken.token_hash, ApiToken.revoked, ApiToken.expires_at,
+                    ApiToken.device_id, Device.state, Device.cordoned, Device.draining,
+                    Device.pause_reason, Device.profiles)
+             .join(Device, Device.id == ApiToken.device_id)
+             .where(ApiToken.token_hash.in_(hashes), ApiToken.kind == "device"))
+    return {row.token_hash: row for row in session.execute(query)}
+
+
+def apply_heartbeats(session: Session, items: list[tuple[str, str, HeartbeatIn]],
+                     now: dt.datetime, *, grace_s: float, interval_s: float,
+                     active_archs: frozenset[str] | set[str] = frozenset()) -> BatchOutcome:
+    """items: (device id from the path, SHA-256 of the bearer token, body)."""
+    if session.get_bind().dialect.name == "postgresql":
+        return _apply_pg(session, items, now, grace_s=grace_s, interval_s=interval_s,
+                         active_archs=active_archs)
+    rows = _read_batch(session, items)
     outcome = BatchOutcome(replies=[])
     updates, samples, new_events = [], [], []
     seen_pause: dict[str, str | None] = {}
-    for device_id, body in items:
-        device = current.get(device_id)
-        if device is None:
-            outcome.replies.append(Unauthorized(f"device {device_id} was deleted"))
+    for device_id, token_hash, body in items:
+        device = rows.get(token_hash)
+        refusal = _authorize(device, device_id, now)
+        if refusal is not None:
+            outcome.replies.append(refusal)
             continue
         updates.append(_update_row(device_id, body, now))
         samples.extend(_sample_row(device_id, s, now) for s in body.telemetry)
@@ -116,18 +145,46 @@ def apply_heartbeats(session: Session, items: list[tuple[str, HeartbeatIn]], now
             outcome.changed_devices.append(device_id)
         seen_pause[device_id] = pause
         profiles = body.profiles if body.profiles is not None else device.profiles or {}
-        outcome.replies.append({
-            "device_id": device_id,
-            "state": derive_state(True, device.cordoned, device.draining),
-            "lease": {"renewed_at": now.isoformat(), "grace_s": grace_s},
-            "heartbeat_interval_s": interval_s,
-            "commands": _commands(device, profiles, active_archs),
-        })
-    if updates:
-        _bulk_update(session, updates)
+        outcome.replies.append(_reply(device_id, device, profiles, now, grace_s, interval_s,
+                                      active_archs))
+    if updates:  # in id order, so concurrent batches lock rows in the same order (no deadlock)
+        _bulk_update(session, sorted(updates, key=lambda row: row["b_id"]))
     if samples:
         session.execute(insert(TelemetrySample.__table__), samples)
     if new_events:
         session.execute(insert(Event.__table__), new_events)
     outcome.changed_devices = sorted(set(outcome.changed_devices))
+    return outcome
+
+
+def _reply(device_id: str, device: Any, profiles: dict[str, Any], now: dt.datetime,
+           grace_s: float, interval_s: float, active_archs: Any) -> dict[str, Any]:
+    return {"device_id": device_id,
+            "state": derive_state(True, device.cordoned, device.draining),
+            "lease": {"renewed_at": now.isoformat(), "grace_s": grace_s},
+            "heartbeat_interval_s": interval_s,
+            "commands": _commands(device, profiles, active_archs)}
+
+
+def _apply_pg(session: Session, items: list[tuple[str, str, HeartbeatIn]], now: dt.datetime, *,
+              grace_s: float, interval_s: float, active_archs: Any) -> BatchOutcome:
+    from api.store import heartbeats_pg as pg
+
+    merged = pg.merged_per_device(items, _latest)
+    renewed = pg.renew(session, merged, now)
+    refused = [item for item in items if item[0] not in renewed]
+    why = _read_batch(session, refused) if refused else {}
+    pg.append_samples(session, [(device_id, s) for device_id, _, body in items
+                                if device_id in renewed for s in body.telemetry], now)
+    new_events, changed = pg.state_events(renewed, merged, now)
+    pg.insert_events(session, new_events)
+    outcome = BatchOutcome(replies=[], changed_devices=sorted(set(changed)))
+    for device_id, token_hash, _ in items:
+        row = renewed.get(device_id)
+        if row is None:
+            refusal = _authorize(why.get(token_hash), device_id, now)
+            outcome.replies.append(refusal or Unauthorized("bearer token refused"))
+        else:
+            outcome.replies.append(_reply(device_id, row, row.profiles or {}, now, grace_s,
+                                          interval_s, active_archs))
     return outcome
