@@ -52,6 +52,7 @@ class DemoOptions:
     heat_at: float = 0.2  # fraction of the job's steps
     kill_at: float = 0.45
     timeout_s: float = 900.0
+    pending_s: float = 120.0  # give up when the job cannot be placed for this long
     refresh_s: float = 1.0
 
 
@@ -187,10 +188,15 @@ class Demo:
         deadline = time.monotonic() + self.opts.timeout_s
         job = client.job(job_id)
         events: list[dict[str, Any]] = []
+        pending_since: float | None = None
         with Live(console=self.console, refresh_per_second=4, transient=False) as live:
             while job.get("state") not in view.TERMINAL:
                 if time.monotonic() > deadline:
                     raise PhalanxError(f"{job_id} did not finish within {self.opts.timeout_s:.0f}s")
+                pending_since = (pending_since or time.monotonic()) if job.get("state") == "Pending" else None
+                if pending_since and time.monotonic() - pending_since > self.opts.pending_s:
+                    raise PhalanxError(f"{job_id} still Pending after {self.opts.pending_s:.0f}s: "
+                                       f"{job.get('reason') or 'no reason given'}")
                 self.inject_faults(job)
                 live.update(self.frame(job, client.devices(), events, bar))
                 time.sleep(self.opts.refresh_s)
@@ -254,6 +260,10 @@ class Demo:
             self.console.print(line, highlight=False)
 
     def close(self) -> None:
+        """Everything asked to stop at once, then waited for (the server drains long polls)."""
+        if self.server is not None and self.server.alive:
+            self.say("stopping the phones and the control plane")
+            self.server.terminate()
         if self.rack is not None:
             self.rack.stop()
         if self.client is not None:

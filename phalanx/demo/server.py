@@ -48,9 +48,13 @@ class EmbeddedServer:
     def alive(self) -> bool:
         return self.process.poll() is None
 
-    def stop(self, timeout_s: float = 20.0) -> None:
+    def terminate(self) -> None:
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
+
+    def stop(self, timeout_s: float = 20.0) -> None:
+        if self.process.poll() is None:
+            self.terminate()
             try:
                 self.process.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:

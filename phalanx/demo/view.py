@@ -161,7 +161,10 @@ class JobProgress:
         self._task: Any = None
 
     def update(self, job: dict[str, Any]) -> None:
-        fields = {"state": styled(job.get("state")),
+        state = styled(job.get("state"))
+        if job.get("state") == "Pending" and job.get("reason"):
+            state += f" [dim]({str(job['reason'])[:60]})[/dim]"
+        fields = {"state": state,
                   "loss": dash(metric(job, "train_loss"), "{:.4f}"),
                   "acc": dash(metric(job, "val_accuracy"), "{:.2%}")}
         total = max(1, int(job.get("total_steps") or 1))
