@@ -22,6 +22,7 @@ from rich.table import Table
 
 from phalanx.client import PhalanxClient, PhalanxError
 from phalanx.demo import view
+from phalanx.demo.faults import FaultPlan
 from phalanx.demo.server import EmbeddedServer, start_embedded_server
 from phalanx.sim.phone import PhoneOptions, PhoneRack, SimulatedPhone
 from phalanx.sim.profiles import fleet_mix
@@ -51,6 +52,7 @@ class DemoOptions:
     faults: bool = True
     heat_at: float = 0.2  # fraction of the job's steps
     kill_at: float = 0.45
+    offline_at: float = 0.65  # with 5 phones or more
     timeout_s: float = 900.0
     pending_s: float = 120.0  # give up when the job cannot be placed for this long
     refresh_s: float = 1.0
@@ -85,9 +87,8 @@ class Demo:
         self.server: EmbeddedServer | None = None
         self.rack: PhoneRack | None = None
         self.client: PhalanxClient | None = None
-        self.notes: dict[str, str] = {}
-        self.faults: list[str] = []
-        self._done_faults: set[str] = set()
+        self.plan = FaultPlan(heat_at=opts.heat_at, kill_at=opts.kill_at,
+                              offline_at=opts.offline_at)
 
     # -- setting up --------------------------------------------------------------------------
     def say(self, message: str) -> None:
@@ -125,49 +126,14 @@ class Demo:
         raise PhalanxError(f"only some of the {n} phones became Ready within {timeout_s:.0f}s")
 
     # -- the scenario ----------------------------------------------------------------------------
-    def _busiest(self, job: dict[str, Any], skip: set[str]) -> SimulatedPhone | None:
-        assert self.rack is not None
-        shards = view.shards_by_device(job)
-        candidates = [p for p in self.rack.phones if p.alive and p.device_id not in skip
-                      and p.name not in self._done_faults]
-        candidates.sort(key=lambda p: -(shards.get(str(p.device_id)) or 0.5 * (str(p.device_id) in shards)))
-        return candidates[0] if candidates else None
-
     def inject_faults(self, job: dict[str, Any]) -> None:
-        if not self.opts.faults or self.rack is None:
-            return
-        frac = int(job.get("step") or 0) / max(1, int(job.get("total_steps") or 1))
-        n = len(self.rack.phones)
-        if n >= 3 and frac >= self.opts.heat_at and "heat" not in self._done_faults:
-            phone = self._busiest(job, set())
-            if phone is not None:
-                self._done_faults |= {"heat", phone.name}
-                phone.heat(20.0)
-                self.notes[str(phone.device_id)] = "[red]cooling failed (+20°C)[/red]"
-                self.fault(f"{phone.name} ({phone.profile.marketing_name}): its cooling fails "
-                           f"at step {job.get('step')}; it will throttle and pause above "
-                           f"{self.max_temp_c(job):g}°C, and its shards move")
-        if n >= 2 and frac >= self.opts.kill_at and "kill" not in self._done_faults:
-            phone = self._busiest(job, set())
-            if phone is not None:
-                self._done_faults |= {"kill", phone.name}
-                phone.kill()
-                self.notes[str(phone.device_id)] = "[red]killed[/red]"
-                self.fault(f"{phone.name} ({phone.profile.marketing_name}) dies at step "
-                           f"{job.get('step')} (SIGKILL to its agent)")
-
-    @staticmethod
-    def max_temp_c(job: dict[str, Any]) -> float:
-        return float(((job.get("spec") or {}).get("placement") or {}).get("max_temp_c", 45))
-
-    def fault(self, message: str) -> None:
-        self.faults.append(message)
-        self.say(f"[bold yellow]fault:[/bold yellow] {message}")
+        if self.opts.faults and self.rack is not None:
+            self.plan.apply(self.rack.phones, job, self.say)
 
     # -- the live view ---------------------------------------------------------------------
     def frame(self, job: dict[str, Any], devices: list[dict[str, Any]],
               events: list[dict[str, Any]], bar: view.JobProgress) -> Group:
-        table = view.device_table(devices, view.shards_by_device(job), self.notes,
+        table = view.device_table(devices, view.shards_by_device(job), self.plan.notes,
                                   title="Fleet (what the control plane sees)", show_id=False)
         recent = Table.grid(padding=(0, 1))
         for ev in events[-5:]:
@@ -228,7 +194,7 @@ class Demo:
                                 checkpoint=self.save_checkpoint(client, job),
                                 server_url=self.server.url if self.server else "",
                                 admin_token=self.server.admin_token if self.server else "",
-                                faults=list(self.faults))
+                                faults=list(self.plan.log))
             self.summary(result)
             if self.opts.keep_running and on_ready is not None:
                 on_ready(result)
