@@ -68,6 +68,7 @@ class AgentConfig:
     shared_mode: bool = False  # this phone has a user: pause while busy even if the job says not
     termux_timeout_s: float = 5.0
     request_timeout_s: float = 30.0
+    work_wait_s: float = 30.0  # long poll for work (the server holds it at most 30 s)
 
     def state_path(self, config_path: Path) -> Path:
         if self.state_dir:

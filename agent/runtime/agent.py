@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -45,7 +46,7 @@ class AgentStopped(Exception):
 class AgentRuntime:
     def __init__(self, config_path: str | Path, *, probes: Probes | None = None,
                  candidates: Callable[[], list[ExecConfig]] | None = None,
-                 work_wait_s: float = 30.0) -> None:
+                 work_wait_s: float | None = None) -> None:
         self.config_path = Path(config_path).expanduser()
         self.config: AgentConfig = load(self.config_path)
         cfg = self.config
@@ -70,7 +71,8 @@ class AgentRuntime:
                                        interval_s=cfg.heartbeat_interval_s)
         self.work = WorkLoop(self.client, cfg.device_id, self.monitor, self.state,
                              WorkCache(state_dir / "cache"), UploadLedger(state_dir / "uploads.jsonl"),
-                             self.execution, shared_default=cfg.shared_mode, wait_s=work_wait_s)
+                             self.execution, shared_default=cfg.shared_mode,
+                             wait_s=work_wait_s if work_wait_s is not None else cfg.work_wait_s)
 
     def _own_cpu(self) -> float:
         worker = self.execution.worker if self.execution else None
@@ -86,17 +88,28 @@ class AgentRuntime:
             archs = ARCHS
         return {"backends": self.backends, "archs": list(archs)}
 
-    def run(self, stop: threading.Event | None = None) -> None:
-        """Run until `stop` is set; raises AgentStopped if the control plane cut us off."""
+    def run(self, stop: threading.Event | None = None, shutdown_grace_s: float = 5.0) -> None:
+        """Run until `stop` is set; raises AgentStopped if the control plane cut us off.
+
+        The work loop may sit in a 30 s long poll that urllib cannot interrupt, so it runs in
+        its own daemon thread: after `stop`, it gets `shutdown_grace_s` to finish what it is
+        doing, and is otherwise abandoned (what it had not uploaded is recomputed, as after
+        a kill)."""
         stop = stop or threading.Event()
-        beat = threading.Thread(target=self.heartbeat.run, args=(stop,), daemon=True,
-                                name="phalanx-heartbeat")
-        beat.start()
+        threads = [threading.Thread(target=self.heartbeat.run, args=(stop,), daemon=True,
+                                    name="phalanx-heartbeat"),
+                   threading.Thread(target=self.work.run, args=(stop,), daemon=True,
+                                    name="phalanx-work")]
+        for t in threads:
+            t.start()
         try:
-            self.work.run(stop)
+            while not stop.is_set() and all(t.is_alive() for t in threads):
+                stop.wait(0.5)
         finally:
             stop.set()
-            beat.join(timeout=30)
+            deadline = time.monotonic() + shutdown_grace_s
+            for t in threads:
+                t.join(timeout=max(0.0, deadline - time.monotonic()))
             if self.execution:
                 self.execution.close()
         if self.state.fatal:

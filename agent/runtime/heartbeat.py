@@ -44,7 +44,13 @@ class HeartbeatLoop:
         resp: dict[str, Any] = {}
         while True:
             batch = self.buffer.peek(BATCH)
-            resp = self.client.heartbeat(self.device_id, self.body(batch))
+            try:
+                resp = self.client.heartbeat(self.device_id, self.body(batch))
+            except StatusError as exc:
+                if 400 <= exc.status < 500 and not isinstance(exc, Unauthorized):
+                    # the server will never take this batch: drop it, or it blocks all others
+                    self.buffer.confirm(batch)
+                raise
             self.buffer.confirm(batch)
             self.beats += 1
             if len(batch) < BATCH or not len(self.buffer):

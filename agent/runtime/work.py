@@ -57,7 +57,7 @@ class WorkLoop:
             except RETRYABLE as exc:
                 wait = self.backoff.delay()
                 log.warning("work loop: %s; retry in %.1fs", exc, wait)
-            except (StatusError, ClientError, ValueError, RuntimeError) as exc:
+            except (StatusError, ClientError, ValueError, RuntimeError, OSError) as exc:
                 wait = self.backoff.delay()
                 log.error("work loop: %s", exc)
             if wait:
@@ -70,6 +70,8 @@ class WorkLoop:
             return PAUSED_POLL_S
         polled = time.monotonic()
         a = self.client.work(self.device_id, self.wait_s)
+        if stop.is_set():
+            return 0.0  # stopped during the long poll: take nothing on
         if a is None:
             quick = time.monotonic() - polled < 0.5  # a server that does not hold the poll
             return 1.0 if quick else 0.0

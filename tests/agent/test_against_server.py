@@ -1,0 +1,190 @@
+"""The real agent against the real `phalanx server` (embedded mode, SQLite, in-process Celery):
+enroll, heartbeat, NotReady after a SIGKILL, Ready after a restart, stop on a revoked device,
+and training a job end to end."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.agent import phone
+from tests.agent.helpers import REPO, agent_process
+from tests.support.server import LiveServer, start_server
+
+SERVER_ENV = {"PHALANX_LEASE_GRACE_S": "3", "PHALANX_HEARTBEAT_INTERVAL_S": "0.5",
+              "PHALANX_RECONCILE_INTERVAL_S": "0.5"}
+
+
+@pytest.fixture
+def server(sqlite_url: str, tmp_path: Path, admin_token: str) -> Iterator[LiveServer]:
+    srv = start_server(database_url=sqlite_url, data_dir=tmp_path / "data",
+                       admin_token=admin_token, extra_env=SERVER_ENV)
+    yield srv
+    srv.stop()
+
+
+def wait_for(what: str, probe, timeout: float = 60.0, on_fail=lambda: "") -> Any:
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = probe()
+        if last:
+            return last
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}; last={last!r}\n{on_fail()}")
+
+
+def enroll(server: LiveServer, home: Path, root: Path, *labels: str) -> str:
+    with server.client() as c:
+        token = c.post("/v1/enrollment-tokens", json={}).json()["token"]
+    config = home / "config.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PHALANX_")}
+    env.update(PYTHONPATH=str(REPO), PHALANX_SYSFS_ROOT=str(root))
+    args = [sys.executable, "-m", "agent", "enroll", "--server", server.url, "--token", token,
+            "--name", "s10-a", "--config", str(config)]
+    for label in labels:
+        args += ["--label", label]
+    out = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    data = json.loads(config.read_text())  # short long polls: a stopped agent leaves no
+    data |= {"work_wait_s": 2.0, "backends": ["numpy"]}  # poll for the server to sit out
+    config.write_text(json.dumps(data))
+    return json.loads(out.stdout)["device_id"]
+
+
+def device(server: LiveServer, device_id: str) -> dict[str, Any]:
+    with server.client() as c:
+        return c.get(f"/v1/devices/{device_id}").json()
+
+
+@pytest.fixture
+def phone_root(rooted: Path) -> Path:
+    for zone in ("thermal_zone0", "thermal_zone1"):
+        phone.set_value(rooted, f"/sys/class/thermal/{zone}/temp", 40000)
+    return rooted
+
+
+def test_enroll_heartbeat_kill_restart(server: LiveServer, tmp_path: Path, phone_root: Path) -> None:
+    home = tmp_path / "phone"
+    device_id = enroll(server, home, phone_root, "rack=a")
+    config = home / "config.json"
+    assert os.stat(config).st_mode & 0o777 == 0o600
+    dev = device(server, device_id)
+    assert dev["labels"]["rack"] == "a"
+    assert dev["spec"]["cpu_cores"] == 8 and dev["spec"]["ram_mb"] == 7440
+    assert [c["cores"] for c in dev["spec"]["clusters"]] == [[0, 1, 2, 3], [4, 5, 6], [7]]
+
+    log = tmp_path / "agent.log"
+    proc = agent_process(config, phone_root, log)
+    try:
+        ready = wait_for("Ready with telemetry", lambda: (
+            (d := device(server, device_id))["state"] == "Ready"
+            and d["latest_telemetry"].get("battery_pct") == 87 and d), on_fail=log.read_text)
+        assert ready["latest_telemetry"]["cpu_temp_c"] == 40.0
+        assert ready["agent_version"] and "numpy" in ready["capabilities"]["backends"]
+        proc.send_signal(signal.SIGKILL)  # Android's phantom process killer
+        proc.wait(timeout=10)
+        wait_for("NotReady after the kill",
+                 lambda: device(server, device_id)["state"] == "NotReady", on_fail=server.log)
+        proc = agent_process(config, phone_root, log)
+        wait_for("Ready after the restart",
+                 lambda: device(server, device_id)["state"] == "Ready", on_fail=log.read_text)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    assert proc.returncode == 0, log.read_text()
+
+
+def test_a_hot_phone_says_why_it_pauses(server: LiveServer, tmp_path: Path, phone_root: Path) -> None:
+    phone.set_value(phone_root, "/sys/class/thermal/thermal_zone1/temp", 52000)
+    home = tmp_path / "phone"
+    device_id = enroll(server, home, phone_root)
+    log = tmp_path / "agent.log"
+    proc = agent_process(home / "config.json", phone_root, log)
+    try:
+        dev = wait_for("the thermal pause on the device", lambda: (
+            (d := device(server, device_id))["pause_reason"] == "thermal" and d),
+            on_fail=log.read_text)
+        assert dev["latest_telemetry"]["cpu_temp_c"] == 52.0
+        phone.set_value(phone_root, "/sys/class/thermal/thermal_zone1/temp", 40000)
+        wait_for("the pause lifted", lambda: device(server, device_id)["pause_reason"] is None,
+                 on_fail=log.read_text)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_a_deleted_device_stops_its_agent_with_a_clear_message(
+    server: LiveServer, tmp_path: Path, phone_root: Path
+) -> None:
+    home = tmp_path / "phone"
+    device_id = enroll(server, home, phone_root)
+    log = tmp_path / "agent.log"
+    proc = agent_process(home / "config.json", phone_root, log)
+    try:
+        wait_for("Ready", lambda: device(server, device_id)["state"] == "Ready",
+                 on_fail=log.read_text)
+        with server.client() as c:
+            assert c.delete(f"/v1/devices/{device_id}").status_code == 200
+        code = proc.wait(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = log.read_text()
+    assert code == 3, text
+    assert "enroll again" in text and "Traceback" not in text
+
+
+def test_a_real_job_trains_on_the_agent(server: LiveServer, tmp_path: Path, phone_root: Path) -> None:
+    home = tmp_path / "phone"
+    device_id = enroll(server, home, phone_root)
+    log = tmp_path / "agent.log"
+    proc = agent_process(home / "config.json", phone_root, log)
+    spec = {"name": "digits-logreg", "model": {"arch": "logreg"}, "dataset": "digits",
+            "global_batch_size": 256, "shards": 4, "epochs": 1, "seed": 0,
+            "placement": {"min_devices": 1, "max_devices": 1}}  # 5 steps
+    try:
+        wait_for("Ready", lambda: device(server, device_id)["state"] == "Ready",
+                 on_fail=log.read_text)
+        with server.client() as c:
+            job = c.post("/v1/jobs", json=spec)
+            assert job.status_code == 201, job.text
+            job_id = job.json()["id"]
+
+        def job_state() -> dict[str, Any]:
+            with server.client() as c:
+                return c.get(f"/v1/jobs/{job_id}").json()
+
+        done = wait_for("the job to succeed", lambda: (
+            (j := job_state())["state"] in ("Succeeded", "Failed") and j), timeout=120,
+            on_fail=lambda: log.read_text() + server.log()[-3000:])
+        assert done["state"] == "Succeeded", done
+        assert done["step"] == done["total_steps"] > 0
+        profile = wait_for("the measured profile on the device",
+                           lambda: device(server, device_id)["profiles"].get("logreg"))
+        assert profile["samples_per_s"] > 0 and profile["backend"] == "numpy"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    assert "Traceback" not in log.read_text()
+
+
+def test_enrolling_with_a_bad_token_is_refused_clearly(server: LiveServer, tmp_path: Path) -> None:
+    out = subprocess.run([sys.executable, "-m", "agent", "enroll", "--server", server.url,
+                          "--token", "not-a-token", "--config", str(tmp_path / "c.json")],
+                         cwd=REPO, capture_output=True, text=True, timeout=60,
+                         env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert out.returncode == 2 and "enrollment refused" in out.stderr
+    assert not (tmp_path / "c.json").exists()
+    with httpx.Client(base_url=server.url) as c:  # the server is fine after it
+        assert c.get("/healthz").status_code == 200
