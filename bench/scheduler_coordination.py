@@ -120,30 +120,37 @@ def enroll(url: str, n: int) -> list[tuple[str, str]]:
 
 
 def agent_thread(url: str, device: str, secret: str, stop: Any, log: Any) -> None:
+    headers = {"Authorization": f"Bearer {secret}"}
+    with httpx.Client(base_url=url, headers=headers, timeout=300) as c:
+        while not stop.is_set():
+            try:
+                one_step(c, device, log)
+            except httpx.HTTPError:
+                if stop.is_set():
+                    return  # the server is going away at the end of the run
+                time.sleep(0.1)
+
+
+_GRAD = np.zeros(N_PARAMS, np.float32)
+
+
+def one_step(c: httpx.Client, device: str, log: Any) -> None:
     from agent.nn.step import ShardResult
     from agent.wire import encode_results
 
-    headers = {"Authorization": f"Bearer {secret}"}
-    grad = np.zeros(N_PARAMS, np.float32)
-    stats: np.ndarray | None = None
-    with httpx.Client(base_url=url, headers=headers, timeout=120) as c:
-        while not stop.is_set():
-            a = c.get(f"/v1/devices/{device}/work", params={"wait": 2}).json()["assignment"]
-            if a is None:
-                continue
-            job, step = a["job_id"], a["step"]
-            w = c.get(f"/v1/jobs/{job}/weights", params={"step": step})
-            if w.status_code != 200:
-                continue
-            t0 = time.perf_counter()
-            if stats is None:
-                stats = np.zeros(a["n_stats"], np.float32)
-            m = a["spec"]["global_batch_size"] // a["spec"]["shards"]
-            body = encode_results(job, step, [ShardResult(k, grad, 1.0, 0, m, stats)
-                                              for k in a["shards"]])
-            local = time.perf_counter() - t0
-            c.post(f"/v1/jobs/{job}/steps/{step}/gradients", content=body)
-            log.put((step, local))
+    a = c.get(f"/v1/devices/{device}/work", params={"wait": 2}).json()["assignment"]
+    if a is None:
+        return
+    job, step = a["job_id"], a["step"]
+    if c.get(f"/v1/jobs/{job}/weights", params={"step": step}).status_code != 200:
+        return
+    t0 = time.perf_counter()
+    stats = np.zeros(a["n_stats"], np.float32)
+    m = a["spec"]["global_batch_size"] // a["spec"]["shards"]
+    body = encode_results(job, step, [ShardResult(k, _GRAD, 1.0, 0, m, stats) for k in a["shards"]])
+    local = time.perf_counter() - t0
+    c.post(f"/v1/jobs/{job}/steps/{step}/gradients", content=body)
+    log.put((step, local))
 
 
 def agent_process(url: str, devices: list[tuple[str, str]], stop: Any, log: Any) -> None:
