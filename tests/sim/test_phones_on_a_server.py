@@ -1,6 +1,7 @@
 """Simulated phones running the real agent against a real server and scheduler: a phone whose
 cooling fails throttles and its shards move; an unplugged phone that drains below the job's
-min_battery stops training and its shards move. One job, observed once for both tests."""
+min_battery stops training and its shards move; a phone that loses its network goes NotReady
+and comes back Ready when the network does. One job, observed once for all the tests."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from tests.support.server import start_server
 JOB = {
     "name": "long-enough", "model": {"arch": "cnn"}, "dataset": "digits",
     "global_batch_size": 128, "shards": 8, "epochs": 200,
-    "placement": {"min_devices": 1, "max_devices": 3, "selector": {"rack": "t"},
+    "placement": {"min_devices": 1, "max_devices": 4, "selector": {"rack": "t"},
                   "min_battery": 20, "max_temp_c": 45},
 }
 
@@ -38,6 +39,7 @@ class Seen:
     job_devices: list[list[str]] = field(default_factory=list)
     events: list[dict[str, Any]] = field(default_factory=list)
     ids: dict[str, str] = field(default_factory=dict)
+    cut_states: list[str] = field(default_factory=list)  # the cut phone's states, in order
 
 
 def poll(client: httpx.Client, check: Any, timeout_s: float, what: str) -> Any:
@@ -66,6 +68,7 @@ def seen(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Seen]:
         SimulatedPhone("drained", sd855, base / "drained", PhoneOptions(
             battery_pct=45, plugged=False, time_scale=400, labels={"rack": "t"})),
         SimulatedPhone("steady", sd855, base / "steady", PhoneOptions(labels={"rack": "t"})),
+        SimulatedPhone("cut", sd855, base / "cut", PhoneOptions(labels={"rack": "t"})),
     ]
     rack = PhoneRack(phones, period_s=0.25)
     seen = Seen()
@@ -82,6 +85,13 @@ def seen(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Seen]:
             seen.hot_before = admin.get(f"/v1/devices/{seen.ids['hot']}").json()
             before_khz = prime_cap_khz(phones[0])
             phones[0].heat(20.0)
+            phones[3].set_online(False)
+
+            def cut_state(c: httpx.Client, want: str) -> bool:
+                state = c.get(f"/v1/devices/{seen.ids['cut']}").json()["state"]
+                if not seen.cut_states or seen.cut_states[-1] != state:
+                    seen.cut_states.append(state)
+                return state == want
 
             def hot_paused(c: httpx.Client) -> dict[str, Any] | None:
                 dev = c.get(f"/v1/devices/{seen.ids['hot']}").json()
@@ -95,6 +105,9 @@ def seen(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Seen]:
                 return dev if dev.get("pause_reason") == "battery" else None
 
             seen.drained = poll(admin, drained, 120, "the unplugged phone pauses (battery)")
+            poll(admin, lambda c: cut_state(c, "NotReady"), 60, "the cut phone goes NotReady")
+            phones[3].set_online(True)
+            poll(admin, lambda c: cut_state(c, "Ready"), 120, "the cut phone comes back Ready")
 
             def moved_off(c: httpx.Client) -> list[str] | None:
                 devices = c.get(f"/v1/jobs/{job['id']}").json()["devices"]
@@ -132,3 +145,11 @@ def test_an_unplugged_phone_below_min_battery_stops_and_its_shards_move(seen: Se
     assert t["charging"] is False
     assert t["battery_pct"] < 20
     assert seen.ids["drained"] not in seen.job_devices[-1]
+
+
+@pytest.mark.slow
+def test_a_phone_that_loses_its_network_goes_not_ready_and_comes_back(seen: Seen) -> None:
+    states = seen.cut_states
+    assert "NotReady" in states
+    assert states[-1] == "Ready"
+    assert states.index("NotReady") < len(states) - 1
