@@ -19,16 +19,20 @@ import pytest
 
 from tests.agent import phone
 from tests.agent.helpers import REPO, agent_process
+from tests.support.databases import migrated_sqlite
 from tests.support.server import LiveServer, start_server
 
+ADMIN_TOKEN = "phx-admin-agent-tests-" + "0" * 20
 SERVER_ENV = {"PHALANX_LEASE_GRACE_S": "3", "PHALANX_HEARTBEAT_INTERVAL_S": "0.5",
               "PHALANX_RECONCILE_INTERVAL_S": "0.5"}
 
 
-@pytest.fixture
-def server(sqlite_url: str, tmp_path: Path, admin_token: str) -> Iterator[LiveServer]:
-    srv = start_server(database_url=sqlite_url, data_dir=tmp_path / "data",
-                       admin_token=admin_token, extra_env=SERVER_ENV)
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    """One server for the module (each test enrolls its own phone): starting one costs seconds."""
+    root = tmp_path_factory.mktemp("server")
+    srv = start_server(database_url=migrated_sqlite(root / "phalanx.sqlite"),
+                       data_dir=root / "data", admin_token=ADMIN_TOKEN, extra_env=SERVER_ENV)
     yield srv
     srv.stop()
 
