@@ -41,6 +41,7 @@ class FleetOptions:
     cleanup: bool = True
     compute: bool = False  # take and compute real work (see phalanx.sim.compute)
     job: dict[str, Any] | None = None  # submit this job (admin token) and stop when it ends
+    backoff_cap_s: float = 30.0  # longest wait between retries of a failing phone
     labels: dict[str, str] = field(default_factory=dict)
 
 
@@ -120,7 +121,7 @@ class LightPhone:
         self.device_id: str | None = None
         self.token: str | None = None
         self.interval_s = fleet.opts.interval_s or 10.0
-        self.backoff = Backoff(self.rng)
+        self.backoff = Backoff(self.rng, cap_s=fleet.opts.backoff_cap_s)
         self.load = 0.0
         self.profiles: dict[str, Any] = {}  # measured throughput per arch (--compute)
         self.computed_shards = 0

@@ -3,8 +3,14 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import json
+import random
+import threading
+import time
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 from typer.testing import CliRunner
@@ -14,7 +20,7 @@ from phalanx.sim.fleet import Backoff, FleetOptions, run_fleet
 from phalanx.train_local import run_reference
 from tests.conftest import ADMIN_TOKEN
 from tests.support.databases import migrated_sqlite
-from tests.support.server import LiveServer, start_server
+from tests.support.server import LiveServer, free_port, start_server
 
 
 @pytest.fixture(scope="module")
@@ -80,8 +86,6 @@ def test_light_phones_train_a_job_to_the_reference_trainers_result(server: LiveS
 
 
 def test_backoff_is_full_jitter_and_capped() -> None:
-    import random
-
     backoff = Backoff(random.Random(1), base_s=0.5, cap_s=4.0)
     delays = [backoff.next_delay() for _ in range(50)]
     assert all(0 <= d <= 4.0 for d in delays)
@@ -89,3 +93,36 @@ def test_backoff_is_full_jitter_and_capped() -> None:
     assert len({round(d, 3) for d in delays}) > 40  # spread, not lockstep
     backoff.reset()
     assert backoff.next_delay() <= 1.0
+
+
+def test_after_a_control_plane_restart_every_phone_reconnects(tmp_path: Path) -> None:
+    db, data, port = migrated_sqlite(tmp_path / "db.sqlite"), tmp_path / "data", free_port()
+    srv = start_server(database_url=db, data_dir=data, admin_token=ADMIN_TOKEN, port=port)
+    reports: list[dict[str, Any]] = []
+    opts = FleetOptions(server=srv.url, phones=30, duration_s=20, interval_s=1,
+                        admin_token=ADMIN_TOKEN, backoff_cap_s=3.0, cleanup=False)
+    runner = threading.Thread(target=lambda: reports.append(run_fleet(opts)))
+    runner.start()
+    try:
+        time.sleep(5)
+        srv.stop(kill=True)
+        time.sleep(2)
+        srv = start_server(database_url=db, data_dir=data, admin_token=ADMIN_TOKEN, port=port)
+        restarted = dt.datetime.now(dt.timezone.utc)
+        runner.join(timeout=120)
+        assert reports, "the fleet did not finish"
+        report = reports[0]
+        assert report["phones_enrolled"] == 30
+        assert report["retries"] > 0
+        kinds = {k.split(": ", 1)[1] for k in report["errors_by_kind"]}
+        assert kinds <= {"ConnectError", "ReadError", "RemoteProtocolError", "ReadTimeout",
+                         "WriteError", "500", "502", "503"}, kinds
+        with srv.client() as admin:
+            devices = admin.get("/v1/devices").json()["items"]
+        assert len(devices) == 30
+        renewed = [dt.datetime.fromisoformat(d["lease_renewed_at"].replace("Z", "+00:00"))
+                   for d in devices]
+        assert all(r > restarted for r in renewed)  # every phone heartbeated after the restart
+    finally:
+        runner.join(timeout=60)
+        srv.stop()
