@@ -68,3 +68,17 @@ def test_a_long_outage_keeps_only_the_bound() -> None:
         first = [s["ts"] for s in server.heartbeats[0]["telemetry"]]
         assert len(first) == 5  # the bound
         assert first == sorted(first) and first[0] >= 36  # the newest five of 41
+
+
+def test_commands_from_the_control_plane_are_obeyed() -> None:
+    state = AgentState()
+    hb = HeartbeatLoop(Client("http://127.0.0.1:1", TOKEN), "dev-1", Monitor(counting_reader()),
+                       state, TelemetryBuffer(10), lambda: {})
+    hb.handle({"state": "Draining", "heartbeat_interval_s": 2.5,
+               "commands": [{"type": "drain"}, {"type": "profile", "arch": "cnn"}]})
+    assert state.draining and hb.interval_s == 2.5
+    assert state.take_profile_request("cnn") and not state.take_profile_request("cnn")
+    hb.handle({"state": "Ready", "commands": []})
+    assert not state.draining  # uncordoned: work again
+    hb.handle({"state": "Ready", "commands": [{"type": "stop", "reason": "device deleted"}]})
+    assert state.fatal == "device deleted"

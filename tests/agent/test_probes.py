@@ -195,3 +195,30 @@ def test_the_probe_command_prints_json_for_a_fixture_phone(rooted: Path) -> None
     data = json.loads(out.stdout)
     assert data["reading"]["battery_pct"] == 87
     assert data["spec"]["cpu_cores"] == 8
+
+
+def test_a_linux_laptop_reads_hwmon_and_a_bat0_battery(tmp_path: Path) -> None:
+    root = tmp_path / "laptop"
+    for path, value in {
+        "/sys/class/hwmon/hwmon0/name": "coretemp",
+        "/sys/class/hwmon/hwmon0/temp1_input": "55000",
+        "/sys/class/hwmon/hwmon0/temp2_input": "61000",
+        "/sys/class/hwmon/hwmon1/name": "nvme",
+        "/sys/class/hwmon/hwmon1/temp1_input": "40000",
+        "/sys/class/power_supply/BAT0/type": "Battery",
+        "/sys/class/power_supply/BAT0/capacity": "64",
+        "/sys/class/power_supply/BAT0/status": "Discharging",
+        "/sys/class/power_supply/BAT0/power_now": "9500000",
+        "/sys/class/power_supply/AC/type": "Mains",
+        "/sys/class/power_supply/AC/online": "0",
+        "/sys/devices/system/cpu/cpu0/cpufreq/cpuinfo_max_freq": "4000000",
+        "/sys/devices/system/cpu/cpu0/cpufreq/scaling_max_freq": "2000000",
+        "/sys/devices/system/cpu/cpu0/cpufreq/scaling_cur_freq": "1900000",
+    }.items():
+        phone.write(root, path, value)
+    r = Probes(str(root), use_psutil=False).read()
+    assert r["cpu_temp_c"] == 61.0  # coretemp, not the disk
+    assert r["battery_pct"] == 64 and r["charging"] is False
+    assert r["power_w"] == 9.5
+    assert r["throttled"] is True  # capped at half its maximum frequency
+    assert r["cpu_freq_mhz"] == 1900.0
