@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from agent.nn.data import dataset_info
+from agent.nn.data import DatasetError, dataset_info
 from agent.nn.graph import Model
 from agent.nn.models import build_model
 from agent.nn.spec import TrainSpec
@@ -40,6 +40,15 @@ class JobInfo:
 
 def job_info(job_id: str, spec: dict[str, Any], data_dir: Path | str | None) -> JobInfo:
     return _job_info(job_id, json.dumps(spec, sort_keys=True), str(data_dir) if data_dir else None)
+
+
+def job_info_or_reason(job_id: str, spec: dict[str, Any], data_dir: Path | str | None
+                       ) -> tuple[JobInfo | None, str | None]:
+    """The job's engine objects, or why the engine cannot run it (e.g. its upload was deleted)."""
+    try:
+        return job_info(job_id, spec, data_dir), None
+    except (DatasetError, ValueError) as exc:  # SpecError is a ValueError
+        return None, f"cannot run this spec: {exc}"
 
 
 @functools.lru_cache(maxsize=64)

@@ -198,3 +198,13 @@ def shards_by_device(mapping: Mapping[int, str]) -> dict[str, list[int]]:
 
 def shard_counts(mapping: Mapping[int, str]) -> dict[str, int]:
     return {device: len(shards) for device, shards in shards_by_device(mapping).items()}
+
+
+def fail_job(session: Session, job: Job, reason: str, now: dt.datetime) -> bool:
+    """Running or Pending -> Failed with a reason; releases its shards. True if it changed."""
+    won = guarded_job_update(session, job.id, {"state": ACTIVE}, state="Failed", reason=reason,
+                             finished_at=now)
+    if won:
+        release(session, job.id)
+        record_event(session, "Failed", reason, now=now, job_id=job.id, kind="Warning")
+    return won

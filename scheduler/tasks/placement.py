@@ -15,7 +15,7 @@ from sqlalchemy.orm import Session
 from api.store.models import Job
 from scheduler import keys, store_ops
 from scheduler.context import SchedulerContext
-from scheduler.jobinfo import job_info
+from scheduler.jobinfo import job_info_or_reason
 from scheduler.policy.eviction import EvictionLimits, allowed_evictions, prune
 from scheduler.policy.placement import feasible, keepable, place_gang, rebalance
 from scheduler.policy.preemption import plan_preemption
@@ -137,6 +137,10 @@ def to_pending(session: Session, job: Job, reason: str, now: dt.datetime, event:
 
 def place_pending(ctx: SchedulerContext, session: Session, job: Job, fleet: Fleet,
                   now: dt.datetime, result: PassResult) -> None:
+    info, why = job_info_or_reason(job.id, job.spec, ctx.settings.data_dir)
+    if info is None:
+        store_ops.fail_job(session, job, why or "cannot run this spec", now)
+        return
     req = PlacementRequest.from_spec(job.id, job.spec, job.priority)
     plan = place_gang(req, fleet.all())
     if not plan.admitted:
@@ -149,7 +153,7 @@ def place_pending(ctx: SchedulerContext, session: Session, job: Job, fleet: Flee
         if job.reason != plan.reason:
             store_ops.guarded_job_update(session, job.id, {"state": "Pending"}, reason=plan.reason)
         return
-    total = job.total_steps or job_info(job.id, job.spec, ctx.settings.data_dir).total_steps
+    total = job.total_steps or info.total_steps
     won = store_ops.guarded_job_update(
         session, job.id, {"state": "Pending", "step": job.step}, state="Running", reason=None,
         started_at=job.started_at or now, step_started_at=now, total_steps=total,

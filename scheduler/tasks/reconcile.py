@@ -24,7 +24,7 @@ from api.store.models import Job
 from scheduler import keys, locks, store_ops
 from scheduler.celery_app import app
 from scheduler.context import SchedulerContext, get_context
-from scheduler.jobinfo import job_info
+from scheduler.jobinfo import job_info_or_reason
 from scheduler.notify import bump_version
 from scheduler.tasks import stragglers
 from scheduler.tasks.placement import placement_pass
@@ -107,7 +107,9 @@ def run_reconcile_job(ctx: SchedulerContext, job_id: str) -> str:
         return release_finished(ctx, job)
     if job.state != "Running":
         return "pending"
-    info = job_info(job.id, job.spec, ctx.settings.data_dir)
+    info, why = job_info_or_reason(job.id, job.spec, ctx.settings.data_dir)
+    if info is None:
+        return fail(ctx, job, why or "cannot run this spec")
     if not ctx.blobs.exists(keys.state(job.id, job.step)):  # cheap: never read 25 MB to check
         state = ensure_state(ctx, job, info)
         if state is None or state.step != job.step:
@@ -136,3 +138,10 @@ def release_finished(ctx: SchedulerContext, job: Job) -> str:
     if released:
         bump_version(ctx.blobs)
     return f"released:{released}"
+
+
+def fail(ctx: SchedulerContext, job: Job, reason: str) -> str:
+    with transaction(ctx.session_factory) as session:
+        store_ops.fail_job(session, job, reason, ctx.clock())
+    bump_version(ctx.blobs)
+    return "failed"

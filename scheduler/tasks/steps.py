@@ -32,7 +32,7 @@ from scheduler.checkpoints import WrittenCheckpoint, write_checkpoint
 from scheduler.context import SchedulerContext, get_context
 from scheduler.gradstore import GradBlobError, unpack_result
 from scheduler.hotstate import encode_state
-from scheduler.jobinfo import JobInfo, job_info
+from scheduler.jobinfo import JobInfo, job_info_or_reason
 from scheduler.notify import bump_version
 from scheduler.tasks import boundary
 from scheduler.tasks.recovery import drop_step_keys, ensure_state
@@ -85,6 +85,7 @@ class Outcome:
     STALE = "stale"
     GONE = "gone"
     INCOMPLETE = "incomplete"
+    FAILED = "failed"
 
 
 def run_apply_step(ctx: SchedulerContext, job_id: str, step: int) -> str:
@@ -95,7 +96,11 @@ def run_apply_step(ctx: SchedulerContext, job_id: str, step: int) -> str:
         session.expunge(job)
     if job.state != "Running" or job.step != step:
         return Outcome.STALE
-    info = job_info(job.id, job.spec, ctx.settings.data_dir)
+    info, why = job_info_or_reason(job.id, job.spec, ctx.settings.data_dir)
+    if info is None:
+        with transaction(ctx.session_factory) as session:
+            store_ops.fail_job(session, job, why or "cannot run this spec", ctx.clock())
+        return Outcome.FAILED
     state = ensure_state(ctx, job, info)
     if state is None or state.step != step:
         return Outcome.STALE  # rewound after lost hot state: the job goes on from there

@@ -234,3 +234,18 @@ def test_lease_loss_of_most_of_the_fleet_evicts_slowly(ctx) -> None:
     run_reconcile(ctx)
     waiting = [i for i in ids if job(ctx, i).state == "Pending"]
     assert len(waiting) == 1  # one eviction per window while 70% of the fleet looks down
+
+
+def test_a_job_the_engine_cannot_run_fails_with_a_reason_and_blocks_nobody(ctx) -> None:
+    add_devices(ctx, 2)
+    with transaction(ctx.session_factory) as s:
+        broken = Job(name="gone", spec=tiny_spec(dataset="deleted-upload"), state="Pending")
+        s.add(broken)
+        s.flush()
+        broken_id = broken.id
+    fine = submit(ctx, tiny_spec(name="fine"))
+    run_reconcile(ctx)
+    failed = job(ctx, broken_id)
+    assert failed.state == "Failed" and "deleted-upload" in failed.reason
+    assert job(ctx, fine).state == "Running"
+    assert run_reconcile_job(ctx, broken_id) == "released:0"
