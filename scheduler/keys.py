@@ -43,6 +43,16 @@ def latency(job_id: str, device_id: str) -> str:
     return f"job:{job_id}:lat:{device_id}"
 
 
+def late_steps(job_id: str, device_id: str) -> str:
+    """JSON list of the recent steps at which this device needed backups."""
+    return f"job:{job_id}:late:{device_id}"
+
+
+def slow_factor(job_id: str, device_id: str) -> str:
+    """How much this device's speed is discounted for this job after persistent lateness."""
+    return f"job:{job_id}:slow:{device_id}"
+
+
 def step_of_key(key: str) -> int | None:
     """The step number in a `job:{id}:state:{t}` or `job:{id}:grad:{t}:{k}` key."""
     parts = key.split(":")

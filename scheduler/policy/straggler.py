@@ -48,3 +48,16 @@ def plan_backups(
             plan[shard] = choices[turn % len(choices)]
             turn += 1
     return plan
+
+
+def persistent_stragglers(late_steps: Mapping[str, Sequence[int]], finished_step: int,
+                          streak: int = 2) -> list[str]:
+    """Devices late in each of the last `streak` steps up to `finished_step`: their share of
+    shards should shrink, or every step waits for a timeout and a backup."""
+    wanted = set(range(finished_step - streak + 1, finished_step + 1))
+    return sorted(d for d, steps in late_steps.items() if wanted <= set(steps))
+
+
+def demoted_speeds(speeds: Mapping[str, float], slow: Mapping[str, float]) -> dict[str, float]:
+    """Speeds for shard balancing with each demoted device scaled by its factor (0..1]."""
+    return {d: s * slow.get(d, 1.0) for d, s in speeds.items()}

@@ -1,6 +1,7 @@
 """What happens to a job's shards at a step boundary (inside apply_step's commit).
 
-Backups of the finished step are dropped. When reconcile flagged the job (eligible devices are
+Backups of the finished step are dropped, and a device that needed backups two steps running
+gets half its share of shards (it keeps at least one). When reconcile flagged the job (eligible devices are
 free and the job is below max_devices), the new devices join here, so a device never loses
 shards in the middle of computing them just because another one arrived.
 """
@@ -16,13 +17,17 @@ from scheduler import keys, locks, store_ops
 from scheduler.context import SchedulerContext
 from scheduler.jobinfo import JobInfo
 from scheduler.policy.placement import rebalance
-from scheduler.policy.shards import moved_shards
+from scheduler.policy.scores import device_speed
+from scheduler.policy.shards import balance_shards, moved_shards
+from scheduler.policy.straggler import demoted_speeds, persistent_stragglers
 from scheduler.policy.types import PlacementRequest
+from scheduler.tasks.stragglers import late_steps_of
 
 
 def at_step_boundary(ctx: SchedulerContext, session: Session, job: Job, info: JobInfo,
                      new_step: int, now: dt.datetime) -> None:
     store_ops.drop_backups(session, job.id)
+    demote_stragglers(ctx, session, job, new_step, now)
     if ctx.blobs.get(keys.rebalance(job.id)) is None:
         return
     with locks.held(ctx.blobs, keys.PLACEMENT_LOCK, ctx.tuning.lock_ttl_s) as token:
@@ -56,3 +61,40 @@ def join_devices(ctx: SchedulerContext, session: Session, job: Job, step: int,
                            f"{len(plan.devices)} device(s) at step {step}", now=now,
                            job_id=job.id, data={"shards": moved, "devices": list(plan.devices)})
     return added
+
+
+def demote_stragglers(ctx: SchedulerContext, session: Session, job: Job, new_step: int,
+                      now: dt.datetime) -> list[str]:
+    """Halve the share of a device that needed backups two steps running (kept >= 1 shard)."""
+    current = store_ops.primaries(session, job.id)
+    holders = sorted(set(current.values()))
+    late = {d: late_steps_of(ctx, job.id, d) for d in holders}
+    slow = persistent_stragglers(late, new_step - 1)
+    if not slow or len(holders) < 2:
+        return []
+    req = PlacementRequest.from_spec(job.id, job.spec, job.priority)
+    views = {v.id: v for v in store_ops.all_device_views(session) if v.id in holders}
+    factors = {d: _factor(ctx, job.id, d) for d in holders}
+    for device in slow:
+        factors[device] *= 0.5
+        ctx.blobs.set(keys.slow_factor(job.id, device), str(factors[device]).encode(), ttl=3600)
+        ctx.blobs.delete(keys.late_steps(job.id, device))  # two more late steps to halve again
+    speeds = demoted_speeds({d: device_speed(views[d], req.arch) for d in holders if d in views},
+                            factors)
+    plan = balance_shards(req.shards, speeds, current)
+    moved = store_ops.set_primaries(session, job.id, plan, since_step=new_step)
+    if moved:
+        store_ops.record_event(
+            session, "ShardsMoved",
+            f"{len(moved)} shard(s) moved at step {new_step} away from persistent "
+            f"straggler(s) {', '.join(slow)}", now=now, job_id=job.id,
+            data={"shards": moved, "from": slow, "reason": "straggler"})
+    return slow
+
+
+def _factor(ctx: SchedulerContext, job_id: str, device_id: str) -> float:
+    raw = ctx.blobs.get(keys.slow_factor(job_id, device_id))
+    try:
+        return min(1.0, max(1e-3, float(raw))) if raw else 1.0
+    except ValueError:
+        return 1.0

@@ -7,6 +7,8 @@ gradient route), never less than the floor. Backups are dropped at the step boun
 
 from __future__ import annotations
 
+import json
+
 from api.store.db import transaction
 from api.store.models import Job
 from scheduler import keys, store_ops
@@ -18,6 +20,20 @@ from scheduler.policy.placement import keepable
 from scheduler.policy.scores import device_speed
 from scheduler.policy.straggler import expected_step_s, plan_backups, straggler_timeout
 from scheduler.policy.types import PlacementRequest
+
+
+def remember_late(ctx: SchedulerContext, job_id: str, device_id: str, step: int) -> None:
+    steps = late_steps_of(ctx, job_id, device_id)
+    steps = sorted(set(steps) | {step})[-4:]
+    ctx.blobs.set(keys.late_steps(job_id, device_id), json.dumps(steps).encode(), ttl=3600)
+
+
+def late_steps_of(ctx: SchedulerContext, job_id: str, device_id: str) -> list[int]:
+    raw = ctx.blobs.get(keys.late_steps(job_id, device_id))
+    try:
+        return [int(s) for s in json.loads(raw)] if raw else []
+    except (ValueError, TypeError):
+        return []
 
 
 def measured_latencies(ctx: SchedulerContext, job_id: str, devices: list[str]) -> dict[str, float]:
@@ -65,6 +81,8 @@ def back_up_late_devices(ctx: SchedulerContext, job: Job, info: JobInfo) -> int:
         if not plan:
             return 0
         store_ops.add_backups(session, job.id, plan, job.step)
+        for device in missing:
+            remember_late(ctx, job.id, device, job.step)
         store_ops.record_event(
             session, "BackupAssigned",
             f"step {job.step} late after {elapsed:.1f}s (timeout {timeout:.1f}s): "

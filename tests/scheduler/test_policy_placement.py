@@ -8,7 +8,13 @@ from scheduler.policy.eviction import EvictionLimits, allowed_evictions
 from scheduler.policy.placement import place_gang, rebalance
 from scheduler.policy.preemption import plan_preemption
 from scheduler.policy.shards import balance_shards, moved_shards, proportional_counts
-from scheduler.policy.straggler import expected_step_s, plan_backups, straggler_timeout
+from scheduler.policy.straggler import (
+    demoted_speeds,
+    expected_step_s,
+    persistent_stragglers,
+    plan_backups,
+    straggler_timeout,
+)
 from scheduler.policy.types import DeviceView, PlacementRequest, RunningJob
 
 
@@ -172,3 +178,9 @@ def test_backups_go_round_robin_to_helpers_never_to_the_straggler() -> None:
     plan = plan_backups({"slow": [5, 6, 7]}, ["fast1", "fast2", "slow"], frozenset({6}))
     assert plan == {5: "fast1", 7: "fast2"}
     assert plan_backups({"slow": [1]}, ["slow"]) == {}
+
+
+def test_a_device_late_two_steps_running_is_a_persistent_straggler() -> None:
+    late = {"slow": [3, 4], "once": [4], "earlier": [1, 2]}
+    assert persistent_stragglers(late, finished_step=4) == ["slow"]
+    assert demoted_speeds({"slow": 100.0, "fast": 100.0}, {"slow": 0.5}) == {"slow": 50.0, "fast": 100.0}

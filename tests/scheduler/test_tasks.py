@@ -249,3 +249,18 @@ def test_a_job_the_engine_cannot_run_fails_with_a_reason_and_blocks_nobody(ctx) 
     assert failed.state == "Failed" and "deleted-upload" in failed.reason
     assert job(ctx, fine).state == "Running"
     assert run_reconcile_job(ctx, broken_id) == "released:0"
+
+
+def test_a_persistent_straggler_gets_fewer_shards_at_the_boundary(ctx) -> None:
+    from scheduler.tasks.stragglers import remember_late
+
+    job_id = start(ctx, devices=2)
+    before = [s for s, d, _ in assignments(ctx, job_id) if d == "dev-00"]
+    remember_late(ctx, job_id, "dev-00", 0)
+    run_to(ctx, job_id, 1)
+    assert [s for s, d, _ in assignments(ctx, job_id) if d == "dev-00"] == before  # once is luck
+    remember_late(ctx, job_id, "dev-00", 1)
+    run_to(ctx, job_id, 2)
+    after = [s for s, d, _ in assignments(ctx, job_id) if d == "dev-00"]
+    assert 1 <= len(after) < len(before)
+    assert "ShardsMoved" in event_reasons(ctx, job_id)
