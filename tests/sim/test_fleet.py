@@ -69,7 +69,7 @@ def test_without_an_admin_or_enrollment_token_sim_says_what_it_needs(server: Liv
 
 def test_light_phones_train_a_job_to_the_reference_trainers_result(server: LiveServer) -> None:
     job = {"name": "sim-logreg", "model": {"arch": "logreg"}, "dataset": "digits",
-           "global_batch_size": 64, "shards": 8, "epochs": 2,
+           "global_batch_size": 64, "shards": 8, "epochs": 1,
            "placement": {"min_devices": 2, "max_devices": 8, "selector": {"pool": "sim"}}}
     report = run_fleet(FleetOptions(server=server.url, phones=8, duration_s=120, interval_s=1,
                                     admin_token=ADMIN_TOKEN, compute=True, job=job,

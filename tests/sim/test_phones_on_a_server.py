@@ -120,6 +120,7 @@ def seen(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Seen]:
             admin.post(f"/v1/jobs/{job['id']}/cancel")
         yield seen
     finally:
+        server.process.terminate()  # both at once: the server drains the agents' long polls
         rack.stop()
         server.stop()
 
