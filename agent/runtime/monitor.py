@@ -11,10 +11,11 @@ from agent.runtime.guard import Limits, Pause, PhoneGuard
 
 
 class Monitor:
-    """Takes a reading at most every `max_age_s` (termux-battery-status is slow on a phone)."""
+    """Takes a reading at most every `max_age_s` unless asked for a fresh one: each runs
+    termux-battery-status, ~0.5 s on a phone, which the work loop should not pay per chunk."""
 
     def __init__(self, read: Callable[[], dict[str, Any]], guard: PhoneGuard | None = None,
-                 limits: Limits | None = None, max_age_s: float = 2.0,
+                 limits: Limits | None = None, max_age_s: float = 5.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._read, self.guard = read, guard or PhoneGuard()
         self.limits = limits or Limits()

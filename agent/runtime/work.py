@@ -85,7 +85,7 @@ class WorkLoop:
         if not todo:
             return 0.5  # everything of this step is in; wait for the next step
         while todo and not stop.is_set():
-            if self.monitor.pause(fresh=True) is not None:
+            if self.monitor.pause() is not None:  # a reading at most max_age_s old
                 return PAUSED_POLL_S  # the heartbeat reports why; the scheduler moves shards
             if self.state.draining or self.state.fatal:
                 return 0.0
