@@ -41,6 +41,7 @@ class FleetOptions:
     cleanup: bool = True
     compute: bool = False  # take and compute real work (see phalanx.sim.compute)
     job: dict[str, Any] | None = None  # submit this job (admin token) and stop when it ends
+    follow_job: str | None = None  # or stop when this already submitted job ends
     backoff_cap_s: float = 30.0  # longest wait between retries of a failing phone
     labels: dict[str, str] = field(default_factory=dict)
 
@@ -247,7 +248,7 @@ class Fleet:
         await self.prepare()
         self.stats = FleetStats()
         tasks = [asyncio.create_task(self._phone(p, work)) for p in self.phones]
-        job_id = await self.submit_job() if self.opts.job else None
+        job_id = await self.submit_job() if self.opts.job else self.opts.follow_job
         job: dict[str, Any] | None = None
         deadline = time.monotonic() + self.opts.duration_s
         while time.monotonic() < deadline and not all(t.done() for t in tasks):

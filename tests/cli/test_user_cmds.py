@@ -236,3 +236,30 @@ def test_upload_errors_are_one_line(cli: Cli, tmp_path: Path) -> None:
     bad_name = tmp_path / "ok.npz"
     bad_name.write_bytes(npz(x=np.zeros((4, 2), np.float32), y=np.zeros(4, np.int64)))
     assert "422" in one_line_error(cli("datasets", "upload", str(bad_name), "--name", "no spaces!"))
+
+
+def test_watch_follows_a_job_to_success_and_checkpoint_downloads_its_weights(
+        cli: Cli, tmp_path: Path) -> None:
+    """Light simulated phones (`phalanx sim --job`) train a small job while the CLI watches."""
+    import threading
+
+    from phalanx.sim.fleet import FleetOptions, run_fleet
+
+    job = dict(SMALL_JOB, name="watched", placement={"selector": {"pool": "watch"}})
+    submitted = cli.json("jobs", "submit", "-f", str(write_spec(tmp_path, job)))
+    fleet = threading.Thread(target=run_fleet, args=(FleetOptions(
+        server=cli.server.url, phones=3, duration_s=120, interval_s=1, compute=True,
+        admin_token=cli.server.admin_token, labels={"pool": "watch"},
+        follow_job=submitted["id"]),), daemon=True)
+    fleet.start()
+    watched = cli("jobs", "watch", submitted["id"])
+    assert watched.exit_code == 0, watched.output
+    assert "Succeeded" in watched.stdout and "val accuracy" in watched.stdout
+    out = tmp_path / "weights.npz"
+    got = cli("jobs", "checkpoint", submitted["id"], "-O", str(out))
+    assert got.exit_code == 0, got.output
+    with np.load(out, allow_pickle=False) as npz:
+        assert npz.files and str(out) in got.stdout
+    assert cli.json("jobs", "describe", submitted["id"])["state"] == "Succeeded"
+    fleet.join(timeout=60)  # it stops by itself once the job has ended
+    assert not fleet.is_alive()
