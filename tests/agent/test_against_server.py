@@ -192,3 +192,26 @@ def test_enrolling_with_a_bad_token_is_refused_clearly(server: LiveServer, tmp_p
     assert not (tmp_path / "c.json").exists()
     with httpx.Client(base_url=server.url) as c:  # the server is fine after it
         assert c.get("/healthz").status_code == 200
+
+
+def test_a_revoked_device_token_stops_the_agent(
+    server: LiveServer, tmp_path: Path, phone_root: Path
+) -> None:
+    home = tmp_path / "phone"
+    device_id = enroll(server, home, phone_root)
+    log = tmp_path / "agent.log"
+    proc = agent_process(home / "config.json", phone_root, log)
+    try:
+        wait_for("Ready", lambda: device(server, device_id)["state"] == "Ready",
+                 on_fail=log.read_text)
+        with server.client() as c:
+            rows = c.get("/v1/tokens", params={"kind": "device", "limit": 500}).json()["items"]
+            token_id = next(r["id"] for r in rows if r.get("device_id") == device_id)
+            assert c.delete(f"/v1/tokens/{token_id}").status_code == 200
+        code = proc.wait(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = log.read_text()
+    assert code == 3, text
+    assert "revoked" in text and "phalanx-agent enroll" in text
