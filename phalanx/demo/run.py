@@ -134,7 +134,8 @@ class Demo:
     def frame(self, job: dict[str, Any], devices: list[dict[str, Any]],
               events: list[dict[str, Any]], bar: view.JobProgress) -> Group:
         table = view.device_table(devices, view.shards_by_device(job), self.plan.notes,
-                                  title="Fleet (what the control plane sees)", show_id=False)
+                                  title="Fleet (what the control plane sees)", show_id=False,
+                                  arch=((job.get("spec") or {}).get("model") or {}).get("arch"))
         recent = Table.grid(padding=(0, 1))
         for ev in events[-5:]:
             recent.add_row(f"[dim]{view.ago(ev.get('ts'))}[/dim]", str(ev.get("reason", "")),

@@ -85,9 +85,12 @@ def shard_cell(shards: dict[str, int | None] | None, device_id: Any) -> str:
 
 def device_table(devices: list[dict[str, Any]], shards: dict[str, int | None] | None = None,
                  notes: dict[str, str] | None = None, title: str | None = None,
-                 show_id: bool = True) -> Table:
+                 show_id: bool = True, arch: str | None = None) -> Table:
+    """One row per device; with `arch`, the speed the agent measured for that model."""
     table = Table(title=title, title_justify="left", header_style="bold")
-    cols = ("ID", "NAME", "STATE", "MODEL", "BATTERY", "TEMP", "FREQ", "SHARDS", "SEEN")
+    cols = ["ID", "NAME", "STATE", "MODEL", "BATTERY", "TEMP", "FREQ", "SHARDS", "SEEN"]
+    if arch:
+        cols.insert(-1, "SAMPLES/S")
     for col in cols if show_id else cols[1:]:
         table.add_column(col, no_wrap=True)
     if notes is not None:
@@ -109,6 +112,9 @@ def device_table(devices: list[dict[str, Any]], shards: dict[str, int | None] | 
                temp, dash(t.get("cpu_freq_mhz"), "{:.0f} MHz"),
                shard_cell(shards, dev.get("id")),
                ago(seen)]
+        if arch:
+            measured = (dev.get("profiles") or {}).get(arch) or {}
+            row.insert(-1, dash(measured.get("samples_per_s"), "{:,.0f}"))
         if show_id:
             row.insert(0, dash(dev.get("id")))
         if notes is not None:

@@ -103,6 +103,11 @@ class PhoneModel:
         """The agent's slowdown factor (docs/contracts.md: PHALANX_AGENT_SLOWDOWN_FILE)."""
         return 1.0 / max(self.profile.relative_speed * self.state.cap, 1e-3)
 
+    @property
+    def surroundings_c(self) -> float:
+        """The air around the phone: the room plus any heat a fault adds."""
+        return self.ambient_c + self.state.faults.heat_c
+
     def soc_target_c(self) -> float:
         t = self.profile.thermal
         r = t.r_c_per_w * (2.0 if self.state.faults.overheating else 1.0)
@@ -138,7 +143,8 @@ class PhoneModel:
         sim_dt = dt_s * self.time_scale
         s.soc_c += (self.soc_target_c() - s.soc_c) * min(1.0, sim_dt / t.tau_s)
         charge_heat = 3.0 if self.charging else 0.0
-        battery_target = self.ambient_c + 0.55 * (s.soc_c - self.ambient_c) + charge_heat
+        around = self.surroundings_c
+        battery_target = around + 0.55 * (s.soc_c - around) + charge_heat
         s.battery_c += (battery_target - s.battery_c) * min(1.0, sim_dt / t.battery_tau_s)
         pct = s.battery_pct + 100.0 * s.charge_w * sim_dt / (self.profile.capacity_wh * 3600.0)
         s.battery_pct = min(100.0, max(0.0, pct))
@@ -166,7 +172,7 @@ class PhoneModel:
         for i, (name, jitter) in enumerate(zip(self.profile.thermal_zones, self.jitter)):
             low = name.lower()
             if "skin" in low:
-                temp = self.ambient_c + 0.45 * (s.soc_c - self.ambient_c)
+                temp = self.surroundings_c + 0.45 * (s.soc_c - self.surroundings_c)
             elif "pa_" in low or "gpu" in low or "g3d" in low or "isp" in low:
                 temp = s.soc_c - 3.0 + jitter
             else:

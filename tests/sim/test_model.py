@@ -95,3 +95,13 @@ def test_fleet_mix_has_both_s10_variants_a_mid_range_and_an_old_phone() -> None:
     keys = {p.key for p in fleet_mix(6)}
     assert keys == {"galaxy-s10plus-sd855", "galaxy-s10plus-exynos9820", "galaxy-a52-sd720g",
                     "nexus-5x-sd808"}
+
+
+def test_a_heated_phone_also_heats_its_battery_past_the_limit_an_unrooted_agent_sees() -> None:
+    model = PhoneModel(get_profile("galaxy-s10plus-sd855"), time_scale=10)
+    run(model, 60, load=1.0)
+    assert model.state.battery_c < 45
+    model.heat(20.0)
+    run(model, 300, load=0.2)
+    assert model.state.battery_c > 45
+    assert model.battery_health() == "OVERHEAT"
