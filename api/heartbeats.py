@@ -17,11 +17,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import Engine, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from api.schemas.devices import HeartbeatIn
-from api.store.heartbeats import BatchOutcome, apply_heartbeats
+from api.store.heartbeats import BatchOutcome, apply_heartbeats, apply_heartbeats_autocommit
 from api.store.models import Job
 
 log = logging.getLogger(__name__)
@@ -32,10 +32,13 @@ _Pending = tuple[str, str, HeartbeatIn, asyncio.AbstractEventLoop, "asyncio.Futu
 
 
 class HeartbeatWriter:
-    def __init__(self, factory: sessionmaker[Session], *, clock: Callable, grace_s: float,
+    def __init__(self, engine: Engine, *, clock: Callable, grace_s: float,
                  interval_s: float, on_device_changed: Callable[[str], None],
                  threads: int = 1) -> None:
-        self.factory, self.clock = factory, clock
+        self.engine, self.clock = engine, clock
+        self.factory = sessionmaker(bind=engine, expire_on_commit=False)
+        # Postgres: the engine is AUTOCOMMIT and a batch is one self-committing statement
+        self.one_statement = engine.dialect.name == "postgresql"
         # Several writer threads pipeline the commits: while one batch waits on the database
         # (its fsync above all), the next batch is already being written.
         self.threads = threads
@@ -111,8 +114,11 @@ class HeartbeatWriter:
                 except Exception as exc:
                     replies.append(exc)
             outcome = BatchOutcome(replies=replies, changed_devices=changed)
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Any, Any]]] = {}
         for (_, _, _, loop, future), reply in zip(batch, replies):
-            loop.call_soon_threadsafe(_resolve, future, reply)
+            by_loop.setdefault(loop, []).append((future, reply))
+        for loop, pairs in by_loop.items():  # one wake-up per event loop, not per heartbeat
+            loop.call_soon_threadsafe(_resolve_all, pairs)
         for device_id in outcome.changed_devices:
             try:
                 self.on_device_changed(device_id)
@@ -120,10 +126,17 @@ class HeartbeatWriter:
                 log.exception("device_changed hook failed for %s", device_id)
 
     def _commit(self, items: list[tuple[str, str, HeartbeatIn]]) -> BatchOutcome:
-        with self.factory() as session, session.begin():
-            outcome = apply_heartbeats(session, items, self.clock(), grace_s=self.grace_s,
-                                       interval_s=self.interval_s,
-                                       active_archs=self._active_archs(session))
+        now = self.clock()
+        options = {"grace_s": self.grace_s, "interval_s": self.interval_s}
+        if self.one_statement:
+            with self.engine.connect() as conn:
+                with Session(bind=conn) as session:
+                    options["active_archs"] = self._active_archs(session)
+                outcome = apply_heartbeats_autocommit(conn, items, now, **options)
+        else:
+            with self.factory() as session, session.begin():
+                outcome = apply_heartbeats(session, items, now,
+                                           active_archs=self._active_archs(session), **options)
         self.batches += 1
         return outcome
 
@@ -136,6 +149,11 @@ class HeartbeatWriter:
         archs = {str((spec or {}).get("model", {}).get("arch")) for spec in specs} - {"None"}
         self._archs = (time.monotonic(), archs)
         return archs
+
+
+def _resolve_all(pairs: list[tuple[asyncio.Future[Any], Any]]) -> None:
+    for future, reply in pairs:
+        _resolve(future, reply)
 
 
 def _resolve(future: asyncio.Future[Any], reply: Any) -> None:

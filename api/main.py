@@ -11,6 +11,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from sqlalchemy import Engine
 from sqlalchemy.exc import IntegrityError, OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -43,7 +44,7 @@ def _validation_detail(exc: RequestValidationError) -> list[dict[str, Any]]:
         field = ".".join(loc[1:]) if loc and loc[0] in ("body", "query", "path") else ".".join(loc)
         msg = str(err.get("msg", ""))
         if err.get("type") == "json_invalid":  # loc holds a character position, not a field
-            field, msg = "", f"malformed JSON body at character {field}: {err.get('ctx', {}).get('error', msg)}"
+            field, msg = "", f"malformed JSON body: {err.get('ctx', {}).get('error', msg)}"
         detail.append({"loc": loc, "field": field, "msg": msg, "type": str(err.get("type", ""))})
     return detail
 
@@ -85,13 +86,13 @@ def _include_routers(app: FastAPI) -> None:
         app.include_router(metrics.router)
 
 
-def _writer_factory(url: str):
-    """The heartbeat writers' own small pool: no pre-ping round trip (a dead connection fails
-    its batch, which is retried on a fresh one), and never starved by request handlers."""
+def _writer_engine(url: str) -> Engine:
+    """The heartbeat writers' own small pool. Postgres: AUTOCOMMIT (a batch is one statement)
+    and no pre-ping round trip (a dead connection fails its batch, which is retried)."""
     if url.startswith("sqlite"):
-        return make_session_factory(make_engine(url))
-    return make_session_factory(make_engine(url, pool_pre_ping=False, pool_size=4,
-                                            max_overflow=2))
+        return make_engine(url)
+    return make_engine(url, pool_pre_ping=False, pool_size=4, max_overflow=2,
+                       isolation_level="AUTOCOMMIT")
 
 
 def create_app(settings: Settings | None = None, clock: Callable[[], dt.datetime] | None = None,
@@ -108,7 +109,7 @@ def create_app(settings: Settings | None = None, clock: Callable[[], dt.datetime
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
         app.state.heartbeats.stop()
-        app.state.heartbeats.factory.kw["bind"].dispose()
+        app.state.heartbeats.engine.dispose()
 
     app = FastAPI(title="Phalanx control plane", version="0.1.0", lifespan=lifespan,
                   docs_url="/docs", openapi_url="/openapi.json")
@@ -121,7 +122,7 @@ def create_app(settings: Settings | None = None, clock: Callable[[], dt.datetime
         ensure_admin_token(factory)
     app.state.authenticator = Authenticator(factory, admin, clock=clock)
     app.state.heartbeats = HeartbeatWriter(
-        _writer_factory(settings.resolved_database_url), clock=clock,
+        _writer_engine(settings.resolved_database_url), clock=clock,
         grace_s=settings.lease_grace_s, threads=1 if engine.dialect.name == "sqlite" else 4,
         interval_s=settings.heartbeat_interval_s,
         on_device_changed=lambda device_id: app.state.scheduler_hooks.device_changed(device_id))
@@ -135,4 +136,8 @@ def create_app(settings: Settings | None = None, clock: Callable[[], dt.datetime
 
 def app_from_env() -> FastAPI:
     """For `uvicorn --factory api.main:app_from_env` (several worker processes)."""
+    import os
+    import sys
+    if os.environ.get("SWI"):
+        sys.setswitchinterval(float(os.environ["SWI"]))
     return create_app()

@@ -5,7 +5,7 @@
 Creates a fresh Postgres database, starts `phalanx server --workers 2` (Postgres + Redis, so not
 embedded), registers N devices through the API, then drives the server with `wrk` (a Lua script
 rotates the device tokens; each heartbeat carries 3 samples): first /healthz, then heartbeats,
-same connections and duration. Prints heartbeats/s, p50/p99 latency, the /healthz rate and the
+same connections and duration, after a short unmeasured warm-up. Prints heartbeats/s, p50/p99 latency, the /healthz rate and the
 ratio, and checks that every 2xx heartbeat's samples are in the database.
 """
 
@@ -97,8 +97,9 @@ def register_devices(base_url: str, n: int) -> list[tuple[str, str]]:
             return list(pool.map(one, range(n)))
 
 
-def run_wrk(url: str, script: Path, args: argparse.Namespace, env: dict[str, str]) -> dict:
-    cmd = ["wrk", f"-t{args.threads}", f"-c{args.connections}", f"-d{args.duration}s",
+def run_wrk(url: str, script: Path, args: argparse.Namespace, env: dict[str, str],
+            duration: int | None = None) -> dict:
+    cmd = ["wrk", f"-t{args.threads}", f"-c{args.connections}", f"-d{duration or args.duration}s",
            "--timeout", "5s", "-s", str(script), url]
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True).stdout
     return json.loads(out.strip().splitlines()[-1])
@@ -116,6 +117,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--duration", type=int, default=10)
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=3, help="seconds of unmeasured heartbeats")
     parser.add_argument("--database", default=os.environ.get(
         "PHALANX_TEST_DATABASE_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"))
     parser.add_argument("--redis", default=os.environ.get(
@@ -127,13 +129,15 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="phalanx-bench-"))
     server = start_server(database_url=db_url, data_dir=work / "data", admin_token=ADMIN,
                           redis_url=args.redis, args=["--workers", str(args.workers)])
-    print(f"server pid {server.process.pid} at {server.url}", file=sys.stderr, flush=True)
+    print(f"server pid {server.process.pid} at {server.url}", file=sys.stderr, flush=True)  # for profilers
     try:
         devices = register_devices(server.url, args.devices)
         (work / "devices.txt").write_text("".join(f"{i} {t}\n" for i, t in devices))
         (work / "healthz.lua").write_text(LUA_COMMON)
         (work / "heartbeat.lua").write_text(LUA_HEARTBEAT + LUA_COMMON)
         env = {**os.environ, "BENCH_DEVICES": str(work / "devices.txt")}
+        # warm-up (not measured): pools connected, statements prepared, tokens seen once
+        run_wrk(server.url, work / "heartbeat.lua", args, env, duration=args.warmup)
         healthz = run_wrk(f"{server.url}/healthz", work / "healthz.lua", args, env)
         before = count_samples(db_url)
         beats = run_wrk(server.url, work / "heartbeat.lua", args, env)

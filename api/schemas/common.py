@@ -6,9 +6,11 @@ import datetime as dt
 import re
 from typing import Annotated, Any, Generic, TypeVar
 
-from pydantic import AfterValidator, BaseModel, ConfigDict
+from fastapi.exceptions import RequestValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, ValidationError
 
 T = TypeVar("T")
+M = TypeVar("M", bound=BaseModel)
 
 _LABEL_KEY = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9_./-]{0,61}[A-Za-z0-9])?$")
 _LABEL_VALUE = re.compile(r"^[A-Za-z0-9_./-]{0,63}$")
@@ -60,3 +62,12 @@ def page_of(items: list[Any], limit: int, offset: int) -> dict[str, Any]:
     """Build a page from `limit + 1` fetched rows (the extra row says there is a next page)."""
     more = len(items) > limit
     return {"items": items[:limit], "next_offset": offset + limit if more else None}
+
+
+def parse_body(model: type[M], raw: bytes) -> M:
+    """Validate a JSON body straight from bytes; errors look like FastAPI's own (loc "body")."""
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as exc:
+        errors = [{**err, "loc": ("body", *err["loc"])} for err in exc.errors(include_url=False)]
+        raise RequestValidationError(errors) from None

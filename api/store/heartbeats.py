@@ -117,9 +117,6 @@ def apply_heartbeats(session: Session, items: list[tuple[str, str, HeartbeatIn]]
                      now: dt.datetime, *, grace_s: float, interval_s: float,
                      active_archs: frozenset[str] | set[str] = frozenset()) -> BatchOutcome:
     """items: (device id from the path, SHA-256 of the bearer token, body)."""
-    if session.get_bind().dialect.name == "postgresql":
-        return _apply_pg(session, items, now, grace_s=grace_s, interval_s=interval_s,
-                         active_archs=active_archs)
     rows = _read_batch(session, items)
     outcome = BatchOutcome(replies=[])
     updates, samples, new_events = [], [], []
@@ -166,18 +163,20 @@ def _reply(device_id: str, device: Any, profiles: dict[str, Any], now: dt.dateti
             "commands": _commands(device, profiles, active_archs)}
 
 
-def _apply_pg(session: Session, items: list[tuple[str, str, HeartbeatIn]], now: dt.datetime, *,
-              grace_s: float, interval_s: float, active_archs: Any) -> BatchOutcome:
+def apply_heartbeats_autocommit(conn: Any, items: list[tuple[str, str, HeartbeatIn]],
+                                now: dt.datetime, *, grace_s: float, interval_s: float,
+                                active_archs: Any) -> BatchOutcome:
+    """Postgres: the whole batch in one self-committing statement (api.store.heartbeats_pg)."""
     from api.store import heartbeats_pg as pg
 
-    merged = pg.merged_per_device(items, _latest)
-    renewed = pg.renew(session, merged, now)
+    renewed = pg.apply_batch(conn, items, now, _latest)
     refused = [item for item in items if item[0] not in renewed]
-    why = _read_batch(session, refused) if refused else {}
-    pg.append_samples(session, [(device_id, s) for device_id, _, body in items
-                                if device_id in renewed for s in body.telemetry], now)
-    new_events, changed = pg.state_events(renewed, merged, now)
-    pg.insert_events(session, new_events)
+    why: dict[str, Any] = {}
+    if refused:
+        with Session(bind=conn) as session:
+            why = _read_batch(session, refused)
+    changed = [row.id for row in renewed.values()
+               if row.old_state == NOT_READY or row.pause != row.old_pause]
     outcome = BatchOutcome(replies=[], changed_devices=sorted(set(changed)))
     for device_id, token_hash, _ in items:
         row = renewed.get(device_id)

@@ -1,9 +1,12 @@
-"""The Postgres fast path for a heartbeat batch: two fixed statements whatever the batch size.
+"""The Postgres fast path for a heartbeat batch: one statement, one round trip, its own commit.
 
-`UPDATE devices ... FROM unnest(arrays)` authenticates every heartbeat against its token row,
-renews the leases and stores the latest sample, returning each device's state before and after;
-then one `INSERT ... SELECT FROM unnest(arrays)` appends every sample. Arrays keep the SQL text
-fixed (prepared once per connection) and leave the per-row work to psycopg's C adapters.
+A single statement of data-modifying CTEs, run in autocommit (so the statement is the
+transaction): `UPDATE devices ... FROM json_to_recordset(...)` authenticates every heartbeat against its
+token row and renews the lease, storing the latest sample, capabilities, profiles and pause;
+`INSERT ... SELECT FROM json_to_recordset(...)` appends the samples of the heartbeats it accepted; two
+more INSERTs record the NodeReady and Paused/Resumed events. One round trip matters: under load
+each round trip also waits for the GIL and the CPU. JSON parameters keep the SQL text fixed
+(prepared once per connection) whatever the batch size.
 """
 
 from __future__ import annotations
@@ -12,50 +15,56 @@ import datetime as dt
 import json
 from typing import Any
 
-from sqlalchemy import insert, text
-from sqlalchemy.orm import Session
+from sqlalchemy import Connection, text
 
-from api.lifecycle import NOT_READY
 from api.schemas.devices import HeartbeatIn
-from api.store.events import event_row
-from api.store.models import Event
 
-RENEW = text("""
-UPDATE devices AS d SET
-  lease_renewed_at = :now, updated = :now,
-  state = CASE WHEN d.draining THEN 'Draining' WHEN d.cordoned THEN 'Cordoned' ELSE 'Ready' END,
-  pause_reason = v.pause,
-  latest_telemetry = COALESCE(v.tel::json, d.latest_telemetry),
-  latest_telemetry_at = COALESCE(v.tel_at, d.latest_telemetry_at),
-  agent_version = COALESCE(v.agent_version, d.agent_version),
-  capabilities = COALESCE(v.caps::json, d.capabilities),
-  profiles = COALESCE(v.profiles::json, d.profiles)
-FROM unnest(CAST(:ids AS text[]), CAST(:hashes AS text[]), CAST(:tel AS text[]),
-            CAST(:tel_at AS timestamptz[]), CAST(:versions AS text[]), CAST(:caps AS text[]),
-            CAST(:profiles AS text[]), CAST(:pause AS text[]))
-       AS v(id, token_hash, tel, tel_at, agent_version, caps, profiles, pause),
-     devices AS old, api_tokens AS t
-WHERE d.id = v.id AND old.id = d.id AND t.token_hash = v.token_hash AND t.kind = 'device'
-  AND t.device_id = v.id AND NOT t.revoked AND (t.expires_at IS NULL OR t.expires_at > :now)
-RETURNING d.id, old.state AS old_state, old.pause_reason AS old_pause, d.cordoned, d.draining,
-          d.profiles
+BATCH = text("""
+WITH v AS (
+  SELECT * FROM json_to_recordset(CAST(:devices AS json))
+    AS v(id text, token_hash text, tel json, tel_at timestamptz, agent_version text, caps json,
+         profiles json, pause text, pause_detail text)
+), renewed AS (
+  UPDATE devices AS d SET
+    lease_renewed_at = :now, updated = :now,
+    state = CASE WHEN d.draining THEN 'Draining' WHEN d.cordoned THEN 'Cordoned' ELSE 'Ready' END,
+    pause_reason = v.pause,
+    latest_telemetry = COALESCE(v.tel, d.latest_telemetry),
+    latest_telemetry_at = COALESCE(v.tel_at, d.latest_telemetry_at),
+    agent_version = COALESCE(v.agent_version, d.agent_version),
+    capabilities = COALESCE(v.caps, d.capabilities),
+    profiles = COALESCE(v.profiles, d.profiles)
+  FROM v, devices AS old, api_tokens AS t
+  WHERE d.id = v.id AND old.id = d.id AND t.token_hash = v.token_hash AND t.kind = 'device'
+    AND t.device_id = v.id AND NOT t.revoked AND (t.expires_at IS NULL OR t.expires_at > :now)
+  RETURNING d.id, old.state AS old_state, old.pause_reason AS old_pause, d.pause_reason AS pause,
+            v.pause_detail, d.cordoned, d.draining, d.profiles
+), appended AS (
+  INSERT INTO telemetry_samples (device_id, ts, battery_pct, charging, battery_temp_c,
+                                 cpu_temp_c, power_w, cpu_freq_mhz, throttled, busy, created,
+                                 updated)
+  SELECT x.id, s.ts, s.battery_pct, s.charging, s.battery_temp_c, s.cpu_temp_c, s.power_w,
+         s.cpu_freq_mhz, s.throttled, s.busy, :now, :now
+  FROM json_to_recordset(CAST(:samples AS json)) AS x(id text, telemetry json),
+       json_to_recordset(x.telemetry) AS s(ts timestamptz, battery_pct float8, charging bool,
+                                           battery_temp_c float8, cpu_temp_c float8,
+                                           power_w float8, cpu_freq_mhz float8, throttled bool,
+                                           busy bool)
+  WHERE x.id IN (SELECT id FROM renewed)
+), ready AS (
+  INSERT INTO events (ts, reason, message, device_id, kind, data, created, updated)
+  SELECT :now, 'NodeReady', 'heartbeat renewed the lease', id, 'Normal', '{}', :now, :now
+  FROM renewed WHERE old_state = 'NotReady'
+), paused AS (
+  INSERT INTO events (ts, reason, message, device_id, kind, data, created, updated)
+  SELECT :now, CASE WHEN pause IS NULL THEN 'Resumed' ELSE 'Paused' END,
+         CASE WHEN pause IS NULL THEN 'the agent trains again'
+              ELSE pause || COALESCE(': ' || pause_detail, '') END,
+         id, 'Normal', '{}', :now, :now
+  FROM renewed WHERE pause IS DISTINCT FROM old_pause
+)
+SELECT * FROM renewed
 """)
-
-APPEND = text("""
-INSERT INTO telemetry_samples (device_id, ts, battery_pct, charging, battery_temp_c, cpu_temp_c,
-                               power_w, cpu_freq_mhz, throttled, busy, created, updated)
-SELECT s.*, :now, :now FROM unnest(
-  CAST(:device_id AS text[]), CAST(:ts AS timestamptz[]), CAST(:battery_pct AS float8[]),
-  CAST(:charging AS bool[]), CAST(:battery_temp_c AS float8[]), CAST(:cpu_temp_c AS float8[]),
-  CAST(:power_w AS float8[]), CAST(:cpu_freq_mhz AS float8[]), CAST(:throttled AS bool[]),
-  CAST(:busy AS bool[])) AS s
-""")
-SAMPLE_FIELDS = ("battery_pct", "charging", "battery_temp_c", "cpu_temp_c", "power_w",
-                 "cpu_freq_mhz", "throttled", "busy")
-
-
-def _dumps(value: Any) -> str | None:
-    return None if value is None else json.dumps(value)
 
 
 def merged_per_device(items: list[tuple[str, str, HeartbeatIn]], latest) -> dict:
@@ -76,53 +85,29 @@ def merged_per_device(items: list[tuple[str, str, HeartbeatIn]], latest) -> dict
     return merged
 
 
-def renew(session: Session, merged: dict, now: dt.datetime) -> dict[str, Any]:
-    """Run the authenticated bulk renewal; device id -> its returned row (absent: refused)."""
-    keys = sorted(merged)  # id order: concurrent batches lock rows in the same order
-    rows = [merged[key] for key in keys]
-    params = {
-        "now": now, "ids": [k[0] for k in keys], "hashes": [k[1] for k in keys],
-        "tel": [_dumps(r["tel"]) for r in rows],
-        "tel_at": [None if r["tel_ts"] is None else
-                   dt.datetime.fromtimestamp(r["tel_ts"], dt.timezone.utc) for r in rows],
-        "versions": [r["agent_version"] for r in rows], "caps": [_dumps(r["caps"]) for r in rows],
-        "profiles": [_dumps(r["profiles"]) for r in rows],
-        "pause": [r["pause"].reason if r["pause"] else None for r in rows],
-    }
-    return {row.id: row for row in session.execute(RENEW, params)}
+def _params(items: list[tuple[str, str, HeartbeatIn]], merged: dict, now: dt.datetime) -> dict:
+    """Two JSON documents (json_to_recordset): encoding them is C/Rust work, not per-value
+    Python adaptation. Each body's samples are dumped by pydantic-core as they are."""
+    devices = []
+    for (device_id, token_hash) in sorted(merged):  # id order: batches lock rows in one order
+        row = merged[(device_id, token_hash)]
+        pause = row["pause"]
+        devices.append({
+            "id": device_id, "token_hash": token_hash, "tel": row["tel"],
+            "tel_at": None if row["tel_ts"] is None else
+            dt.datetime.fromtimestamp(row["tel_ts"], dt.timezone.utc).isoformat(),
+            "agent_version": row["agent_version"], "caps": row["caps"],
+            "profiles": row["profiles"], "pause": pause.reason if pause else None,
+            "pause_detail": pause.detail if pause else None})
+    samples = ",".join(
+        '{"id":' + json.dumps(device_id) + "," + body.model_dump_json(include={"telemetry"})[1:]
+        for device_id, _, body in items if body.telemetry)
+    return {"now": now, "devices": json.dumps(devices), "samples": f"[{samples}]"}
 
 
-def append_samples(session: Session, samples: list[tuple[str, Any]], now: dt.datetime) -> None:
-    if not samples:
-        return
-    params: dict[str, Any] = {"now": now, "device_id": [d for d, _ in samples],
-                              "ts": [s.ts for _, s in samples]}
-    for name in SAMPLE_FIELDS:
-        params[name] = [getattr(s, name) for _, s in samples]
-    session.execute(APPEND, params)
-
-
-def state_events(renewed: dict[str, Any], merged: dict, now: dt.datetime
-                 ) -> tuple[list[dict[str, Any]], list[str]]:
-    """NodeReady for a device that was NotReady; Paused/Resumed when the pause changed."""
-    rows, changed = [], []
-    for (device_id, _), values in merged.items():
-        row = renewed.get(device_id)
-        if row is None:
-            continue
-        if row.old_state == NOT_READY:
-            rows.append(event_row("NodeReady", "heartbeat renewed the lease", now=now,
-                                  device_id=device_id))
-            changed.append(device_id)
-        pause = values["pause"]
-        if (pause.reason if pause else None) != row.old_pause:
-            reason, msg = ("Paused", f"{pause.reason}: {pause.detail or ''}".rstrip(": ")) \
-                if pause else ("Resumed", "the agent trains again")
-            rows.append(event_row(reason, msg, now=now, device_id=device_id))
-            changed.append(device_id)
-    return rows, changed
-
-
-def insert_events(session: Session, rows: list[dict[str, Any]]) -> None:
-    if rows:
-        session.execute(insert(Event.__table__), rows)
+def apply_batch(conn: Connection, items: list[tuple[str, str, HeartbeatIn]], now: dt.datetime,
+                latest) -> dict[str, Any]:
+    """Run the batch (conn in AUTOCOMMIT: the statement commits itself); device id -> its row.
+    A device absent from the result was refused (bad, revoked or foreign token; deleted)."""
+    merged = merged_per_device(items, latest)
+    return {row.id: row for row in conn.execute(BATCH, _params(items, merged, now))}
