@@ -75,7 +75,7 @@ def test_profiling_keeps_the_faster_of_two_configurations(step_request: dict) ->
         best = manager.profile("k", step_request)
         speeds = {r.config.label: r.samples_per_s for r in manager.results}
         assert best.config == fast, speeds
-        assert speeds["slow"] < speeds["fast"] / 2
+        assert speeds["slow"] < speeds["fast"] / 2  # best-of-3 each: robust to a busy CPU
         assert manager.report()["samples_per_s"] == pytest.approx(speeds["fast"], rel=0.01)
         # the kept worker is the chosen one, and it computes real steps
         manager.step(step_request)
