@@ -107,7 +107,7 @@ class Cluster:
         self.root, self.database_url, self.redis_url = root, database_url, redis_url
         self.admin_token = admin_token
         self.data_dir = root / "data"
-        self.server_env = {"PHALANX_RECONCILE_INTERVAL_S": "0.5", "PHALANX_LEASE_GRACE_S": "4",
+        self.server_env = {"PHALANX_RECONCILE_INTERVAL_S": "0.5", "PHALANX_LEASE_GRACE_S": "10",
                            "PHALANX_HEARTBEAT_INTERVAL_S": "1",
                            "PHALANX_SCHED_APPLY_CLAIM_TTL_S": "3", **(server_env or {})}
         self.server: LiveServer | None = None
