@@ -67,8 +67,9 @@ def test_the_thermal_guard_stops_steps_and_resumes_with_hysteresis(
             beats = len(server.heartbeats)
             set_cpu_temp(cool_phone, 44.0)  # below the limit, not below limit - hysteresis
             server.wait_for(lambda: len(server.heartbeats) >= beats + 20, what="20 heartbeats")
-            # at most the chunk in flight when the heat came may still land
-            assert len(server.uploads) <= frozen + 1
+            # at most the chunk in flight when the heat came may still land (a chunk is up to
+            # a whole step's shards for a model this small)
+            assert len(server.uploads) <= frozen + server.spec.shards
             assert last_pause(server)["reason"] == "thermal"
             set_cpu_temp(cool_phone, 41.0)
             server.wait_for(lambda: last_pause(server) is None, what="the pause lifted")
