@@ -88,7 +88,9 @@ class Device(Base):
     draining: Mapped[bool] = mapped_column(Boolean, default=False)
     # why the agent stopped taking steps (thermal | battery | busy), None while it trains
     pause_reason: Mapped[str | None] = mapped_column(String(40), default=None)
-    lease_renewed_at: Mapped[dt.datetime | None] = mapped_column(default=None, index=True)
+    # not indexed: every heartbeat rewrites it, and an index on it would make each of those
+    # updates non-HOT (new entries in every index); the stale-lease scan reads the whole table
+    lease_renewed_at: Mapped[dt.datetime | None] = mapped_column(default=None)
     agent_version: Mapped[str | None] = mapped_column(String(40), default=None)
     capabilities: Mapped[dict[str, Any]] = mapped_column(default=dict)
     # measured throughput per model: {"cnn": {"samples_per_s": .., "threads": .., "cores": [..]}}
@@ -129,11 +131,13 @@ class ApiToken(Base):
 
 class TelemetrySample(Base):
     __tablename__ = "telemetry_samples"
-    __table_args__ = (Index("ix_telemetry_device_ts", "device_id", "ts"),)
+    # ts only for pruning: BRIN on Postgres (tiny, nearly free to maintain for ascending ts)
+    __table_args__ = (Index("ix_telemetry_device_ts", "device_id", "ts"),
+                      Index("ix_telemetry_ts_brin", "ts", postgresql_using="brin"))
 
     id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
     device_id: Mapped[str] = mapped_column(ForeignKey("devices.id", ondelete="CASCADE"))
-    ts: Mapped[dt.datetime] = mapped_column(index=True)
+    ts: Mapped[dt.datetime]
     battery_pct: Mapped[float | None] = mapped_column(Float, default=None)
     charging: Mapped[bool | None] = mapped_column(Boolean, default=None)
     battery_temp_c: Mapped[float | None] = mapped_column(Float, default=None)
