@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import threading
 import time
 from collections import Counter, defaultdict
 from collections.abc import Awaitable, Callable
@@ -43,6 +44,7 @@ class FleetOptions:
     job: dict[str, Any] | None = None  # submit this job (admin token) and stop when it ends
     follow_job: str | None = None  # or stop when this already submitted job ends
     backoff_cap_s: float = 30.0  # longest wait between retries of a failing phone
+    stop: threading.Event | None = None  # set from another thread to end the run early
     labels: dict[str, str] = field(default_factory=dict)
 
 
@@ -255,6 +257,8 @@ class Fleet:
             await self.sleep(min(1.0, deadline - time.monotonic()))
             if progress:
                 progress(self.stats)
+            if self.opts.stop is not None and self.opts.stop.is_set():
+                break
             if job_id:
                 job = await self.job(job_id) or job
                 if job and job.get("state") in ("Succeeded", "Failed", "Cancelled"):
