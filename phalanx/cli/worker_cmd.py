@@ -30,5 +30,9 @@ def register(app: typer.Typer) -> None:
         argv = ["worker", "-Q", queues, "--pool", "threads", "--concurrency", str(concurrency),
                 "--loglevel", loglevel, "--without-gossip", "--without-mingle"]
         if beat:
-            argv.append("--beat")
+            # a thread, not Celery's -B child process: a SIGKILLed worker takes its beat along
+            # instead of leaving an orphan that keeps scheduling
+            from celery.beat import EmbeddedService
+
+            EmbeddedService(celery, thread=True).start()
         celery.worker_main(argv)

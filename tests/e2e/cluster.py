@@ -7,6 +7,7 @@ generous deadlines and say what they waited for when they give up.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -88,9 +89,10 @@ class Worker:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
     def kill(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGKILL)
-            self.process.wait(timeout=10)
+        """SIGKILL the worker and anything it started, as when its machine dies."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait(timeout=10)
 
     def stop(self) -> None:
         if self.process.poll() is None:
@@ -98,7 +100,8 @@ class Worker:
             try:
                 self.process.wait(timeout=3)  # warm shutdown; nothing here needs more
             except subprocess.TimeoutExpired:
-                self.kill()
+                pass
+        self.kill()
 
 
 class Cluster:
@@ -131,7 +134,8 @@ class Cluster:
         cmd = [sys.executable, "-m", "phalanx.cli.main", "worker", "--concurrency", "2",
                *(["--beat"] if beat else [])]
         with log_path.open("ab") as fh:
-            proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT)
+            proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
         worker = Worker(proc, log_path)
         self.workers.append(worker)
         wait_for("the worker to connect", lambda: proc.poll() is not None or "ready" in worker.log(),
@@ -166,7 +170,7 @@ class Cluster:
         live = [a.process for a in self.agents if a.process and a.process.poll() is None]
         for proc in live:
             proc.terminate()
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 3
         for proc in live:
             try:
                 proc.wait(timeout=max(0.1, deadline - time.monotonic()))
@@ -176,7 +180,7 @@ class Cluster:
         for worker in self.workers:
             worker.stop()
         if self.server is not None:
-            self.server.stop()
+            self.server.stop(kill=True)  # its graceful shutdown is not under test here
 
     # -- API ---------------------------------------------------------------------------------
     def client(self) -> httpx.Client:
