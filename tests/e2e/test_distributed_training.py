@@ -193,3 +193,17 @@ def test_cancel_releases_the_devices_for_the_next_job(cluster: Cluster, tmp_path
     placed = cluster.wait_job(second, lambda j: j["state"] == "Running" and len(j["devices"]) == 4,
                               "the next job to get the same phones")
     assert sorted(placed["devices"]) == sorted(a.device_id for a in agents)
+
+
+def test_embedded_mode_trains_to_the_reference_without_redis(tmp_path: Path, sqlite_url: str) -> None:
+    """`phalanx server` alone: SQLite, in-memory broker and blob store, worker and beat threads."""
+    c = Cluster(tmp_path, sqlite_url, ADMIN)
+    try:
+        c.start_server()
+        for i in range(3):
+            c.start_agent(f"phone-{i}")
+        spec = digits_spec(epochs=3, min_devices=3)
+        job = c.wait_done(c.submit(spec))
+        assert_matches_reference(job, spec, tmp_path)
+    finally:
+        c.stop()
