@@ -45,6 +45,9 @@ def reference(spec: dict[str, Any], tmp_path: Path) -> dict[str, Any]:
 def assert_matches_reference(job: dict[str, Any], spec: dict[str, Any], tmp_path: Path) -> None:
     ref = reference(spec, tmp_path)
     got = job["metrics"]["train_loss"]
+    same = job["metrics"].get("params_sha256") == ref["params_sha256"]
+    print(f"\ntrain_loss {got!r} vs reference {ref['train_loss']!r}: relative difference "
+          f"{rel_diff(got, ref['train_loss']):.2e}; final weights bit-identical: {same}")
     assert rel_diff(got, ref["train_loss"]) < TOLERANCE, (got, ref)
     assert job["step"] == ref["steps"]
     assert job["metrics"]["val_accuracy"] == pytest.approx(ref["val_accuracy"], abs=0.01)
