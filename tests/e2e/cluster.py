@@ -124,6 +124,16 @@ class Cluster:
                                    extra_env=self.server_env)
         return self.server
 
+    def restart_server(self) -> LiveServer:
+        """SIGKILL the API process and start a new one on the same port (agents keep the URL)."""
+        assert self.server is not None
+        port = int(self.server.url.rsplit(":", 1)[1])
+        self.server.stop(kill=True)
+        self.server = start_server(database_url=self.database_url, data_dir=self.data_dir,
+                                   admin_token=self.admin_token, redis_url=self.redis_url,
+                                   extra_env=self.server_env, port=port)
+        return self.server
+
     def start_worker(self, extra_env: dict[str, str] | None = None, beat: bool = True) -> Worker:
         assert self.redis_url, "a separate worker needs Redis"
         env = _clean_env()

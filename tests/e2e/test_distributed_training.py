@@ -210,3 +210,14 @@ def test_embedded_mode_trains_to_the_reference_without_redis(tmp_path: Path, sql
         assert_matches_reference(job, spec, tmp_path)
     finally:
         c.stop()
+
+
+def test_an_api_restart_mid_job_loses_nothing(cluster: Cluster, tmp_path: Path) -> None:
+    for i in range(3):
+        cluster.start_agent(f"phone-{i}", {"PHALANX_AGENT_SLOWDOWN": "3"})
+    spec = digits_spec(epochs=3)
+    job_id = cluster.submit(spec)
+    cluster.wait_job(job_id, lambda j: j["step"] >= 3, "step 3")
+    cluster.restart_server()
+    job = cluster.wait_done(job_id, timeout=240)
+    assert_matches_reference(job, spec, tmp_path)
