@@ -14,6 +14,7 @@ recomputes the same bytes and commits.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from dataclasses import dataclass
@@ -186,7 +187,5 @@ def final_summary(ctx: SchedulerContext, job: Job, info: JobInfo, last: StepMetr
     if len(data.y_val):
         ev = evaluate(info.model, state.params, state.buffers, data.x_val, data.y_val)
         out.update(val_loss=ev.loss, val_accuracy=ev.accuracy)
-    import hashlib
-
     out["params_sha256"] = hashlib.sha256(np.ascontiguousarray(state.params).tobytes()).hexdigest()
     return out
