@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 
-from celery.beat import EmbeddedService
+from celery.beat import EmbeddedService, Scheduler
 from celery.worker import WorkController
 from celery.worker import state as worker_state
 
@@ -41,7 +41,7 @@ class EmbeddedScheduler:
         thread.start()
         self._workers.append((worker, thread))
         if self.beat:
-            self._beat = EmbeddedService(app, thread=True)
+            self._beat = EmbeddedService(app, thread=True, scheduler_cls=Scheduler)
             self._beat.start()
         log.info("embedded scheduler started: queues %s, beat %s", self.queues, self.beat)
 

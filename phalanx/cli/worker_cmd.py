@@ -32,7 +32,8 @@ def register(app: typer.Typer) -> None:
         if beat:
             # a thread, not Celery's -B child process: a SIGKILLed worker takes its beat along
             # instead of leaving an orphan that keeps scheduling
-            from celery.beat import EmbeddedService
+            from celery.beat import EmbeddedService, Scheduler
 
-            EmbeddedService(celery, thread=True).start()
+            # in-memory schedule: the default PersistentScheduler keeps a shelve (pickle) file
+            EmbeddedService(celery, thread=True, scheduler_cls=Scheduler).start()
         celery.worker_main(argv)
