@@ -78,3 +78,28 @@ ensure_services() {
   redis_answers "$PHALANX_TEST_REDIS_URL" || return 1
   export PHALANX_TEST_DATABASE_URL PHALANX_TEST_REDIS_URL
 }
+
+# tests/deploy runs the real promtool and Prometheus: find them, or install Debian's package when
+# we may (root with apt-get), or say how to get them. Exports PHALANX_TEST_PROMETHEUS/_PROMTOOL.
+ensure_prometheus() {
+  if [ -x "${PHALANX_TEST_PROMETHEUS:-}" ] && [ -x "${PHALANX_TEST_PROMTOOL:-}" ]; then
+    export PHALANX_TEST_PROMETHEUS PHALANX_TEST_PROMTOOL; return 0
+  fi
+  if ! command -v promtool >/dev/null || ! command -v prometheus >/dev/null; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+      echo "installing Debian's prometheus package (promtool + Prometheus, for tests/deploy)"
+      DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus >/dev/null \
+        || { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive \
+             apt-get install -y -q --no-install-recommends prometheus >/dev/null; } || true
+    fi
+  fi
+  if ! command -v promtool >/dev/null || ! command -v prometheus >/dev/null; then
+    echo "error: tests/deploy needs Prometheus and promtool on PATH." >&2
+    echo "       Install them (Debian: apt-get install prometheus; or the release tarball from" >&2
+    echo "       prometheus.io) or set PHALANX_TEST_PROMETHEUS and PHALANX_TEST_PROMTOOL." >&2
+    return 1
+  fi
+  PHALANX_TEST_PROMETHEUS=${PHALANX_TEST_PROMETHEUS:-$(command -v prometheus)}
+  PHALANX_TEST_PROMTOOL=${PHALANX_TEST_PROMTOOL:-$(command -v promtool)}
+  export PHALANX_TEST_PROMETHEUS PHALANX_TEST_PROMTOOL
+}

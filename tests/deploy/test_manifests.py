@@ -1,0 +1,232 @@
+"""docker-compose.yml, deploy/Dockerfile and deploy/k8s parse, and name only images, commands,
+ports and settings that the code really has: a renamed flag, setting or port fails here."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from typing import Any
+
+import pytest
+import typer.main
+import yaml
+
+from api.settings import Settings
+from phalanx import __version__
+from phalanx.cli.main import app as phalanx_app
+from scheduler.context import Tuning
+from tests.deploy.tools import DEPLOY
+from tests.support.server import REPO_ROOT
+
+K8S = DEPLOY / "k8s"
+IMAGE = f"phalanx:{__version__}"
+SETTINGS_ENV = {f"PHALANX_{name.upper()}" for name in Settings.model_fields} | {
+    f"PHALANX_SCHED_{name.upper()}" for name in Tuning.model_fields}
+OTHER_ENV = {"PROMETHEUS_MULTIPROC_DIR"}  # read by api/metrics.py (prometheus-client)
+
+
+def compose() -> dict[str, Any]:
+    return yaml.safe_load((REPO_ROOT / "docker-compose.yml").read_text())
+
+
+def k8s_objects() -> list[dict[str, Any]]:
+    kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    objects = []
+    for resource in kustomization["resources"]:
+        objects += [d for d in yaml.safe_load_all((K8S / resource).read_text()) if d]
+    return objects
+
+
+def by_kind(kind: str) -> dict[str, dict[str, Any]]:
+    return {o["metadata"]["name"]: o for o in k8s_objects() if o["kind"] == kind}
+
+
+def check_command(argv: list[str]) -> None:
+    """The argv a container runs: `phalanx ...` must parse with our CLI; celery must name our app."""
+    if argv[0] == "phalanx":
+        command: Any = typer.main.get_command(phalanx_app)
+        rest = argv[1:]
+        while hasattr(command, "list_commands"):  # a group: descend into the named subcommand
+            name, *rest = rest
+            command = command.get_command(None, name)
+            assert command is not None, f"no such command {name!r} in {shlex.join(argv)}"
+        try:
+            command.make_context(argv[-1], list(rest))  # parses and validates, runs nothing
+        except Exception as exc:  # typer's (vendored) click raises UsageError subclasses
+            pytest.fail(f"{shlex.join(argv)}: {exc}")
+    elif argv[0] == "celery":
+        assert argv[1:3] == ["-A", "scheduler.celery_app"], argv
+        from scheduler import celery_app
+
+        assert celery_app.app.main, "scheduler.celery_app.app is the Celery app"
+    else:
+        pytest.fail(f"unexpected command {argv}")
+
+
+def env_names(mapping: dict[str, Any] | list[str]) -> set[str]:
+    if isinstance(mapping, list):
+        return {item.split("=", 1)[0] for item in mapping}
+    return set(mapping)
+
+
+# -- docker compose ---------------------------------------------------------------------------
+
+PHALANX_SERVICES = ("migrate", "api", "worker", "beat")
+
+
+def test_compose_runs_the_whole_stack_with_health_checks_and_named_volumes() -> None:
+    doc = compose()
+    services = doc["services"]
+    assert set(services) == {"postgres", "redis", "migrate", "api", "worker", "beat", "prometheus",
+                             "grafana"}
+    for name, service in services.items():
+        if name != "migrate":
+            assert "healthcheck" in service, f"{name} has no health check"
+    used = {v.split(":", 1)[0] for s in services.values() for v in s.get("volumes", [])
+            if not v.startswith(".")}
+    assert used <= set(doc["volumes"]), f"undeclared volumes: {used - set(doc['volumes'])}"
+    for name in ("api", "worker", "beat"):
+        assert services[name]["depends_on"]["migrate"]["condition"] == "service_completed_successfully"
+    assert services["migrate"]["command"] == ["phalanx", "db", "upgrade"]
+
+
+def test_compose_phalanx_services_use_our_image_commands_and_settings() -> None:
+    services = compose()["services"]
+    for name in PHALANX_SERVICES:
+        service = services[name]
+        assert service["image"] == IMAGE
+        assert service["build"]["dockerfile"] == "deploy/Dockerfile"
+        check_command(service["command"])
+        unknown = env_names(service["environment"]) - SETTINGS_ENV - OTHER_ENV
+        assert not unknown, f"{name}: environment the code never reads: {unknown}"
+    api = services["api"]
+    assert "--workers" in api["command"] and api["command"][api["command"].index("--workers") + 1] == "2"
+    port = api["command"][api["command"].index("--port") + 1]
+    assert f"{port}:{port}" in api["ports"]
+
+
+def test_compose_prometheus_scrapes_the_api_and_loads_the_rules() -> None:
+    services = compose()["services"]
+    prom_cfg = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
+    api_port = services["api"]["command"][services["api"]["command"].index("--port") + 1]
+    targets = [t for job in prom_cfg["scrape_configs"] if job["job_name"] == "phalanx-api"
+               for sc in job["static_configs"] for t in sc["targets"]]
+    assert targets == [f"api:{api_port}"]
+    mounts = dict(m.rsplit(":", 1)[0].split(":", 1)[::-1] for m in services["prometheus"]["volumes"]
+                  if m.startswith("./"))  # container path -> host path
+    flag = next(a for a in services["prometheus"]["command"] if a.startswith("--config.file="))
+    config_path = flag.split("=", 1)[1]
+    assert mounts[config_path] == "./deploy/prometheus/prometheus.yml"
+    for rule_file in prom_cfg["rule_files"]:  # relative to the config file, as Prometheus reads it
+        in_container = f"{config_path.rsplit('/', 1)[0]}/{rule_file}"
+        assert mounts.get(in_container) == f"./deploy/prometheus/{rule_file}", in_container
+        assert (DEPLOY / "prometheus" / rule_file).is_file(), rule_file
+
+
+def test_compose_grafana_sets_every_variable_the_provisioning_reads() -> None:
+    grafana = compose()["services"]["grafana"]
+    text = (DEPLOY / "grafana" / "provisioning" / "datasources" / "datasources.yml").read_text()
+    wanted = set(re.findall(r"\$\{(\w+)\}", text))
+    assert wanted and wanted <= env_names(grafana["environment"])
+    assert grafana["environment"]["GRAFANA_PROMETHEUS_URL"] == "http://prometheus:9090"
+    assert "./deploy/grafana/provisioning:/etc/grafana/provisioning:ro" in grafana["volumes"]
+
+
+def test_the_dockerfile_copies_what_exists_and_runs_our_server() -> None:
+    text = (DEPLOY / "Dockerfile").read_text()
+    for src in re.findall(r"^COPY (?!--)(\S+(?: \S+)*?) \S+$", text, re.M):
+        for part in src.split():
+            assert (REPO_ROOT / part).exists(), f"Dockerfile copies missing {part}"
+    for package in ("api", "scheduler", "agent", "phalanx", "migrations"):
+        assert f"COPY {package} " in text, f"the image lacks {package}/"
+    cmd = re.search(r'^CMD (\[.*\])$', text, re.M)
+    assert cmd
+    check_command(yaml.safe_load(cmd.group(1)))
+    assert "PROMETHEUS_MULTIPROC_DIR" in text
+
+
+# -- kubernetes -------------------------------------------------------------------------------
+
+def test_kustomization_lists_every_manifest_and_each_parses() -> None:
+    listed = set(yaml.safe_load((K8S / "kustomization.yaml").read_text())["resources"])
+    on_disk = {p.name for p in K8S.glob("*.yaml")} - {"kustomization.yaml"}
+    assert listed == on_disk
+    kinds = sorted(o["kind"] for o in k8s_objects())
+    for kind in ("Deployment", "Service", "HorizontalPodAutoscaler", "ConfigMap", "Secret",
+                 "PersistentVolumeClaim", "Namespace"):
+        assert kind in kinds, kind
+    for obj in k8s_objects():
+        assert obj.get("apiVersion") and obj["metadata"].get("name"), obj
+
+
+def containers(deployment: dict[str, Any]) -> list[dict[str, Any]]:
+    pod = deployment["spec"]["template"]["spec"]
+    return [*pod.get("initContainers", []), *pod["containers"]]
+
+
+def test_deployments_run_our_image_commands_and_real_settings() -> None:
+    deployments = by_kind("Deployment")
+    assert set(deployments) == {"phalanx-api", "phalanx-worker", "phalanx-beat"}
+    configmaps, secrets = by_kind("ConfigMap"), by_kind("Secret")
+    claims = by_kind("PersistentVolumeClaim")
+    for name, dep in deployments.items():
+        labels = dep["spec"]["template"]["metadata"]["labels"]
+        assert dep["spec"]["selector"]["matchLabels"].items() <= labels.items(), name
+        for c in containers(dep):
+            assert c["image"] == IMAGE, name
+            check_command(c["command"])
+            for source in c.get("envFrom", []):
+                ref = source.get("configMapRef") or source.get("secretRef")
+                assert ref["name"] in configmaps or ref["name"] in secrets, ref
+            unknown = {e["name"] for e in c.get("env", [])} - SETTINGS_ENV - OTHER_ENV
+            assert not unknown, f"{name}: {unknown}"
+        for volume in dep["spec"]["template"]["spec"].get("volumes", []):
+            if "persistentVolumeClaim" in volume:
+                assert volume["persistentVolumeClaim"]["claimName"] in claims
+    for cm in [*configmaps.values(), *secrets.values()]:
+        keys = set(cm.get("data", {})) | set(cm.get("stringData", {}))
+        assert keys <= SETTINGS_ENV, f"{cm['metadata']['name']}: unknown {keys - SETTINGS_ENV}"
+
+
+def test_beat_runs_exactly_once_and_the_shared_volume_is_read_write_many() -> None:
+    beat = by_kind("Deployment")["phalanx-beat"]
+    assert beat["spec"]["replicas"] == 1
+    assert beat["spec"]["strategy"]["type"] == "Recreate"
+    assert "HorizontalPodAutoscaler" not in {o["kind"] for o in k8s_objects()
+                                             if o.get("spec", {}).get("scaleTargetRef", {})
+                                             .get("name") == "phalanx-beat"}
+    for claim in by_kind("PersistentVolumeClaim").values():
+        assert claim["spec"]["accessModes"] == ["ReadWriteMany"]  # several pods mount it
+
+
+def test_the_api_service_hpa_and_scrape_annotations_point_at_the_api() -> None:
+    api = by_kind("Deployment")["phalanx-api"]
+    pod = api["spec"]["template"]
+    container = next(c for c in pod["spec"]["containers"] if c["name"] == "api")
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert str(ports["http"]) == container["command"][container["command"].index("--port") + 1]
+    notes = pod["metadata"]["annotations"]
+    assert notes["prometheus.io/scrape"] == "true"
+    assert int(notes["prometheus.io/port"]) == ports["http"]
+    assert notes["prometheus.io/path"] == "/metrics"
+    service = by_kind("Service")["phalanx-api"]
+    assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+    assert all(p["targetPort"] in ports or p["targetPort"] in ports.values()
+               for p in service["spec"]["ports"])
+    hpa = by_kind("HorizontalPodAutoscaler")["phalanx-api"]
+    assert hpa["spec"]["scaleTargetRef"]["name"] == "phalanx-api"
+    assert hpa["spec"]["minReplicas"] >= 2
+    probes = {container["readinessProbe"]["httpGet"]["path"], container["livenessProbe"]["httpGet"]["path"]}
+    assert probes == {"/readyz", "/healthz"}
+
+
+def test_a_wrong_flag_would_be_caught() -> None:
+    with pytest.raises(pytest.fail.Exception, match="--wokers"):
+        check_command(["phalanx", "server", "--wokers", "2"])
+
+
+def test_the_k8s_namespace_is_the_kustomization_namespace() -> None:
+    kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    assert set(by_kind("Namespace")) == {kustomization["namespace"]}
+
+
