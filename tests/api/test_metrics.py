@@ -1,0 +1,126 @@
+"""`/metrics`: fleet gauges from the store, route templates (never raw paths or device ids),
+and request counters that add up across several uvicorn worker processes."""
+
+from __future__ import annotations
+
+import datetime as dt
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from api.metrics_store import integrate_power
+from tests.api.conftest import sample
+from tests.support.server import start_server
+
+ADMIN = "phx-admin-metrics-" + "2" * 20
+
+
+def scrape(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def value(samples: dict, metric: str, **labels: str) -> float:
+    return samples[(metric, tuple(sorted(labels.items())))]
+
+
+def total(samples: dict, metric: str, **labels: str) -> float:
+    return sum(v for (n, ls), v in samples.items()
+               if n == metric and labels.items() <= dict(ls).items())
+
+
+def test_fleet_gauges_count_devices_by_state_and_bucket_their_telemetry(api) -> None:
+    hot, cool, gone = api.register("hot"), api.register("cool"), api.register("gone")
+    api.heartbeat(hot, {"telemetry": [sample(1.0, cpu_temp_c=62.0, battery_temp_c=41.0,
+                                             power_w=4.5, throttled=True)]})
+    api.heartbeat(cool, {"telemetry": [sample(1.0, cpu_temp_c=33.0, battery_temp_c=29.0,
+                                              power_w=1.5, battery_pct=55.0)],
+                         "pause": {"reason": "busy", "detail": "screen on"}})
+    api.post(f"/v1/devices/{gone['device_id']}/cordon")
+    samples = scrape(api.client.get("/metrics").text)
+    assert value(samples, "phalanx_devices", state="Ready") == 2
+    assert value(samples, "phalanx_devices", state="Cordoned") == 1
+    assert value(samples, "phalanx_devices", state="NotReady") == 0
+    assert value(samples, "phalanx_devices_registered") == 3
+    assert value(samples, "phalanx_devices_throttled") == 1
+    assert value(samples, "phalanx_devices_paused", reason="busy") == 1
+    assert value(samples, "phalanx_fleet_power_total_watts") == 6.0
+    assert value(samples, "phalanx_fleet_max_temperature_celsius", sensor="cpu") == 62.0
+    # histogram snapshot: one phone at <= 35 C, both at <= 70 C
+    assert value(samples, "phalanx_fleet_cpu_temperature_celsius_bucket", le="35.0") == 1
+    assert value(samples, "phalanx_fleet_cpu_temperature_celsius_bucket", le="70.0") == 2
+    assert value(samples, "phalanx_device_enrollments_total") == 3
+    for (_, labels) in samples:
+        names = {k for k, _ in labels}
+        assert "device_id" not in names
+        assert not {hot["device_id"], cool["device_id"]} & {v for _, v in labels}
+
+
+def test_requests_are_counted_by_route_template_not_by_path(api) -> None:
+    device = api.register()
+    for _ in range(3):
+        api.get(f"/v1/devices/{device['device_id']}")
+    api.get("/v1/devices/dev-that-does-not-exist")
+    api.client.get("/no/such/path/at/all")
+    samples = scrape(api.client.get("/metrics").text)
+    route = "/v1/devices/{device_id}"
+    assert value(samples, "phalanx_http_requests_total", method="GET", route=route,
+                 status="200") >= 3
+    assert value(samples, "phalanx_http_requests_total", method="GET", route=route,
+                 status="404") >= 1
+    assert total(samples, "phalanx_http_requests_total", route="unmatched") >= 1
+    assert value(samples, "phalanx_http_request_duration_seconds_count", method="GET",
+                 route=route) >= 4
+    paths = {v for (_, labels) in samples for k, v in labels if k == "route"}
+    assert not any(device["device_id"] in p or "no/such" in p for p in paths)
+
+
+def test_a_job_gets_progress_gauges_by_job_id(api) -> None:
+    spec = {"name": "m", "model": {"arch": "mlp"}, "dataset": "digits", "global_batch_size": 64,
+            "shards": 4, "epochs": 2}
+    job = api.post("/v1/jobs", json=spec).json()
+    samples = scrape(api.client.get("/metrics").text)
+    assert value(samples, "phalanx_jobs", state="Pending") == 1
+    assert value(samples, "phalanx_job_info", job_id=job["id"], name="m", state="Pending") == 1
+    assert value(samples, "phalanx_job_step", job_id=job["id"]) == 0
+    assert value(samples, "phalanx_job_total_steps", job_id=job["id"]) == job["total_steps"] > 0
+
+
+def test_energy_integrates_power_per_device_and_skips_long_gaps() -> None:
+    t0 = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
+    at = [t0 + dt.timedelta(seconds=s) for s in (0, 10, 20, 200)]
+    samples = [("a", at[0], 2.0), ("b", at[0], 1.0), ("a", at[1], 4.0), ("b", at[1], 1.0),
+               ("a", at[2], None), ("a", at[3], 4.0)]  # 180 s gap: the phone was away
+    assert integrate_power(samples) == 10 * (2 + 4) / 2 + 10 * 1.0
+
+
+def test_request_counts_add_up_across_two_worker_processes(pg_url: str, redis_url: str,
+                                                            tmp_path: Path) -> None:
+    multiproc = tmp_path / "metrics-mp"
+    multiproc.mkdir()
+    server = start_server(database_url=pg_url, redis_url=redis_url, data_dir=tmp_path / "data",
+                          admin_token=ADMIN, args=["--workers", "2"],
+                          extra_env={"PROMETHEUS_MULTIPROC_DIR": str(multiproc)})
+    try:
+        before = total(scrape(httpx.get(f"{server.url}/metrics").text),
+                       "phalanx_http_requests_total", route="/healthz")
+
+        def one(_: int) -> int:
+            with httpx.Client() as c:  # a new connection each time, so both workers take some
+                return c.get(f"{server.url}/healthz").status_code
+
+        with ThreadPoolExecutor(16) as pool:
+            assert set(pool.map(one, range(200))) == {200}
+        files = {p.name for p in multiproc.iterdir()}
+        pids = {name.rsplit("_", 1)[-1] for name in files if name.startswith("counter_")}
+        assert len(pids) == 2, f"both workers should have counted requests: {sorted(files)}"
+        for _ in range(4):  # whichever worker answers the scrape reports the sum of both
+            samples = scrape(httpx.get(f"{server.url}/metrics").text)
+            assert total(samples, "phalanx_http_requests_total", route="/healthz") == before + 200
+    finally:
+        server.stop()
