@@ -5,6 +5,7 @@ from __future__ import annotations
 VERSION = "sched:version"  # bumped on any step or assignment change: wakes long polls
 PLACEMENT_LOCK = "sched:lock:placement"
 RECONCILE_ASKED = "sched:reconcile:asked"  # dedups API hooks' reconcile requests
+TELEMETRY_PRUNED = "sched:telemetry:pruned"  # set for PRUNE_EVERY_S after a prune: one per window
 EVICTIONS = "sched:evictions"  # JSON list of recent NotReady eviction times (rate limit)
 
 

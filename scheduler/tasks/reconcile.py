@@ -1,7 +1,8 @@
 """The reconcile loop, level-triggered like a Kubernetes controller.
 
 `reconcile` (the monitor, every `reconcile_interval_s` from beat and on every API hook):
-leases expired -> NotReady (the control plane's `mark_stale_devices`); then, under the
+leases expired -> NotReady (the control plane's `mark_stale_devices`); telemetry history older
+than `telemetry_retention_s` is pruned (at most once a minute, whichever worker gets there); then, under the
 placement lock, shards move off devices that left, Pending gangs are placed (preempting lower
 priorities when they must); then one `reconcile_job` per job that needs looking after.
 
@@ -33,6 +34,7 @@ from scheduler.tasks.steps import enqueue_apply, step_complete
 
 log = logging.getLogger(__name__)
 HOOK_DEDUP_S = 0.2  # a burst of API changes sends one reconcile
+PRUNE_EVERY_S = 60.0  # telemetry pruning is a range delete on an indexed ts: cheap, but not per pass
 
 
 @app.task(name="scheduler.reconcile", acks_late=True)
@@ -60,7 +62,7 @@ def request_reconcile(ctx: SchedulerContext) -> None:
 def run_reconcile(ctx: SchedulerContext) -> dict:
     now = ctx.clock()
     stale = mark_stale(ctx, now)
-    summary: dict = {"stale": stale}
+    summary: dict = {"stale": stale, "pruned": prune_history(ctx, now)}
     with locks.held(ctx.blobs, keys.PLACEMENT_LOCK, ctx.tuning.lock_ttl_s) as token:
         if token is not None:
             with transaction(ctx.session_factory) as session:
@@ -87,6 +89,17 @@ def mark_stale(ctx: SchedulerContext, now: dt.datetime) -> int:
     with transaction(ctx.session_factory) as session:
         changed = mark_stale_devices(session, now, ctx.settings.lease_grace_s)
     return len(changed) if isinstance(changed, (list, tuple, set)) else int(changed or 0)
+
+
+def prune_history(ctx: SchedulerContext, now: dt.datetime) -> int:
+    """Drop telemetry samples past the retention window; the latest stays on the device row."""
+    from api.store.devices import prune_telemetry
+
+    if not ctx.blobs.set_if_absent(keys.TELEMETRY_PRUNED, b"1", ttl=PRUNE_EVERY_S):
+        return 0
+    cutoff = now - dt.timedelta(seconds=ctx.settings.telemetry_retention_s)
+    with transaction(ctx.session_factory) as session:
+        return prune_telemetry(session, cutoff)
 
 
 def jobs_to_look_after(ctx: SchedulerContext) -> list[str]:

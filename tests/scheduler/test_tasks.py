@@ -3,6 +3,7 @@ lost hot state, elastic moves. Tasks are called directly (the Celery wrapper onl
 
 from __future__ import annotations
 
+import datetime as dt
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +14,7 @@ from agent.nn.step import apply_step as engine_apply_step
 from agent.nn.step import initial_state
 from agent.wire import decode_results
 from api.store.db import transaction
-from api.store.models import Job, StepMetric
+from api.store.models import Job, StepMetric, TelemetrySample
 from phalanx.train_local import run_reference
 from scheduler import keys
 from scheduler.hotstate import decode_state
@@ -264,3 +265,27 @@ def test_a_persistent_straggler_gets_fewer_shards_at_the_boundary(ctx) -> None:
     after = [s for s, d, _ in assignments(ctx, job_id) if d == "dev-00"]
     assert 1 <= len(after) < len(before)
     assert "ShardsMoved" in event_reasons(ctx, job_id)
+
+
+def test_reconcile_prunes_telemetry_past_retention_at_most_once_a_minute(ctx) -> None:
+    (device,) = add_devices(ctx, 1)
+    now = ctx.clock()
+    keep = dt.timedelta(seconds=ctx.settings.telemetry_retention_s)
+
+    def add(age: dt.timedelta) -> None:
+        with transaction(ctx.session_factory) as s:
+            s.add(TelemetrySample(device_id=device, ts=now - age, battery_pct=50.0))
+
+    def ages() -> list[dt.datetime]:
+        with ctx.session_factory() as s:
+            return sorted(s.scalars(select(TelemetrySample.ts)))
+
+    add(keep + dt.timedelta(hours=1))
+    add(keep - dt.timedelta(hours=1))
+    assert run_reconcile(ctx)["pruned"] == 1
+    assert len(ages()) == 1 and ages()[0].replace(tzinfo=None) > (now - keep).replace(tzinfo=None)
+    add(keep + dt.timedelta(hours=2))
+    assert run_reconcile(ctx)["pruned"] == 0  # within the minute: the next window prunes it
+    ctx.blobs.delete(keys.TELEMETRY_PRUNED)
+    assert run_reconcile(ctx)["pruned"] == 1
+    assert len(ages()) == 1
