@@ -78,9 +78,9 @@ def install_error_handlers(app: FastAPI) -> None:
 
 def _include_routers(app: FastAPI) -> None:
     from api import metrics
-    from api.routes import datasets, devices, health, jobs, tokens
+    from api.routes import agent_dist, datasets, devices, health, jobs, tokens
 
-    for module in (health, tokens, devices, jobs, datasets):
+    for module in (health, tokens, devices, jobs, datasets, agent_dist):
         app.include_router(module.router)
     if hasattr(metrics, "router"):
         app.include_router(metrics.router)

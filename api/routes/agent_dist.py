@@ -1,0 +1,34 @@
+"""GET /install.sh and /agent.tar.gz: what a phone fetches before it has any token."""
+
+from __future__ import annotations
+
+import hashlib
+
+from fastapi import APIRouter, Request, Response
+from starlette.concurrency import run_in_threadpool
+
+from api import agent_dist
+
+router = APIRouter(tags=["agent"])
+
+
+def _send(request: Request, body: bytes, media_type: str, filename: str) -> Response:
+    etag = '"' + hashlib.sha256(body).hexdigest()[:32] + '"'
+    headers = {"ETag": etag, "Content-Disposition": f'attachment; filename="{filename}"'}
+    if request.headers.get("if-none-match") == etag:
+        return Response(status_code=304, headers=headers)
+    return Response(body, media_type=media_type, headers=headers)
+
+
+@router.get("/install.sh", response_class=Response)
+async def install_sh(request: Request) -> Response:
+    """The Termux installer (public: it holds no secret; the enrollment token is its argument)."""
+    body = await run_in_threadpool(agent_dist.install_script)
+    return _send(request, body, "text/x-shellscript", "install.sh")
+
+
+@router.get("/agent.tar.gz", response_class=Response)
+async def agent_tarball(request: Request) -> Response:
+    """The agent's sources matching this server, for `pip install SERVER/agent.tar.gz`."""
+    body = await run_in_threadpool(agent_dist.served_archive)
+    return _send(request, body, "application/gzip", "agent.tar.gz")
