@@ -53,6 +53,20 @@ def core_sets(clusters: list[dict[str, Any]], allowed: set[int]) -> list[tuple[s
     return sets
 
 
+REFERENCE_BACKEND = "numpy"  # every agent has it; `phalanx train --local` defaults to it
+
+
+def job_backend(spec: dict[str, Any] | None) -> str:
+    """The one backend every phone of a job computes with.
+
+    numpy and torch round differently, and SGD amplifies a 1e-7 difference to ~1e-3 in the loss
+    within a hundred steps, so a gang mixing them would leave the reference trajectory
+    (invariant 1). `placement.backend: torch` asks for torch (placed on torch phones only);
+    `any` (the default) means numpy, which every phone has."""
+    wanted = str(((spec or {}).get("placement") or {}).get("backend") or "any")
+    return wanted if wanted in ("numpy", "torch") else REFERENCE_BACKEND
+
+
 def candidates(clusters: list[dict[str, Any]], backends: list[str],
                allowed: set[int] | None = None, limit: int = 8) -> list[ExecConfig]:
     """Most promising first (every core set at full threads, then half, then one), backends

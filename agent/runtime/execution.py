@@ -35,8 +35,13 @@ class ExecutionManager:
         recent = self.clock() - self._profiled_at < self.reprofile_min_s
         return (throttled_now or requested) and not recent
 
-    def profile(self, model_key: str, bench_req: dict[str, Any]) -> choice.Measurement:
-        """Try every candidate on `bench_req` (the job's model, a real shard); keep the best."""
+    def profile(self, model_key: str, bench_req: dict[str, Any],
+                backend: str | None = None) -> choice.Measurement:
+        """Try every candidate (of `backend`, when given: the job's) on `bench_req` (the job's
+        model, a real shard); keep the best."""
+        configs = [c for c in self.configs() if backend is None or c.backend == backend]
+        if not configs:
+            raise RuntimeError(f"this agent cannot run the job's backend {backend!r}")
         self.close()
         workers: dict[ExecConfig, ComputeWorker] = {}
 
@@ -47,7 +52,7 @@ class ExecutionManager:
             return reply["samples"] / max(reply["seconds"], 1e-9)
 
         try:
-            self.results = choice.profile(self.configs(), measure, self.read_power)
+            self.results = choice.profile(configs, measure, self.read_power)
             best = choice.choose(self.results, self.power_limit_w)
         except BaseException:
             for worker in workers.values():

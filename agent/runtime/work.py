@@ -18,6 +18,7 @@ from agent.client import (
     Unauthorized,
     revoked_message,
 )
+from agent.runtime import choice
 from agent.runtime.cache import WorkCache
 from agent.runtime.execution import ExecutionManager
 from agent.runtime.guard import Limits
@@ -110,14 +111,16 @@ class WorkLoop:
                 "shards": paths, "out_path": str(self.cache.result_path(job, step))}
 
     def _ensure_choice(self, a: dict[str, Any], req: dict[str, Any]) -> None:
-        arch = str((a.get("spec") or {}).get("model", {}).get("arch", "?"))
-        key = json.dumps([a["job_id"], (a.get("spec") or {}).get("model")], sort_keys=True)
+        spec = a.get("spec") or {}
+        arch = str(spec.get("model", {}).get("arch", "?"))
+        backend = choice.job_backend(spec)
+        key = json.dumps([a["job_id"], spec.get("model"), backend], sort_keys=True)
         throttled = self.monitor.throttle_events > self._throttle_seen
         self._throttle_seen = self.monitor.throttle_events
         requested = self.state.take_profile_request(arch)
         if self.execution.needs_profile(key, throttled, requested):
             first = dict(req, shards=dict([next(iter(req["shards"].items()))]))
-            self.execution.profile(key, first)
+            self.execution.profile(key, first, backend)
             self.state.set_profile(arch, self.execution.report())
 
     def _compute_and_upload(self, a: dict[str, Any], job: str, step: int,

@@ -124,3 +124,13 @@ def test_throttling_or_a_request_triggers_a_new_profile_but_not_too_often() -> N
         assert manager.needs_profile("k", throttled_now=False, requested=True)
     finally:
         manager.close()
+
+
+def test_a_job_has_one_backend_numpy_unless_it_asks_for_torch() -> None:
+    from agent.runtime.choice import job_backend
+
+    assert job_backend({"placement": {"backend": "any"}}) == "numpy"
+    assert job_backend({"placement": {}}) == "numpy"
+    assert job_backend(None) == "numpy"
+    assert job_backend({"placement": {"backend": "torch"}}) == "torch"
+    assert job_backend({"placement": {"backend": "numpy"}}) == "numpy"

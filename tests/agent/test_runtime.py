@@ -12,7 +12,7 @@ import pytest
 from agent.runtime.agent import AgentStopped
 from tests.agent import phone
 from tests.agent.helpers import AgentThread, agent_process, write_config
-from tests.agent.stepserver import TOKEN, StepServer
+from tests.agent.stepserver import JOB_SPEC, TOKEN, StepServer
 
 CPU_ZONES = ("/sys/class/thermal/thermal_zone0/temp", "/sys/class/thermal/thermal_zone1/temp")
 
@@ -50,6 +50,24 @@ def test_the_agent_trains_reports_its_profile_and_uploads_each_shard_once(
         sample = server.heartbeats[-1]["telemetry"][-1]
         assert sample["battery_pct"] == 87 and sample["cpu_temp_c"] == 40.0
         assert server.losses[-1] < server.losses[0]  # it really trains
+
+
+@pytest.mark.parametrize("wanted, used", [("any", "numpy"), ("torch", "torch")])
+def test_every_phone_of_a_job_computes_with_the_jobs_one_backend(
+    tmp_path: Path, cool_phone: Path, wanted: str, used: str
+) -> None:
+    """numpy and torch round differently: a job's phones never mix them (invariant 1)."""
+    spec = {**JOB_SPEC, "placement": {**JOB_SPEC["placement"], "backend": wanted}}
+    with StepServer(spec) as server:
+        server.max_steps = 2
+        cfg = write_config(tmp_path / "agent.json", server.url, TOKEN, backends=["numpy", "torch"])
+        with AgentThread(cfg, cool_phone):
+            server.wait_for(lambda: server.heartbeats and "logreg" in
+                            server.heartbeats[-1].get("profiles", {}),
+                            what="a profile in the heartbeat")
+        profile = server.heartbeats[-1]["profiles"]["logreg"]
+        assert profile["backend"] == used
+        assert server.heartbeats[-1]["capabilities"]["backends"] == ["numpy", "torch"]
 
 
 def test_the_thermal_guard_stops_steps_and_resumes_with_hysteresis(

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import yaml
 
+from tests.e2e.cluster import reference_metrics, rel_diff
 from tests.support.server import REPO_ROOT
 
 SMALL_JOB = {
@@ -103,6 +104,9 @@ def test_demo_trains_through_faults_and_leaves_a_checkpoint(tmp_path: Path) -> N
                    httpx.get(f"{url}/v1/jobs/{job['id']}/events", headers=headers,
                              timeout=30).json()["items"]}
         assert "ShardsMoved" in reasons, reasons
+        # through the faults and the moves, the phones followed the reference trajectory
+        ref = reference_metrics(SMALL_JOB, tmp_path / "reference")
+        assert rel_diff(job["metrics"]["train_loss"], ref["train_loss"]) < 1e-5, (job, ref)
 
         with np.load(ckpt, allow_pickle=False) as npz:
             assert len(npz.files) > 0
