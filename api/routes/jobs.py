@@ -15,8 +15,10 @@ Limit = Query(100, ge=1, le=1000)
 Offset = Query(0, ge=0)
 
 
-def _read(job, devices: list[str]) -> JobRead:
-    return JobRead.model_validate(job).model_copy(update={"devices": devices})
+def _read(job, held: jobs.Holdings | None = None) -> JobRead:
+    held = held or jobs.Holdings()
+    return JobRead.model_validate(job).model_copy(update={"devices": held.devices,
+                                                          "shards": held.shards})
 
 
 @router.post("", status_code=201, response_model=JobRead)
@@ -29,7 +31,7 @@ def submit(body: JobCreate, request: Request, principal: UserDep, settings: Sett
         job = jobs.submit_job(session, spec, total_steps=total, now=clock(),
                               owner_token_id=principal.token_id)
     request.app.state.scheduler_hooks.job_changed(job.id)
-    return _read(job, [])
+    return _read(job)
 
 
 @router.get("", response_model=Page[JobRead])
@@ -37,14 +39,14 @@ def list_jobs(_: UserDep, session: SessionDep, state: str | None = None, limit: 
               offset: int = Offset):
     rows = list(jobs.list_jobs(session, states=jobs.parse_job_states(state), limit=limit,
                                offset=offset))
-    held = jobs.devices_of(session, [job.id for job in rows])
+    held = jobs.holdings_of(session, [job.id for job in rows])
     return page_of([_read(job, held[job.id]) for job in rows], limit, offset)
 
 
 @router.get("/{job_id}", response_model=JobRead)
 def get_job(job_id: str, _: UserDep, session: SessionDep):
     job = jobs.get_job(session, job_id)
-    return _read(job, jobs.devices_of(session, [job_id])[job_id])
+    return _read(job, jobs.holdings_of(session, [job_id])[job_id])
 
 
 @router.post("/{job_id}/cancel", response_model=JobRead)
@@ -52,8 +54,8 @@ def cancel(job_id: str, request: Request, principal: UserDep, session: SessionDe
            clock: ClockDep):
     """Pending or Running -> Cancelled; 409 when the job has already finished."""
     with session.begin():
-        job = jobs.cancel_job(session, job_id, clock(), by=principal.name or principal.kind)
-        held = jobs.devices_of(session, [job_id])[job_id]
+        job = jobs.cancel_job(session, job_id, clock(), principal)
+        held = jobs.holdings_of(session, [job_id])[job_id]
     request.app.state.scheduler_hooks.job_changed(job_id)
     return _read(job, held)
 

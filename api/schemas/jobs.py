@@ -98,7 +98,8 @@ class JobRead(ReadModel):
     total_steps: int
     metrics: dict[str, Any]
     spec: dict[str, Any]
-    devices: list[str] = []
+    devices: list[str] = []  # every device holding a shard (primary or a straggler's backup)
+    shards: dict[str, list[int]] = {}  # device id -> the shards it owns (primary)
     created: dt.datetime
     started_at: dt.datetime | None
     finished_at: dt.datetime | None

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import datetime as dt
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
-from api.errors import Conflict, Invalid, NotFound
+from api.auth import Principal
+from api.errors import Conflict, Forbidden, Invalid, NotFound
 from api.schemas.jobs import FINISHED_STATES, JOB_STATES
 from api.store import events
 from api.store.models import Checkpoint, Job, ShardAssignment, StepMetric
@@ -58,19 +60,40 @@ def get_job(session: Session, job_id: str) -> Job:
     return job
 
 
-def devices_of(session: Session, job_ids: list[str]) -> dict[str, list[str]]:
-    """job id -> ids of the devices holding its shards, for a whole page in one query."""
-    held: dict[str, list[str]] = {job_id: [] for job_id in job_ids}
+@dataclass
+class Holdings:
+    """Who holds a job's shards: every device (primary or backup) and each one's primary shards."""
+
+    devices: list[str] = field(default_factory=list)
+    shards: dict[str, list[int]] = field(default_factory=dict)
+
+
+def holdings_of(session: Session, job_ids: list[str]) -> dict[str, Holdings]:
+    """job id -> its holdings, for a whole page in one query."""
+    held = {job_id: Holdings() for job_id in job_ids}
     if not job_ids:
         return held
     rows = session.execute(
-        select(ShardAssignment.job_id, ShardAssignment.device_id).distinct()
+        select(ShardAssignment.job_id, ShardAssignment.device_id, ShardAssignment.shard,
+               ShardAssignment.role)
         .where(ShardAssignment.job_id.in_(job_ids))
-        .order_by(ShardAssignment.job_id, ShardAssignment.device_id)
+        .order_by(ShardAssignment.job_id, ShardAssignment.device_id, ShardAssignment.shard)
     )
-    for job_id, device_id in rows:
-        held[job_id].append(device_id)
+    for job_id, device_id, shard, role in rows:
+        h = held[job_id]
+        if device_id not in h.devices:
+            h.devices.append(device_id)
+        if role == "primary":
+            h.shards.setdefault(device_id, []).append(shard)
     return held
+
+
+def check_may_cancel(job: Job, principal: Principal) -> None:
+    """Admins cancel any job; a user only the jobs their token submitted."""
+    if principal.is_admin or (job.owner_token_id and job.owner_token_id == principal.token_id):
+        return
+    raise Forbidden(f"job {job.id} was submitted by another user: only its owner or an admin "
+                    "may cancel it")
 
 
 def parse_job_states(state: str | None) -> list[str]:
@@ -88,9 +111,12 @@ def list_jobs(session: Session, *, states: list[str], limit: int, offset: int) -
     return session.scalars(query.limit(limit + 1).offset(offset)).all()
 
 
-def cancel_job(session: Session, job_id: str, now: dt.datetime, by: str) -> Job:
-    """Pending/Running -> Cancelled with a guarded UPDATE; 409 once the job has finished."""
+def cancel_job(session: Session, job_id: str, now: dt.datetime, principal: Principal) -> Job:
+    """Pending/Running -> Cancelled with a guarded UPDATE; 403 for another user's job, 409 once
+    the job has finished."""
     job = get_job(session, job_id)
+    check_may_cancel(job, principal)
+    by = principal.name or principal.kind
     result = session.execute(
         update(Job).where(Job.id == job_id, Job.state.not_in(FINISHED_STATES))
         .values(state="Cancelled", reason=f"cancelled by {by}", finished_at=now, updated=now),

@@ -95,14 +95,44 @@ def test_list_filters_by_state_and_paginates(api):
 
 
 def test_cancel_then_cancel_again_is_409(api):
-    job_id = api.post("/v1/jobs", json=SPEC).json()["id"]
-    cancelled = api.post(f"/v1/jobs/{job_id}/cancel", token=api.user_token())
+    alice = api.user_token("alice")
+    job_id = api.post("/v1/jobs", json=SPEC, token=alice).json()["id"]
+    cancelled = api.post(f"/v1/jobs/{job_id}/cancel", token=alice)
     assert cancelled.status_code == 200 and cancelled.json()["state"] == "Cancelled"
     assert "cancelled by" in cancelled.json()["reason"]
     again = api.post(f"/v1/jobs/{job_id}/cancel")
     assert again.status_code == 409 and "Cancelled" in again.json()["detail"]
     reasons = [e["reason"] for e in api.get(f"/v1/jobs/{job_id}/events").json()["items"]]
     assert reasons == ["Submitted", "Cancelled"]
+
+
+def test_a_user_cancels_only_their_own_jobs_and_an_admin_any(api):
+    alice, bob = api.user_token("alice"), api.user_token("bob")
+    alices = api.post("/v1/jobs", json=SPEC, token=alice).json()["id"]
+    admins = api.post("/v1/jobs", json=SPEC).json()["id"]
+    refused = api.post(f"/v1/jobs/{alices}/cancel", token=bob)
+    assert refused.status_code == 403 and "another user" in refused.json()["detail"]
+    assert api.post(f"/v1/jobs/{admins}/cancel", token=alice).status_code == 403
+    assert api.get(f"/v1/jobs/{alices}").json()["state"] == "Pending"  # nothing changed
+    assert api.post(f"/v1/jobs/{alices}/cancel").status_code == 200  # the admin may
+    assert api.post(f"/v1/jobs/{admins}/cancel").json()["state"] == "Cancelled"
+
+
+def test_a_job_shows_which_device_owns_which_shards(api):
+    a, b = api.register("a"), api.register("b")
+    job_id = api.post("/v1/jobs", json=SPEC).json()["id"]
+    with api.app.state.session_factory() as session, session.begin():
+        for shard in range(16):
+            owner = a if shard < 10 else b
+            session.add(ShardAssignment(job_id=job_id, shard=shard, device_id=owner["device_id"],
+                                        since_step=0, role="primary"))
+        session.add(ShardAssignment(job_id=job_id, shard=3, device_id=b["device_id"],
+                                    since_step=0, role="backup"))
+    shown = api.get(f"/v1/jobs/{job_id}").json()
+    assert shown["shards"] == {a["device_id"]: list(range(10)), b["device_id"]: list(range(10, 16))}
+    assert sorted(shown["devices"]) == sorted([a["device_id"], b["device_id"]])
+    listed = api.get("/v1/jobs").json()["items"][0]
+    assert listed["shards"] == shown["shards"]
 
 
 @pytest.mark.parametrize("suffix", ["", "/cancel", "/events", "/metrics", "/checkpoint"])
