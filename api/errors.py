@@ -38,8 +38,8 @@ class Invalid(ApiError):
 
     status_code = 422
 
-    def __init__(self, field: str, msg: str) -> None:
-        loc = ["body", *field.split(".")] if field else ["body"]
+    def __init__(self, field: str, msg: str, where: str = "body") -> None:
+        loc = [where, *field.split(".")] if field else [where]
         super().__init__([{"loc": loc, "field": field, "msg": msg, "type": "value_error"}])
 
 

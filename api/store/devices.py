@@ -39,7 +39,7 @@ def parse_selector(selector: str | None) -> dict[str, str]:
     for term in selector.split(","):
         key, sep, value = term.partition("=")
         if not sep or not key.strip():
-            raise Invalid("selector", f"selector term {term!r} is not key=value")
+            raise Invalid("selector", f"selector term {term!r} is not key=value", where="query")
         wanted[key.strip()] = value.strip()
     return wanted
 
@@ -50,7 +50,8 @@ def parse_states(state: str | None) -> list[str]:
     states = [s.strip() for s in state.split(",") if s.strip()]
     for value in states:
         if value not in STATES:
-            raise Invalid("state", f"unknown state {value!r}; one of {', '.join(STATES)}")
+            raise Invalid("state", f"unknown state {value!r}; one of {', '.join(STATES)}",
+                          where="query")
     return states
 
 

@@ -100,7 +100,8 @@ def parse_job_states(state: str | None) -> list[str]:
     states = [s.strip() for s in (state or "").split(",") if s.strip()]
     for value in states:
         if value not in JOB_STATES:
-            raise Invalid("state", f"unknown job state {value!r}; one of {', '.join(JOB_STATES)}")
+            raise Invalid("state", f"unknown job state {value!r}; one of {', '.join(JOB_STATES)}",
+                          where="query")
     return states
 
 

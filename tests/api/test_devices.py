@@ -47,6 +47,7 @@ def test_pagination_walks_every_device_once(api):
 def test_bad_list_queries_are_422(api, query, field):
     resp = api.get(f"/v1/devices{query}")
     assert resp.status_code == 422 and field in [e["field"] for e in resp.json()["detail"]]
+    assert all(e["loc"][0] == "query" for e in resp.json()["detail"]), resp.json()
 
 
 def test_get_shows_spec_labels_and_latest_telemetry(api):
