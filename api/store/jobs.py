@@ -81,7 +81,7 @@ def holdings_of(session: Session, job_ids: list[str]) -> dict[str, Holdings]:
     )
     for job_id, device_id, shard, role in rows:
         h = held[job_id]
-        if device_id not in h.devices:
+        if not h.devices or h.devices[-1] != device_id:  # rows come ordered by device
             h.devices.append(device_id)
         if role == "primary":
             h.shards.setdefault(device_id, []).append(shard)

@@ -1,10 +1,11 @@
 """The reconcile loop, level-triggered like a Kubernetes controller.
 
 `reconcile` (the monitor, every `reconcile_interval_s` from beat and on every API hook):
-leases expired -> NotReady (the control plane's `mark_stale_devices`); telemetry history older
-than `telemetry_retention_s` is pruned (at most once a minute, whichever worker gets there); then, under the
-placement lock, shards move off devices that left, Pending gangs are placed (preempting lower
-priorities when they must); then one `reconcile_job` per job that needs looking after.
+leases expired -> NotReady (the control plane's `mark_stale_devices`); telemetry history
+older than `telemetry_retention_s` is pruned (at most once a minute, by whichever worker gets
+there first); then, under the placement lock, shards move off devices that left, Pending gangs
+are placed (preempting lower priorities when they must); then one `reconcile_job` per job that
+needs looking after.
 
 `reconcile_job(job_id)` (per entity, idempotent): a finished or cancelled job's assignments
 are released; lost hot state is restored; a step whose every shard is in but which nobody

@@ -18,7 +18,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.support.server import REPO_ROOT, free_port
+from tests.support.server import REPO_ROOT, free_port, stop_process
 
 DEPLOY = REPO_ROOT / "deploy"
 DASHBOARDS = DEPLOY / "grafana" / "dashboards"
@@ -115,13 +115,7 @@ class Prometheus:
         return data["result"] if data["resultType"] in ("vector", "matrix") else [data["result"]]
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(timeout=5)
+        stop_process(self.process)
 
 
 def prometheus_config(target: str, workdir: Path) -> Path:

@@ -37,16 +37,21 @@ class LiveServer:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
     def stop(self, kill: bool = False) -> None:
-        if self.process.poll() is None:
-            if kill:
-                self.process.kill()
-            else:
-                self.process.terminate()
-            try:
-                self.process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(timeout=5)
+        stop_process(self.process, kill=kill)
+
+
+def stop_process(process: subprocess.Popen, kill: bool = False, timeout_s: float = 15) -> None:
+    """Terminate (or kill) a child and reap it; one that ignores SIGTERM is killed."""
+    if process.poll() is None:
+        if kill:
+            process.kill()
+        else:
+            process.terminate()
+        try:
+            process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=5)
 
 
 def start_server(
