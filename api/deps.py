@@ -63,9 +63,13 @@ async def require_device(
     request: Request, principal: Annotated[Principal, Depends(get_principal)]
 ) -> Principal:
     """A device token; when the path names a device, it must be this token's device."""
+    return check_device(principal, _path_device_id(request))
+
+
+def check_device(principal: Principal, wanted: str | None) -> Principal:
+    """The device-token rule without a Request (the heartbeat's fast path uses it too)."""
     if principal.kind != "device":
         raise Forbidden(f"this needs a device token, not a {principal.kind} token")
-    wanted = _path_device_id(request)
     if wanted is not None and wanted != principal.device_id:
         raise Forbidden("a device token may act only for its own device")
     return principal

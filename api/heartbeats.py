@@ -1,4 +1,5 @@
-"""The group-commit heartbeat writer: one transaction for every heartbeat pending right now.
+"""The group-commit heartbeat writer for SQLite (embedded mode): one transaction for every
+heartbeat pending right now. Postgres has its own on the event loop (api.heartbeat_writer_pg).
 
 Request handlers (async) hand their validated heartbeat to `HeartbeatWriter.submit` and await
 the reply. One writer thread per process takes everything queued, applies it in a single
@@ -21,7 +22,7 @@ from sqlalchemy import Engine, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from api.schemas.devices import HeartbeatIn
-from api.store.heartbeats import BatchOutcome, apply_heartbeats, apply_heartbeats_autocommit
+from api.store.heartbeats import BatchOutcome, apply_heartbeats
 from api.store.models import Job
 
 log = logging.getLogger(__name__)
@@ -37,10 +38,6 @@ class HeartbeatWriter:
                  threads: int = 1) -> None:
         self.engine, self.clock = engine, clock
         self.factory = sessionmaker(bind=engine, expire_on_commit=False)
-        # Postgres: the engine is AUTOCOMMIT and a batch is one self-committing statement
-        self.one_statement = engine.dialect.name == "postgresql"
-        # Several writer threads pipeline the commits: while one batch waits on the database
-        # (its fsync above all), the next batch is already being written.
         self.threads = threads
         self.grace_s, self.interval_s = grace_s, interval_s
         self.on_device_changed = on_device_changed
@@ -68,6 +65,10 @@ class HeartbeatWriter:
                                          daemon=True) for i in range(self.threads)]
                     for worker in self._workers:
                         worker.start()
+
+    async def aclose(self) -> None:
+        await asyncio.get_running_loop().run_in_executor(None, self.stop)
+        self.engine.dispose()
 
     def stop(self, timeout: float = 10.0) -> None:
         """Finish everything queued, then end the threads."""
@@ -127,16 +128,10 @@ class HeartbeatWriter:
 
     def _commit(self, items: list[tuple[str, str, HeartbeatIn]]) -> BatchOutcome:
         now = self.clock()
-        options = {"grace_s": self.grace_s, "interval_s": self.interval_s}
-        if self.one_statement:
-            with self.engine.connect() as conn:
-                with Session(bind=conn) as session:
-                    options["active_archs"] = self._active_archs(session)
-                outcome = apply_heartbeats_autocommit(conn, items, now, **options)
-        else:
-            with self.factory() as session, session.begin():
-                outcome = apply_heartbeats(session, items, now,
-                                           active_archs=self._active_archs(session), **options)
+        with self.factory() as session, session.begin():
+            outcome = apply_heartbeats(session, items, now, grace_s=self.grace_s,
+                                       interval_s=self.interval_s,
+                                       active_archs=self._active_archs(session))
         self.batches += 1
         return outcome
 
@@ -153,10 +148,11 @@ class HeartbeatWriter:
 
 def _resolve_all(pairs: list[tuple[asyncio.Future[Any], Any]]) -> None:
     for future, reply in pairs:
-        _resolve(future, reply)
+        resolve(future, reply)
 
 
-def _resolve(future: asyncio.Future[Any], reply: Any) -> None:
+def resolve(future: asyncio.Future[Any], reply: Any) -> None:
+    """Answer one waiting request with its reply or its refusal."""
     if future.done():  # the client went away
         return
     if isinstance(reply, BaseException):

@@ -15,8 +15,10 @@ from sqlalchemy import Engine
 from sqlalchemy.exc import IntegrityError, OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from api import heartbeat_endpoint
 from api.auth import Authenticator, ensure_admin_token
-from api.errors import ApiError
+from api.errors import ApiError, validation_detail
+from api.heartbeat_writer_pg import AsyncPgHeartbeatWriter
 from api.heartbeats import HeartbeatWriter
 from api.limits import BodySizeLimit
 from api.settings import Settings
@@ -36,19 +38,6 @@ class NoopHooks:
         pass
 
 
-def _validation_detail(exc: RequestValidationError) -> list[dict[str, Any]]:
-    """FastAPI's shape (loc, msg, type) plus `field`, and nothing unserialisable."""
-    detail = []
-    for err in exc.errors():
-        loc = [str(part) for part in err.get("loc", ())]
-        field = ".".join(loc[1:]) if loc and loc[0] in ("body", "query", "path") else ".".join(loc)
-        msg = str(err.get("msg", ""))
-        if err.get("type") == "json_invalid":  # loc holds a character position, not a field
-            field, msg = "", f"malformed JSON body: {err.get('ctx', {}).get('error', msg)}"
-        detail.append({"loc": loc, "field": field, "msg": msg, "type": str(err.get("type", ""))})
-    return detail
-
-
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
@@ -56,7 +45,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return JSONResponse({"detail": _validation_detail(exc)}, status_code=422)
+        return JSONResponse({"detail": validation_detail(exc.errors())}, status_code=422)
 
     @app.exception_handler(IntegrityError)
     async def _integrity(_: Request, exc: IntegrityError) -> JSONResponse:
@@ -86,13 +75,16 @@ def _include_routers(app: FastAPI) -> None:
         app.include_router(metrics.router)
 
 
-def _writer_engine(url: str) -> Engine:
-    """The heartbeat writers' own small pool. Postgres: AUTOCOMMIT (a batch is one statement)
-    and no pre-ping round trip (a dead connection fails its batch, which is retried)."""
-    if url.startswith("sqlite"):
-        return make_engine(url)
-    return make_engine(url, pool_pre_ping=False, pool_size=4, max_overflow=2,
-                       isolation_level="AUTOCOMMIT")
+def _heartbeat_writer(app: FastAPI, settings: Settings, engine: Engine, clock: Callable) -> Any:
+    """Postgres: the asyncio group commit; SQLite: one writer thread (one writer at a time)."""
+    def changed(device_id: str) -> None:
+        app.state.scheduler_hooks.device_changed(device_id)
+
+    options = {"clock": clock, "grace_s": settings.lease_grace_s,
+               "interval_s": settings.heartbeat_interval_s, "on_device_changed": changed}
+    if engine.dialect.name == "postgresql":
+        return AsyncPgHeartbeatWriter(settings.resolved_database_url, engine, **options)
+    return HeartbeatWriter(make_engine(settings.resolved_database_url), threads=1, **options)
 
 
 def create_app(settings: Settings | None = None, clock: Callable[[], dt.datetime] | None = None,
@@ -108,8 +100,7 @@ def create_app(settings: Settings | None = None, clock: Callable[[], dt.datetime
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
-        app.state.heartbeats.stop()
-        app.state.heartbeats.engine.dispose()
+        await app.state.heartbeats.aclose()
 
     app = FastAPI(title="Phalanx control plane", version="0.1.0", lifespan=lifespan,
                   docs_url="/docs", openapi_url="/openapi.json")
@@ -121,23 +112,16 @@ def create_app(settings: Settings | None = None, clock: Callable[[], dt.datetime
     if admin is None:
         ensure_admin_token(factory)
     app.state.authenticator = Authenticator(factory, admin, clock=clock)
-    app.state.heartbeats = HeartbeatWriter(
-        _writer_engine(settings.resolved_database_url), clock=clock,
-        grace_s=settings.lease_grace_s, threads=1 if engine.dialect.name == "sqlite" else 4,
-        interval_s=settings.heartbeat_interval_s,
-        on_device_changed=lambda device_id: app.state.scheduler_hooks.device_changed(device_id))
+    app.state.heartbeats = _heartbeat_writer(app, settings, engine, clock)
     app.add_middleware(BodySizeLimit, default_limit=settings.max_body_bytes,
                        upload_limit=settings.max_upload_bytes, upload_paths=("/v1/datasets",))
     install_error_handlers(app)
     _include_routers(app)
+    heartbeat_endpoint.install(app, body_limit=settings.max_body_bytes)
     work.install(app, settings)
     return app
 
 
 def app_from_env() -> FastAPI:
     """For `uvicorn --factory api.main:app_from_env` (several worker processes)."""
-    import os
-    import sys
-    if os.environ.get("SWI"):
-        sys.setswitchinterval(float(os.environ["SWI"]))
     return create_app()

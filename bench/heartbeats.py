@@ -1,12 +1,14 @@
 """Heartbeat throughput of `phalanx server` on Postgres, against /healthz of the same server.
 
     .venv/bin/python bench/heartbeats.py [--devices 1000] [--connections 32] [--duration 10]
+                                         [--rounds 3]
 
 Creates a fresh Postgres database, starts `phalanx server --workers 2` (Postgres + Redis, so not
 embedded), registers N devices through the API, then drives the server with `wrk` (a Lua script
 rotates the device tokens; each heartbeat carries 3 samples): first /healthz, then heartbeats,
-same connections and duration, after a short unmeasured warm-up. Prints heartbeats/s, p50/p99 latency, the /healthz rate and the
-ratio, and checks that every 2xx heartbeat's samples are in the database.
+same connections and duration, after a short unmeasured warm-up, alternating for --rounds
+rounds. Prints each round's heartbeats/s, p50/p99 latency, /healthz rate and ratio, the median
+round, and checks that every 2xx heartbeat's samples are in the database.
 """
 
 from __future__ import annotations
@@ -105,6 +107,30 @@ def run_wrk(url: str, script: Path, args: argparse.Namespace, env: dict[str, str
     return json.loads(out.strip().splitlines()[-1])
 
 
+def cpu_seconds() -> dict[str, float]:
+    """CPU time so far (user + system) of every process by name: where a request's cost goes
+    (the server's Python, Postgres, wrk), which a noisy shared machine blurs less than rates."""
+    tick = os.sysconf("SC_CLK_TCK")
+    totals: dict[str, float] = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            continue
+        name, fields = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
+        group = "postgres" if name.startswith("postgres") else "wrk" if name == "wrk" else \
+            "python" if name.startswith("python") else "other"
+        totals[group] = totals.get(group, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return totals
+
+
+def cpu_per_request(before: dict[str, float], after: dict[str, float], requests: int) -> str:
+    """µs of CPU per request for the server's Python (our benchmark driver idles in wrk), Postgres
+    and wrk."""
+    return " ".join(f"{group} {(after.get(group, 0) - before.get(group, 0)) / requests * 1e6:.0f}"
+                    for group in ("python", "postgres"))
+
+
 def count_samples(db_url: str) -> int:
     with psycopg.connect(_libpq(db_url)) as conn:
         return conn.execute("SELECT count(*) FROM telemetry_samples").fetchone()[0]
@@ -118,6 +144,9 @@ def main() -> None:
     parser.add_argument("--duration", type=int, default=10)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--warmup", type=int, default=3, help="seconds of unmeasured heartbeats")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="alternating /healthz + heartbeat rounds; the median ratio counts "
+                             "(a shared machine's load drifts within a run)")
     parser.add_argument("--database", default=os.environ.get(
         "PHALANX_TEST_DATABASE_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"))
     parser.add_argument("--redis", default=os.environ.get(
@@ -138,27 +167,41 @@ def main() -> None:
         env = {**os.environ, "BENCH_DEVICES": str(work / "devices.txt")}
         # warm-up (not measured): pools connected, statements prepared, tokens seen once
         run_wrk(server.url, work / "heartbeat.lua", args, env, duration=args.warmup)
-        healthz = run_wrk(f"{server.url}/healthz", work / "healthz.lua", args, env)
+        rounds = []
         before = count_samples(db_url)
-        beats = run_wrk(server.url, work / "heartbeat.lua", args, env)
+        for _ in range(args.rounds):
+            cpu0 = cpu_seconds()
+            healthz = run_wrk(f"{server.url}/healthz", work / "healthz.lua", args, env)
+            cpu1 = cpu_seconds()
+            beats = run_wrk(server.url, work / "heartbeat.lua", args, env)
+            cpu2 = cpu_seconds()
+            healthz["cpu"] = cpu_per_request(cpu0, cpu1, healthz["requests"])
+            beats["cpu"] = cpu_per_request(cpu1, cpu2, beats["requests"])
+            rounds.append((healthz, beats))
         stored = count_samples(db_url) - before
     finally:
         server.stop()
     drop_database(db_url)
     shutil.rmtree(work, ignore_errors=True)
-    ok = beats["requests"] - beats["non2xx"]
-    hb_rate, hz_rate = ok / beats["seconds"], healthz["requests"] / healthz["seconds"]
     print(f"devices={args.devices} connections={args.connections} threads={args.threads} "
-          f"duration={args.duration}s workers={args.workers}")
-    print(f"/healthz:   {hz_rate:8.0f} req/s  p50 {healthz['p50_ms']:.1f} ms  "
-          f"p99 {healthz['p99_ms']:.1f} ms")
-    print(f"heartbeat:  {hb_rate:8.0f} req/s  p50 {beats['p50_ms']:.1f} ms  "
-          f"p99 {beats['p99_ms']:.1f} ms  (3 samples each; non-2xx {beats['non2xx']}, "
-          f"socket errors {beats['socket_errors']})")
-    print(f"ratio heartbeat/healthz: {hb_rate / hz_rate:.2f}")
-    print(f"samples stored: {stored} for {ok} accepted heartbeats "
-          f"({'none lost' if stored >= 3 * ok else 'LOST SAMPLES'})")
-
+          f"duration={args.duration}s workers={args.workers} rounds={args.rounds}")
+    ratios, accepted = [], 0
+    for i, (healthz, beats) in enumerate(rounds, 1):
+        ok = beats["requests"] - beats["non2xx"]
+        accepted += ok
+        hb_rate, hz_rate = ok / beats["seconds"], healthz["requests"] / healthz["seconds"]
+        ratios.append((hb_rate / hz_rate, hb_rate, beats, hz_rate, healthz))
+        print(f"round {i}: /healthz {hz_rate:6.0f} req/s p99 {healthz['p99_ms']:5.1f} ms | "
+              f"heartbeat {hb_rate:6.0f} req/s p50 {beats['p50_ms']:5.1f} ms "
+              f"p99 {beats['p99_ms']:5.1f} ms (non-2xx {beats['non2xx']}, socket errors "
+              f"{beats['socket_errors']}) | ratio {hb_rate / hz_rate:.2f}")
+        print(f"         CPU µs per request: /healthz {healthz['cpu']} | heartbeat {beats['cpu']}")
+    ratio, hb_rate, beats, hz_rate, healthz = sorted(ratios, key=lambda r: r[0])[len(ratios) // 2]
+    print(f"median round: /healthz {hz_rate:.0f} req/s, heartbeat {hb_rate:.0f} req/s "
+          f"(3 samples each) p50 {beats['p50_ms']:.1f} ms p99 {beats['p99_ms']:.1f} ms")
+    print(f"ratio heartbeat/healthz: {ratio:.2f} (median of {len(ratios)} rounds)")
+    print(f"samples stored: {stored} for {accepted} accepted heartbeats "
+          f"({'none lost' if stored >= 3 * accepted else 'LOST SAMPLES'})")
 
 if __name__ == "__main__":
     main()

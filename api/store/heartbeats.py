@@ -163,18 +163,16 @@ def _reply(device_id: str, device: Any, profiles: dict[str, Any], now: dt.dateti
             "commands": _commands(device, profiles, active_archs)}
 
 
-def apply_heartbeats_autocommit(conn: Any, items: list[tuple[str, str, HeartbeatIn]],
-                                now: dt.datetime, *, grace_s: float, interval_s: float,
-                                active_archs: Any) -> BatchOutcome:
-    """Postgres: the whole batch in one self-committing statement (api.store.heartbeats_pg)."""
-    from api.store import heartbeats_pg as pg
+def read_refused(session: Session, items: list[tuple[str, str, HeartbeatIn]]) -> dict[str, Any]:
+    """Why the batch statement refused these (see `batch_outcome`): their tokens' rows."""
+    return _read_batch(session, items)
 
-    renewed = pg.apply_batch(conn, items, now, _latest)
-    refused = [item for item in items if item[0] not in renewed]
-    why: dict[str, Any] = {}
-    if refused:
-        with Session(bind=conn) as session:
-            why = _read_batch(session, refused)
+
+def batch_outcome(items: list[tuple[str, str, HeartbeatIn]], renewed: dict[str, Any],
+                  why: dict[str, Any], now: dt.datetime, *, grace_s: float, interval_s: float,
+                  active_archs: Any) -> BatchOutcome:
+    """The replies to a batch run by `api.store.heartbeats_pg`: `renewed` maps each accepted
+    device to its returned row; `why` holds the token rows of the refused ones."""
     changed = [row.id for row in renewed.values()
                if row.old_state == NOT_READY or row.pause != row.old_pause]
     outcome = BatchOutcome(replies=[], changed_devices=sorted(set(changed)))

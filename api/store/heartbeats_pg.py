@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import re
 from typing import Any
-
-from sqlalchemy import Connection, text
 
 from api.schemas.devices import HeartbeatIn
 
-BATCH = text("""
+BATCH_SQL = """
 WITH v AS (
   SELECT * FROM json_to_recordset(CAST(:devices AS json))
     AS v(id text, token_hash text, tel json, tel_at timestamptz, agent_version text, caps json,
@@ -34,9 +33,12 @@ WITH v AS (
     agent_version = COALESCE(v.agent_version, d.agent_version),
     capabilities = COALESCE(v.caps, d.capabilities),
     profiles = COALESCE(v.profiles, d.profiles)
-  FROM v, devices AS old, api_tokens AS t
-  WHERE d.id = v.id AND old.id = d.id AND t.token_hash = v.token_hash AND t.kind = 'device'
-    AND t.device_id = v.id AND NOT t.revoked AND (t.expires_at IS NULL OR t.expires_at > :now)
+  FROM v CROSS JOIN LATERAL (
+         SELECT 1 FROM api_tokens AS t
+         WHERE t.token_hash = v.token_hash AND t.kind = 'device' AND t.device_id = v.id
+           AND NOT t.revoked AND (t.expires_at IS NULL OR t.expires_at > :now) LIMIT 1) AS ok,
+       devices AS old
+  WHERE d.id = v.id AND old.id = d.id
   RETURNING d.id, old.state AS old_state, old.pause_reason AS old_pause, d.pause_reason AS pause,
             v.pause_detail, d.cordoned, d.draining, d.profiles
 ), appended AS (
@@ -64,7 +66,9 @@ WITH v AS (
   FROM renewed WHERE pause IS DISTINCT FROM old_pause
 )
 SELECT * FROM renewed
-""")
+"""
+# psycopg's own placeholders for the asyncio writer (the SQL has no '::' casts and no '%')
+BATCH_PSYCOPG = re.sub(r"(?<![:\w]):(\w+)", r"%(\1)s", BATCH_SQL)
 
 
 def merged_per_device(items: list[tuple[str, str, HeartbeatIn]], latest) -> dict:
@@ -105,9 +109,13 @@ def _params(items: list[tuple[str, str, HeartbeatIn]], merged: dict, now: dt.dat
     return {"now": now, "devices": json.dumps(devices), "samples": f"[{samples}]"}
 
 
-def apply_batch(conn: Connection, items: list[tuple[str, str, HeartbeatIn]], now: dt.datetime,
-                latest) -> dict[str, Any]:
-    """Run the batch (conn in AUTOCOMMIT: the statement commits itself); device id -> its row.
-    A device absent from the result was refused (bad, revoked or foreign token; deleted)."""
-    merged = merged_per_device(items, latest)
-    return {row.id: row for row in conn.execute(BATCH, _params(items, merged, now))}
+async def apply_batch_async(conn: Any, items: list[tuple[str, str, HeartbeatIn]],
+                            now: dt.datetime) -> dict[str, Any]:
+    """Run the batch on an autocommit psycopg AsyncConnection (the statement commits itself);
+    device id -> its returned row. A device absent from the result was refused (bad, revoked or
+    foreign token; deleted)."""
+    from api.store.heartbeats import _latest
+
+    merged = merged_per_device(items, _latest)
+    cursor = await conn.execute(BATCH_PSYCOPG, _params(items, merged, now), prepare=True)
+    return {row.id: row for row in await cursor.fetchall()}

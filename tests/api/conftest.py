@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime as dt
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -81,14 +82,21 @@ def make_settings(db_url: str, data_dir: Path, **overrides: Any) -> Settings:
     return Settings(database_url=db_url, data_dir=data_dir, admin_token=ADMIN, **overrides)
 
 
-@pytest.fixture
-def api(db_url: str, tmp_path: Path) -> Iterator[Api]:
+@contextmanager
+def api_on(db_url: str, tmp_path: Path) -> Iterator[Api]:
+    """A started control plane (lifespan run) on `db_url` with a hand-moved clock."""
     clock = FakeClock()
     settings = make_settings(db_url, tmp_path / "data")
     app = create_app(settings, clock=clock)
     with TestClient(app) as client:
         yield Api(client, app, clock, settings)
     app.state.engine.dispose()
+
+
+@pytest.fixture
+def api(db_url: str, tmp_path: Path) -> Iterator[Api]:
+    with api_on(db_url, tmp_path) as started:
+        yield started
 
 
 def sample(ts: float, **values: Any) -> dict[str, Any]:

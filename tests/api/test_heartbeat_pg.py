@@ -1,0 +1,62 @@
+"""The Postgres heartbeat writer (asyncio, one statement per batch): its connections survive
+a dropped backend, and its batch statement stays on index plans as the fleet grows."""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from api.auth import hash_token
+from api.heartbeat_writer_pg import PLANNER_OPTIONS, libpq_url
+from api.schemas.devices import HeartbeatIn
+from api.store import heartbeats_pg
+from api.store.models import TelemetrySample
+from tests.api.conftest import Api, api_on, sample
+
+
+@pytest.fixture
+def pg_api(pg_url: str, tmp_path: Path) -> Iterator[Api]:
+    with api_on(pg_url, tmp_path) as started:
+        yield started
+
+
+def _kill_writer_backends(url: str) -> int:
+    """pg_terminate_backend every connection of the writer (they carry its planner options)."""
+    with psycopg.connect(libpq_url(url), autocommit=True) as admin:
+        rows = admin.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = "
+            "current_database() AND pid <> pg_backend_pid() AND query LIKE '%json_to_recordset%'"
+        ).fetchall()
+    return len(rows)
+
+
+def test_a_killed_database_connection_loses_no_heartbeat(pg_api, pg_url):
+    device = pg_api.register()
+    assert pg_api.heartbeat(device, {"telemetry": [sample(1.0)]}).status_code == 200
+    assert _kill_writer_backends(pg_url) >= 1
+    # the next batch fails on the dead connection, is retried on a fresh one, and commits
+    resp = pg_api.heartbeat(device, {"telemetry": [sample(2.0), sample(3.0)]})
+    assert resp.status_code == 200, resp.text
+    assert pg_api.count(TelemetrySample) == 3
+    latest = pg_api.get(f"/v1/devices/{device['device_id']}").json()["latest_telemetry"]
+    assert latest["ts"] == 3.0
+
+
+def test_the_batch_statement_uses_indexes_not_table_scans(pg_api, pg_url):
+    devices = [pg_api.register(f"p{i}") for i in range(60)]
+    with psycopg.connect(libpq_url(pg_url), autocommit=True, options=PLANNER_OPTIONS) as conn:
+        conn.execute("ANALYZE devices; ANALYZE api_tokens")
+        items = [(d["device_id"], hash_token(d["device_token"]),
+                  HeartbeatIn.model_validate({"telemetry": [sample(10.0)]})) for d in devices[:2]]
+        from api.store.heartbeats import _latest
+        params = heartbeats_pg._params(items, heartbeats_pg.merged_per_device(items, _latest),
+                                       dt.datetime.now(dt.timezone.utc))
+        plan = "\n".join(row[0] for row in conn.execute(
+            "EXPLAIN " + heartbeats_pg.BATCH_PSYCOPG, params).fetchall())
+    # a table scan per batch would make every heartbeat cost O(fleet)
+    assert "Seq Scan" not in plan, plan
+    assert "pk_devices" in plan, plan
