@@ -94,6 +94,7 @@ class AsyncPgHeartbeatWriter:
         heartbeat that arrived meanwhile rides along."""
         try:
             while self._pending:
+                await asyncio.sleep(0)  # one more loop turn: requests already read join in
                 batch, self._pending = self._pending[:MAX_BATCH], self._pending[MAX_BATCH:]
                 await self._process(batch)
         finally:

@@ -273,7 +273,9 @@ class Fleet:
             report["job"]["id"] = job_id
             report["computed_shards"] = sum(p.computed_shards for p in self.phones)
         if self.opts.cleanup and self.opts.admin_token:
-            report["cleanup_errors"] = await self.cleanup()
+            failures = await self.cleanup()
+            report["cleanup_errors"] = len(failures)
+            report["cleanup_failures"] = failures[:10]  # what went wrong, for the operator
         await self.http.aclose()
         return report
 
@@ -290,20 +292,23 @@ class Fleet:
             return None
         return resp.json() if resp.status_code == 200 else None
 
-    async def cleanup(self) -> int:
-        """Delete the devices this run enrolled; the number of deletes that failed."""
+    async def cleanup(self) -> list[str]:
+        """Delete the devices this run enrolled; why each failed delete failed."""
         slots = asyncio.Semaphore(self.opts.concurrency)
 
-        async def delete(phone: LightPhone) -> int:
+        async def delete(phone: LightPhone) -> str | None:
             async with slots:
                 try:
                     resp = await self.http.delete(f"/v1/devices/{phone.device_id}",
                                                   headers=self._admin())
-                    return 0 if resp.status_code < 300 or resp.status_code == 404 else 1
-                except httpx.HTTPError:
-                    return 1
+                except httpx.HTTPError as exc:
+                    return f"{phone.device_id}: {type(exc).__name__}: {exc}"
+                if resp.status_code < 300 or resp.status_code == 404:
+                    return None
+                return f"{phone.device_id}: HTTP {resp.status_code} {resp.text[:200]}"
 
-        return sum(await asyncio.gather(*(delete(p) for p in self.phones if p.device_id)))
+        results = await asyncio.gather(*(delete(p) for p in self.phones if p.device_id))
+        return [failure for failure in results if failure is not None]
 
 
 def run_fleet(opts: FleetOptions, progress: Callable[[FleetStats], None] | None = None

@@ -41,7 +41,7 @@ def test_fleet_enrolls_heartbeats_reports_a_rate_and_cleans_up(server: LiveServe
     assert report["endpoints"]["heartbeat"]["requests"] >= 60
     assert report["requests_per_s"] > 10
     assert report["latency_ms"]["p50"] > 0
-    assert report["cleanup_errors"] == 0
+    assert report["cleanup_errors"] == 0, report["cleanup_failures"]
     with server.client() as admin:
         assert admin.get("/v1/devices").json()["items"] == []
 
