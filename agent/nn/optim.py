@@ -42,14 +42,31 @@ def lr_at(spec: TrainSpec, step: int) -> float:
     return base * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+# Elements per block: each float64 temporary is 512 KB, so a block's working set stays in the
+# caches and every input is read from memory once (whole-vector numpy made ~12 passes over 26 MB
+# arrays for mobilenet_v1: memory-bound; 2^12..2^17 measured, 2^16 best: ~31 -> ~14 ms).
+# Element-wise, so blocking changes no bit of the result.
+SGD_BLOCK = 1 << 16
+
+
 def sgd_update(params: np.ndarray, momentum_buf: np.ndarray, grad_mean: np.ndarray, lr: float,
                momentum: float, weight_decay: float, nesterov: bool,
-               decay_mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """New (params, momentum) as float32; arithmetic in float64 for one rounding per step."""
-    p = params.astype(np.float64)
-    g = grad_mean.astype(np.float64)
-    if weight_decay:
-        g += weight_decay * decay_mask * p
-    v = momentum * momentum_buf.astype(np.float64) + g
-    update = g + momentum * v if nesterov else v
-    return (p - lr * update).astype(np.float32), v.astype(np.float32)
+               decay_mask: np.ndarray, grad_divisor: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+    """New (params, momentum) as float32; arithmetic in float64 for one rounding per step.
+    The gradient used is grad_mean / grad_divisor (apply_step passes the sum and the count, so
+    the mean is never materialised as a separate vector)."""
+    n = params.size
+    new_params, new_momentum = np.empty(n, np.float32), np.empty(n, np.float32)
+    for lo in range(0, n, SGD_BLOCK):
+        block = slice(lo, lo + SGD_BLOCK)
+        p = params[block].astype(np.float64)
+        g = grad_mean[block].astype(np.float64)
+        if grad_divisor != 1.0:
+            g /= grad_divisor
+        if weight_decay:
+            g += weight_decay * decay_mask[block] * p
+        v = momentum * momentum_buf[block].astype(np.float64) + g
+        update = g + momentum * v if nesterov else v
+        new_params[block] = p - lr * update
+        new_momentum[block] = v
+    return new_params, new_momentum

@@ -93,8 +93,9 @@ def apply_step(model: Model, spec: TrainSpec, state: TrainState,
         correct += r.correct
         count += r.count
     lr = lr_at(spec, state.step)
-    params, momentum = sgd_update(state.params, state.momentum, grad / count, lr, spec.momentum,
-                                  spec.weight_decay, spec.nesterov, model.decay_mask)
+    params, momentum = sgd_update(state.params, state.momentum, grad, lr, spec.momentum,
+                                  spec.weight_decay, spec.nesterov, model.decay_mask,
+                                  grad_divisor=count)
     buffers = state.buffers
     if model.n_buffers:
         mean_stats = stats / len(ordered)

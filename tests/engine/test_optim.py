@@ -55,6 +55,27 @@ def test_sgd_momentum_weight_decay_and_nesterov_by_hand():
                                rtol=1e-6)
 
 
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_blocked_sgd_is_bit_identical_to_the_whole_vector_formula(nesterov):
+    # 2.5 blocks: full blocks and a ragged tail; the sum and count as apply_step passes them
+    from agent.nn.optim import SGD_BLOCK
+
+    rng = np.random.default_rng(0)
+    n = SGD_BLOCK * 5 // 2
+    p, v = rng.standard_normal(n).astype(np.float32), rng.standard_normal(n).astype(np.float32)
+    grad_sum = rng.standard_normal(n) * 37.0
+    mask = (rng.random(n) > 0.3).astype(np.float32)
+    lr, mom, wd, count = 0.05, 0.9, 1e-4, 96
+    g = (grad_sum / count).astype(np.float64)
+    g += wd * mask * p.astype(np.float64)
+    want_v = mom * v.astype(np.float64) + g
+    want_p = (p.astype(np.float64) - lr * (g + mom * want_v if nesterov else want_v))
+    new_p, new_v = sgd_update(p, v, grad_sum, lr, mom, wd, nesterov, mask, grad_divisor=count)
+    assert new_p.dtype == new_v.dtype == np.float32
+    assert np.array_equal(new_p, want_p.astype(np.float32))
+    assert np.array_equal(new_v, want_v.astype(np.float32))
+
+
 def test_schedule_needs_the_dataset_size():
     s = TrainSpec.from_job_spec({"model": {"arch": "cnn"}, "dataset": "digits"})
     with pytest.raises(SpecError, match="n_train"):
