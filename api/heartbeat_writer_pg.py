@@ -92,13 +92,15 @@ class AsyncPgHeartbeatWriter:
     async def _drain(self) -> None:
         """Run batches until nothing waits; the batch is taken when the task runs, so every
         heartbeat that arrived meanwhile rides along."""
+        loop = self._loop
         try:
-            while self._pending:
+            while self._pending and self._loop is loop:
                 await asyncio.sleep(0)  # one more loop turn: requests already read join in
                 batch, self._pending = self._pending[:MAX_BATCH], self._pending[MAX_BATCH:]
                 await self._process(batch)
         finally:
-            self._running -= 1
+            if self._loop is loop:  # after a _reset the count belongs to the new loop
+                self._running -= 1
 
     async def _process(self, batch: list[_Pending]) -> None:
         items = [(device_id, token_hash, body) for device_id, token_hash, body, _ in batch]
