@@ -46,15 +46,3 @@ class Invalid(ApiError):
 class Unavailable(ApiError):
     status_code = 503
 
-
-def validation_detail(errors: Any) -> list[dict[str, Any]]:
-    """FastAPI's shape (loc, msg, type) plus `field`, and nothing unserialisable."""
-    detail = []
-    for err in errors:
-        loc = [str(part) for part in err.get("loc", ())]
-        field = ".".join(loc[1:]) if loc and loc[0] in ("body", "query", "path") else ".".join(loc)
-        msg = str(err.get("msg", ""))
-        if err.get("type") == "json_invalid":  # loc holds a character position, not a field
-            field, msg = "", f"malformed JSON body: {err.get('ctx', {}).get('error', msg)}"
-        detail.append({"loc": loc, "field": field, "msg": msg, "type": str(err.get("type", ""))})
-    return detail

@@ -16,14 +16,12 @@ import logging
 import re
 from typing import Any
 
-import psycopg
-from fastapi.exceptions import RequestValidationError
-from sqlalchemy.exc import IntegrityError, OperationalError
 from starlette.concurrency import run_in_threadpool
 
 from api.auth import parse_bearer
 from api.deps import check_device
-from api.errors import ApiError, Unauthorized, validation_detail
+from api.error_responses import error_response
+from api.errors import Unauthorized
 from api.limits import BodyTooLarge
 from api.schemas.common import parse_body
 from api.schemas.devices import HeartbeatIn
@@ -51,22 +49,6 @@ async def heartbeat_reply(state: Any, device_id: str, authorization: str | None,
         check_device(await run_in_threadpool(auth.lookup, token_hash), device_id)
         raise Unauthorized("invalid bearer token") from None
     return json.dumps(reply).encode()
-
-
-def error_body(exc: Exception) -> tuple[int, Any, list[tuple[bytes, bytes]]] | None:
-    """(status, detail, extra headers) for the errors the app's handlers map; None otherwise."""
-    if isinstance(exc, ApiError):
-        return exc.status_code, exc.detail, []
-    if isinstance(exc, RequestValidationError):
-        return 422, validation_detail(exc.errors()), []
-    if isinstance(exc, BodyTooLarge):
-        return 413, exc.detail, []
-    if isinstance(exc, IntegrityError | psycopg.IntegrityError):
-        return 409, "conflicts with stored data (it changed concurrently or already exists)", []
-    if isinstance(exc, OperationalError | psycopg.OperationalError):
-        log.warning("database error: %s", exc)
-        return 503, "database unavailable, retry later", [(b"retry-after", b"1")]
-    return None
 
 
 class _Disconnected(Exception):
@@ -106,11 +88,12 @@ class HeartbeatFastPath:
         except _Disconnected:  # nobody to answer; nothing was queued
             return
         except Exception as exc:
-            mapped = error_body(exc)
+            mapped = error_response(exc)
             if mapped is None:
                 raise
-            status, detail, headers = mapped
+            status, detail, extra = mapped
             payload = json.dumps({"detail": detail}).encode()
+            headers = [(name.lower().encode(), value.encode()) for name, value in extra.items()]
         await send({"type": "http.response.start", "status": status,
                     "headers": [*JSON_HEADERS, *headers,
                                 (b"content-length", str(len(payload)).encode())]})

@@ -22,13 +22,13 @@ from typing import Any
 import psycopg
 from psycopg.rows import namedtuple_row
 from sqlalchemy import Engine
-from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session
 
 from api.heartbeats import resolve
 from api.schemas.devices import HeartbeatIn
 from api.store import heartbeats_pg
-from api.store.heartbeats import BatchOutcome, batch_outcome, read_refused
+from api.store.db import libpq_url
+from api.store.heartbeats import BatchOutcome, batch_outcome, read_batch
 
 log = logging.getLogger(__name__)
 MAX_BATCH = 2000
@@ -42,11 +42,6 @@ ACTIVE_ARCHS_SQL = ("SELECT DISTINCT spec->'model'->>'arch' AS arch FROM jobs "
                     "WHERE state IN ('Pending', 'Running')")
 
 _Pending = tuple[str, str, HeartbeatIn, "asyncio.Future[Any]"]
-
-
-def libpq_url(sqlalchemy_url: str) -> str:
-    return make_url(sqlalchemy_url).set(drivername="postgresql").render_as_string(
-        hide_password=False)
 
 
 class AsyncPgHeartbeatWriter:
@@ -154,7 +149,7 @@ class AsyncPgHeartbeatWriter:
 
     def _read_refused(self, refused: list[tuple[str, str, HeartbeatIn]]) -> dict[str, Any]:
         with Session(self.engine) as session:
-            return read_refused(session, refused)
+            return read_batch(session, refused)
 
     async def _active_archs(self, conn: psycopg.AsyncConnection) -> set[str]:
         """Archs of Pending/Running jobs (devices lacking a profile for one are asked for it)."""

@@ -9,15 +9,12 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from sqlalchemy import Engine
-from sqlalchemy.exc import IntegrityError, OperationalError
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from api import heartbeat_endpoint
 from api.auth import Authenticator, ensure_admin_token
-from api.errors import ApiError, validation_detail
+from api.error_responses import HANDLED, error_response
 from api.heartbeat_writer_pg import AsyncPgHeartbeatWriter
 from api.heartbeats import HeartbeatWriter
 from api.limits import BodySizeLimit
@@ -39,30 +36,12 @@ class NoopHooks:
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(ApiError)
-    async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
-        return JSONResponse({"detail": exc.detail}, status_code=exc.status_code)
+    async def _answer(_: Request, exc: Exception) -> JSONResponse:
+        status, detail, headers = error_response(exc) or (500, "internal server error", {})
+        return JSONResponse({"detail": detail}, status_code=status, headers=headers or None)
 
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return JSONResponse({"detail": validation_detail(exc.errors())}, status_code=422)
-
-    @app.exception_handler(IntegrityError)
-    async def _integrity(_: Request, exc: IntegrityError) -> JSONResponse:
-        log.info("integrity error: %s", exc)
-        return JSONResponse({"detail": "conflicts with stored data (it changed concurrently "
-                             "or already exists)"}, status_code=409)
-
-    @app.exception_handler(OperationalError)
-    async def _db_down(_: Request, exc: OperationalError) -> JSONResponse:
-        log.warning("database error: %s", exc)
-        return JSONResponse({"detail": "database unavailable, retry later"}, status_code=503,
-                            headers={"Retry-After": "1"})
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return JSONResponse({"detail": exc.detail}, status_code=exc.status_code,
-                            headers=getattr(exc, "headers", None))
+    for kind in HANDLED:
+        app.add_exception_handler(kind, _answer)
 
 
 def _include_routers(app: FastAPI) -> None:

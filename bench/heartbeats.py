@@ -29,6 +29,7 @@ import psycopg
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from api.store.db import libpq_url  # noqa: E402
 from tests.support.server import start_server  # noqa: E402
 
 ADMIN = "phx-adm-bench-" + uuid.uuid4().hex
@@ -68,20 +69,16 @@ end
 """
 
 
-def _libpq(url: str) -> str:
-    return url.replace("postgresql+psycopg://", "postgresql://")
-
-
 def fresh_database(admin_url: str) -> str:
     name = f"phalanx_bench_{uuid.uuid4().hex[:8]}"
-    with psycopg.connect(_libpq(admin_url), autocommit=True) as conn:
+    with psycopg.connect(libpq_url(admin_url), autocommit=True) as conn:
         conn.execute(f'CREATE DATABASE "{name}"')
     return admin_url.rpartition("/")[0] + "/" + name
 
 
 def drop_database(url: str) -> None:
     admin, name = url.rpartition("/")[0] + "/postgres", url.rpartition("/")[2]
-    with psycopg.connect(_libpq(admin), autocommit=True) as conn:
+    with psycopg.connect(libpq_url(admin), autocommit=True) as conn:
         conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
@@ -108,8 +105,9 @@ def run_wrk(url: str, script: Path, args: argparse.Namespace, env: dict[str, str
 
 
 def cpu_seconds() -> dict[str, float]:
-    """CPU time so far (user + system) of every process by name: where a request's cost goes
-    (the server's Python, Postgres, wrk), which a noisy shared machine blurs less than rates."""
+    """CPU time so far (user + system) of the live Python and Postgres processes: where a
+    request's cost goes, which a noisy shared machine blurs less than rates. (wrk has exited by
+    the time it is read; this script's own Python idles while wrk runs.)"""
     tick = os.sysconf("SC_CLK_TCK")
     totals: dict[str, float] = {}
     for pid in filter(str.isdigit, os.listdir("/proc")):
@@ -118,21 +116,20 @@ def cpu_seconds() -> dict[str, float]:
         except OSError:
             continue
         name, fields = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
-        group = "postgres" if name.startswith("postgres") else "wrk" if name == "wrk" else \
+        group = "postgres" if name.startswith("postgres") else \
             "python" if name.startswith("python") else "other"
         totals[group] = totals.get(group, 0.0) + (int(fields[11]) + int(fields[12])) / tick
     return totals
 
 
 def cpu_per_request(before: dict[str, float], after: dict[str, float], requests: int) -> str:
-    """µs of CPU per request for the server's Python (our benchmark driver idles in wrk), Postgres
-    and wrk."""
+    """µs of CPU per request of the server's Python and of Postgres."""
     return " ".join(f"{group} {(after.get(group, 0) - before.get(group, 0)) / requests * 1e6:.0f}"
                     for group in ("python", "postgres"))
 
 
 def count_samples(db_url: str) -> int:
-    with psycopg.connect(_libpq(db_url)) as conn:
+    with psycopg.connect(libpq_url(db_url)) as conn:
         return conn.execute("SELECT count(*) FROM telemetry_samples").fetchone()[0]
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from alembic import command
 from alembic.config import Config
-from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import Engine, create_engine, event, make_url
 from sqlalchemy.orm import Session, sessionmaker
 
 MIGRATIONS_DIR = Path(__file__).resolve().parents[2] / "migrations"
@@ -23,6 +23,12 @@ def make_engine(url: str, **kwargs) -> Engine:
     kwargs.setdefault("max_overflow", 20)
     kwargs.setdefault("pool_pre_ping", True)
     return create_engine(url, **kwargs)
+
+
+def libpq_url(sqlalchemy_url: str) -> str:
+    """The same database as a plain libpq URL (for psycopg used directly, without SQLAlchemy)."""
+    return make_url(sqlalchemy_url).set(drivername="postgresql").render_as_string(
+        hide_password=False)
 
 
 def _sqlite_pragmas(dbapi_connection, _record) -> None:

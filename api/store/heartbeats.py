@@ -42,7 +42,7 @@ def _sample_row(device_id: str, sample: Any, now: dt.datetime) -> dict[str, Any]
     return row
 
 
-def _latest(body: HeartbeatIn) -> dict[str, Any] | None:
+def latest_sample(body: HeartbeatIn) -> dict[str, Any] | None:
     if not body.telemetry:
         return None
     newest = max(body.telemetry, key=lambda s: s.ts)
@@ -54,7 +54,7 @@ def _latest(body: HeartbeatIn) -> dict[str, Any] | None:
 def _update_row(device_id: str, body: HeartbeatIn, now: dt.datetime) -> dict[str, Any]:
     row: dict[str, Any] = {"b_id": device_id, "lease_renewed_at": now, "updated": now,
                            "pause_reason": body.pause.reason if body.pause else None}
-    latest = _latest(body)
+    latest = latest_sample(body)
     if latest is not None:
         row["latest_telemetry"] = latest
         row["latest_telemetry_at"] = dt.datetime.fromtimestamp(latest["ts"], dt.timezone.utc)
@@ -102,7 +102,7 @@ def _authorize(token: Any, device_id: str, now: dt.datetime) -> Exception | None
     return None
 
 
-def _read_batch(session: Session, items: list[tuple[str, str, HeartbeatIn]]) -> dict[str, Any]:
+def read_batch(session: Session, items: list[tuple[str, str, HeartbeatIn]]) -> dict[str, Any]:
     """token hash -> its device row, for the whole batch in one query (auth and state at once)."""
     hashes = sorted({token_hash for _, token_hash, _ in items})
     query = (select(ApiToken.token_hash, ApiToken.revoked, ApiToken.expires_at,
@@ -117,7 +117,7 @@ def apply_heartbeats(session: Session, items: list[tuple[str, str, HeartbeatIn]]
                      now: dt.datetime, *, grace_s: float, interval_s: float,
                      active_archs: frozenset[str] | set[str] = frozenset()) -> BatchOutcome:
     """items: (device id from the path, SHA-256 of the bearer token, body)."""
-    rows = _read_batch(session, items)
+    rows = read_batch(session, items)
     outcome = BatchOutcome(replies=[])
     updates, samples, new_events = [], [], []
     seen_pause: dict[str, str | None] = {}
@@ -161,11 +161,6 @@ def _reply(device_id: str, device: Any, profiles: dict[str, Any], now: dt.dateti
             "lease": {"renewed_at": now.isoformat(), "grace_s": grace_s},
             "heartbeat_interval_s": interval_s,
             "commands": _commands(device, profiles, active_archs)}
-
-
-def read_refused(session: Session, items: list[tuple[str, str, HeartbeatIn]]) -> dict[str, Any]:
-    """Why the batch statement refused these (see `batch_outcome`): their tokens' rows."""
-    return _read_batch(session, items)
 
 
 def batch_outcome(items: list[tuple[str, str, HeartbeatIn]], renewed: dict[str, Any],

@@ -4,28 +4,28 @@ A single statement of data-modifying CTEs, run in autocommit (so the statement i
 transaction): `UPDATE devices ... FROM json_to_recordset(...)` authenticates every heartbeat against its
 token row and renews the lease, storing the latest sample, capabilities, profiles and pause;
 `INSERT ... SELECT FROM json_to_recordset(...)` appends the samples of the heartbeats it accepted; two
-more INSERTs record the NodeReady and Paused/Resumed events. One round trip matters: under load
-each round trip also waits for the GIL and the CPU. JSON parameters keep the SQL text fixed
-(prepared once per connection) whatever the batch size.
+more INSERTs record the NodeReady and Paused/Resumed events. JSON parameters keep the SQL text
+fixed (prepared once per connection) whatever the batch size; placeholders are psycopg's, for
+the asyncio writer (api.heartbeat_writer_pg).
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import json
-import re
 from typing import Any
 
 from api.schemas.devices import HeartbeatIn
+from api.store.heartbeats import latest_sample
 
-BATCH_SQL = """
+BATCH = """
 WITH v AS (
-  SELECT * FROM json_to_recordset(CAST(:devices AS json))
+  SELECT * FROM json_to_recordset(CAST(%(devices)s AS json))
     AS v(id text, token_hash text, tel json, tel_at timestamptz, agent_version text, caps json,
          profiles json, pause text, pause_detail text)
 ), renewed AS (
   UPDATE devices AS d SET
-    lease_renewed_at = :now, updated = :now,
+    lease_renewed_at = %(now)s, updated = %(now)s,
     state = CASE WHEN d.draining THEN 'Draining' WHEN d.cordoned THEN 'Cordoned' ELSE 'Ready' END,
     pause_reason = v.pause,
     latest_telemetry = COALESCE(v.tel, d.latest_telemetry),
@@ -36,7 +36,7 @@ WITH v AS (
   FROM v CROSS JOIN LATERAL (
          SELECT 1 FROM api_tokens AS t
          WHERE t.token_hash = v.token_hash AND t.kind = 'device' AND t.device_id = v.id
-           AND NOT t.revoked AND (t.expires_at IS NULL OR t.expires_at > :now) LIMIT 1) AS ok,
+           AND NOT t.revoked AND (t.expires_at IS NULL OR t.expires_at > %(now)s) LIMIT 1) AS ok,
        devices AS old
   WHERE d.id = v.id AND old.id = d.id
   RETURNING d.id, old.state AS old_state, old.pause_reason AS old_pause, d.pause_reason AS pause,
@@ -46,8 +46,8 @@ WITH v AS (
                                  cpu_temp_c, power_w, cpu_freq_mhz, throttled, busy, created,
                                  updated)
   SELECT x.id, s.ts, s.battery_pct, s.charging, s.battery_temp_c, s.cpu_temp_c, s.power_w,
-         s.cpu_freq_mhz, s.throttled, s.busy, :now, :now
-  FROM json_to_recordset(CAST(:samples AS json)) AS x(id text, telemetry json),
+         s.cpu_freq_mhz, s.throttled, s.busy, %(now)s, %(now)s
+  FROM json_to_recordset(CAST(%(samples)s AS json)) AS x(id text, telemetry json),
        json_to_recordset(x.telemetry) AS s(ts timestamptz, battery_pct float8, charging bool,
                                            battery_temp_c float8, cpu_temp_c float8,
                                            power_w float8, cpu_freq_mhz float8, throttled bool,
@@ -55,30 +55,28 @@ WITH v AS (
   WHERE x.id IN (SELECT id FROM renewed)
 ), ready AS (
   INSERT INTO events (ts, reason, message, device_id, kind, data, created, updated)
-  SELECT :now, 'NodeReady', 'heartbeat renewed the lease', id, 'Normal', '{}', :now, :now
+  SELECT %(now)s, 'NodeReady', 'heartbeat renewed the lease', id, 'Normal', '{}', %(now)s, %(now)s
   FROM renewed WHERE old_state = 'NotReady'
 ), paused AS (
   INSERT INTO events (ts, reason, message, device_id, kind, data, created, updated)
-  SELECT :now, CASE WHEN pause IS NULL THEN 'Resumed' ELSE 'Paused' END,
+  SELECT %(now)s, CASE WHEN pause IS NULL THEN 'Resumed' ELSE 'Paused' END,
          CASE WHEN pause IS NULL THEN 'the agent trains again'
               ELSE pause || COALESCE(': ' || pause_detail, '') END,
-         id, 'Normal', '{}', :now, :now
+         id, 'Normal', '{}', %(now)s, %(now)s
   FROM renewed WHERE pause IS DISTINCT FROM old_pause
 )
 SELECT * FROM renewed
 """
-# psycopg's own placeholders for the asyncio writer (the SQL has no '::' casts and no '%')
-BATCH_PSYCOPG = re.sub(r"(?<![:\w]):(\w+)", r"%(\1)s", BATCH_SQL)
 
 
-def merged_per_device(items: list[tuple[str, str, HeartbeatIn]], latest) -> dict:
+def merged_per_device(items: list[tuple[str, str, HeartbeatIn]]) -> dict:
     """(device, token hash) -> the values to store: the newest sample, the last value sent."""
     merged: dict[tuple[str, str], dict[str, Any]] = {}
     for device_id, token_hash, body in items:
         row = merged.setdefault((device_id, token_hash), {"tel": None, "tel_ts": None,
                                                           "agent_version": None, "caps": None,
                                                           "profiles": None})
-        newest = latest(body)
+        newest = latest_sample(body)
         if newest is not None and (row["tel_ts"] is None or newest["ts"] >= row["tel_ts"]):
             row["tel"], row["tel_ts"] = newest, newest["ts"]
         for key, value in (("agent_version", body.agent_version), ("caps", body.capabilities),
@@ -89,9 +87,10 @@ def merged_per_device(items: list[tuple[str, str, HeartbeatIn]], latest) -> dict
     return merged
 
 
-def _params(items: list[tuple[str, str, HeartbeatIn]], merged: dict, now: dt.datetime) -> dict:
-    """Two JSON documents (json_to_recordset): encoding them is C/Rust work, not per-value
+def batch_params(items: list[tuple[str, str, HeartbeatIn]], now: dt.datetime) -> dict:
+    """The statement's parameters: two JSON documents (json_to_recordset): encoding them is C/Rust work, not per-value
     Python adaptation. Each body's samples are dumped by pydantic-core as they are."""
+    merged = merged_per_device(items)
     devices = []
     for (device_id, token_hash) in sorted(merged):  # id order: batches lock rows in one order
         row = merged[(device_id, token_hash)]
@@ -114,8 +113,5 @@ async def apply_batch_async(conn: Any, items: list[tuple[str, str, HeartbeatIn]]
     """Run the batch on an autocommit psycopg AsyncConnection (the statement commits itself);
     device id -> its returned row. A device absent from the result was refused (bad, revoked or
     foreign token; deleted)."""
-    from api.store.heartbeats import _latest
-
-    merged = merged_per_device(items, _latest)
-    cursor = await conn.execute(BATCH_PSYCOPG, _params(items, merged, now), prepare=True)
+    cursor = await conn.execute(BATCH, batch_params(items, now), prepare=True)
     return {row.id: row for row in await cursor.fetchall()}

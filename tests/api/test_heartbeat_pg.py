@@ -11,9 +11,10 @@ import psycopg
 import pytest
 
 from api.auth import hash_token
-from api.heartbeat_writer_pg import PLANNER_OPTIONS, libpq_url
+from api.heartbeat_writer_pg import PLANNER_OPTIONS
 from api.schemas.devices import HeartbeatIn
 from api.store import heartbeats_pg
+from api.store.db import libpq_url
 from api.store.models import TelemetrySample
 from tests.api.conftest import Api, api_on, sample
 
@@ -52,11 +53,9 @@ def test_the_batch_statement_uses_indexes_not_table_scans(pg_api, pg_url):
         conn.execute("ANALYZE devices; ANALYZE api_tokens")
         items = [(d["device_id"], hash_token(d["device_token"]),
                   HeartbeatIn.model_validate({"telemetry": [sample(10.0)]})) for d in devices[:2]]
-        from api.store.heartbeats import _latest
-        params = heartbeats_pg._params(items, heartbeats_pg.merged_per_device(items, _latest),
-                                       dt.datetime.now(dt.timezone.utc))
+        params = heartbeats_pg.batch_params(items, dt.datetime.now(dt.timezone.utc))
         plan = "\n".join(row[0] for row in conn.execute(
-            "EXPLAIN " + heartbeats_pg.BATCH_PSYCOPG, params).fetchall())
+            "EXPLAIN " + heartbeats_pg.BATCH, params).fetchall())
     # a table scan per batch would make every heartbeat cost O(fleet)
     assert "Seq Scan" not in plan, plan
     assert "pk_devices" in plan, plan

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from api.store.db import upgrade
+from api.store.db import libpq_url, upgrade
 
 DEFAULT_PG_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/15"
@@ -17,10 +17,6 @@ HOW_TO_GET_SERVICES = (
     "run the suite through ./scripts/test (it starts private Postgres/Redis when none answer), "
     "or set PHALANX_TEST_DATABASE_URL / PHALANX_TEST_REDIS_URL"
 )
-
-
-def _libpq(url: str) -> str:
-    return url.replace("postgresql+psycopg://", "postgresql://")
 
 
 def _with_database(url: str, name: str) -> str:
@@ -39,7 +35,7 @@ class PostgresTemplate:
         import psycopg
 
         try:
-            with psycopg.connect(_libpq(self.admin_url), autocommit=True, connect_timeout=5) as conn:
+            with psycopg.connect(libpq_url(self.admin_url), autocommit=True, connect_timeout=5) as conn:
                 conn.execute(sql)
         except psycopg.OperationalError as exc:
             pytest.fail(f"cannot reach Postgres at {self.admin_url}: {exc}\n{HOW_TO_GET_SERVICES}")
