@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_fixed
 
 from phalanx.sim.model import PhoneModel
 from phalanx.sim.profiles import fleet_mix
@@ -296,11 +297,16 @@ class Fleet:
         """Delete the devices this run enrolled; why each failed delete failed."""
         slots = asyncio.Semaphore(self.opts.concurrency)
 
+        # A pooled connection idle past the server's keep-alive timeout may be closed under us
+        # (seen: ReadError); DELETE is idempotent (404 counts as done), so try it again.
+        retrying = AsyncRetrying(retry=retry_if_exception_type(httpx.TransportError),
+                                 stop=stop_after_attempt(3), wait=wait_fixed(0.2), reraise=True)
+
         async def delete(phone: LightPhone) -> str | None:
             async with slots:
                 try:
-                    resp = await self.http.delete(f"/v1/devices/{phone.device_id}",
-                                                  headers=self._admin())
+                    resp = await retrying(self.http.delete, f"/v1/devices/{phone.device_id}",
+                                          headers=self._admin())
                 except httpx.HTTPError as exc:
                     return f"{phone.device_id}: {type(exc).__name__}: {exc}"
                 if resp.status_code < 300 or resp.status_code == 404:

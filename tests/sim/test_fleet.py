@@ -46,6 +46,44 @@ def test_fleet_enrolls_heartbeats_reports_a_rate_and_cleans_up(server: LiveServe
         assert admin.get("/v1/devices").json()["items"] == []
 
 
+def test_cleanup_retries_a_delete_whose_pooled_connection_was_closed() -> None:
+    # What a server closing an idle keep-alive connection looks like to httpx: a ReadError on the
+    # first try. DELETE is idempotent, so cleanup tries again and reports only real failures.
+    import asyncio
+
+    import httpx
+
+    from phalanx.sim.fleet import Fleet
+
+    attempts: dict[str, int] = {}
+
+    def server(request: httpx.Request) -> httpx.Response:
+        path = request.url.path
+        attempts[path] = attempts.get(path, 0) + 1
+        if path.endswith("/always-broken"):
+            raise httpx.ReadError("connection closed", request=request)
+        if attempts[path] == 1:
+            raise httpx.ReadError("connection closed", request=request)
+        return httpx.Response(404 if path.endswith("/gone") else 204)
+
+    async def main() -> list[str]:
+        http = httpx.AsyncClient(base_url="http://phalanx.test",
+                                 transport=httpx.MockTransport(server))
+        fleet = Fleet(FleetOptions(server="http://phalanx.test", phones=3,
+                                   admin_token=ADMIN_TOKEN), http=http)
+        for phone, device_id in zip(fleet.phones, ("dev-a", "gone", "always-broken")):
+            phone.device_id = device_id
+        try:
+            return await fleet.cleanup()
+        finally:
+            await http.aclose()
+
+    failures = asyncio.run(main())
+    assert failures == ["always-broken: ReadError: connection closed"]
+    assert attempts == {"/v1/devices/dev-a": 2, "/v1/devices/gone": 2,
+                        "/v1/devices/always-broken": 3}
+
+
 def test_the_sim_command_prints_requests_per_second_with_zero_errors(server: LiveServer) -> None:
     result = CliRunner().invoke(app, ["sim", "--phones", "20", "--duration", "4", "--interval",
                                       "1", "--server", server.url, "--token", ADMIN_TOKEN,
