@@ -44,8 +44,7 @@ class WireError(ValueError):
 def encode_weights(job_id: str, step: int, params: np.ndarray, buffers: np.ndarray) -> bytes:
     header = {"kind": "weights", "job": job_id, "step": int(step), "dtype": "float32",
               "n_params": int(params.size), "n_buffers": int(buffers.size)}
-    payload = _f32(params).tobytes() + _f32(buffers).tobytes()
-    return _pack(header, payload)
+    return _pack(header, [_f32(params), _f32(buffers)])
 
 
 def decode_weights(data: bytes, expect_job: str | None = None, expect_step: int | None = None,
@@ -59,6 +58,7 @@ def decode_weights(data: bytes, expect_job: str | None = None, expect_step: int 
     if len(payload) != 4 * (p + b):
         raise WireError(f"payload is {len(payload)} bytes, header says {4 * (p + b)}")
     flat = _finite(np.frombuffer(payload, dtype="<f4"), "weights")
+    # copies: the caller owns writable arrays, not views that keep the message alive
     return header["step"], flat[:p].astype(np.float32), flat[p:].astype(np.float32)
 
 
@@ -69,22 +69,23 @@ def encode_results(job_id: str, step: int, results: list[ShardResult],
     if not results:
         raise WireError("no results to encode")
     n_params, n_stats = int(results[0].grad_sum.size), int(results[0].stats.size)
-    chunks, shards = [], []
+    chunks: list[np.ndarray] = []
+    shards = []
     for r in results:
         if r.grad_sum.size != n_params or r.stats.size != n_stats:
             raise WireError(f"shard {r.shard}: arrays differ in size from shard "
                             f"{results[0].shard}'s")
         with np.errstate(over="ignore"):  # overflow shows up as inf, refused just below
-            grad = np.asarray(r.grad_sum).astype(_DTYPES[dtype])
-        if not np.isfinite(grad).all():
+            grad = np.ascontiguousarray(r.grad_sum, dtype=_DTYPES[dtype])  # no copy if float32
+        if not all_finite(grad):
             raise WireError(f"shard {r.shard}: gradient is not finite in {dtype} "
                             "(diverged, or too large for float16)")
-        chunks += [grad.tobytes(), _f32(r.stats).tobytes()]
+        chunks += [grad, _f32(r.stats)]
         shards.append({"shard": int(r.shard), "loss_sum": float(r.loss_sum),
                        "correct": int(r.correct), "count": int(r.count)})
     header = {"kind": "results", "job": job_id, "step": int(step), "dtype": dtype,
               "n_params": n_params, "n_stats": n_stats, "shards": shards}
-    return _pack(header, b"".join(chunks))
+    return _pack(header, chunks)
 
 
 def decode_results(data: bytes, expect_job: str | None = None, expect_step: int | None = None,
@@ -104,22 +105,31 @@ def decode_results(data: bytes, expect_job: str | None = None, expect_step: int 
         chunk = payload[i * per : (i + 1) * per]
         grad = _finite(np.frombuffer(chunk[:gsize], dtype=_DTYPES[dtype]), "gradient")
         stats = _finite(np.frombuffer(chunk[gsize:], dtype="<f4"), "stats")
-        out.append(ShardResult(meta["shard"], grad.astype(np.float32), meta["loss_sum"],
-                               meta["correct"], meta["count"], stats.astype(np.float32)))
+        # float32 arrives as read-only views of the message (no copy of a model-sized vector);
+        # float16 is widened into a new array
+        out.append(ShardResult(meta["shard"], grad.astype(np.float32, copy=False),
+                               meta["loss_sum"], meta["correct"], meta["count"],
+                               stats.astype(np.float32, copy=False)))
     return out
 
 
-def _pack(header: dict[str, Any], payload: bytes) -> bytes:
+def _pack(header: dict[str, Any], arrays: list[np.ndarray]) -> bytes:
+    """One copy of the arrays, into the message itself (a phone has little memory to spare)."""
     try:
         raw = json.dumps(header, allow_nan=False, separators=(",", ":")).encode()
     except ValueError:
         raise WireError("header holds NaN or infinity (a shard's loss is not finite)") from None
-    crc = zlib.crc32(payload, zlib.crc32(raw))
-    return _PREFIX.pack(MAGIC, VERSION, len(raw), crc) + raw + payload
+    parts = [memoryview(a).cast("B") for a in arrays]
+    crc = zlib.crc32(raw)
+    for part in parts:
+        crc = zlib.crc32(part, crc)
+    return b"".join([_PREFIX.pack(MAGIC, VERSION, len(raw), crc), raw, *parts])
 
 
-def _unpack(data: bytes, kind: str, job: str | None, step: int | None
-            ) -> tuple[dict[str, Any], bytes]:
+def _unpack(data: bytes | bytearray | memoryview, kind: str, job: str | None,
+            step: int | None) -> tuple[dict[str, Any], memoryview]:
+    """The header and a view of the payload (slicing bytes would copy a model-sized vector)."""
+    data = memoryview(data).cast("B")
     if len(data) < _PREFIX.size:
         raise WireError(f"truncated: {len(data)} bytes is shorter than the header")
     magic, version, hlen, crc = _PREFIX.unpack_from(data)
@@ -129,7 +139,7 @@ def _unpack(data: bytes, kind: str, job: str | None, step: int | None
         raise WireError(f"unsupported wire version {version} (this side speaks {VERSION})")
     if hlen > MAX_HEADER or _PREFIX.size + hlen > len(data):
         raise WireError(f"truncated: header of {hlen} bytes does not fit in {len(data)} bytes")
-    raw = data[_PREFIX.size : _PREFIX.size + hlen]
+    raw = bytes(data[_PREFIX.size : _PREFIX.size + hlen])
     payload = data[_PREFIX.size + hlen :]
     if zlib.crc32(payload, zlib.crc32(raw)) != crc:
         raise WireError("checksum mismatch: the message was corrupted or truncated")
@@ -191,7 +201,17 @@ def _f32(a: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(a, dtype="<f4")
 
 
+def all_finite(a: np.ndarray) -> bool:
+    """No NaN or infinity in `a`. A sum is NaN or infinite whenever an element is, so a finite
+    sum settles it in one pass with no temporary; only a non-finite sum (which finite values
+    can also give, by overflow) needs the element-wise check."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        if np.isfinite(np.add.reduce(a, axis=None)):
+            return True
+    return bool(np.isfinite(a).all())
+
+
 def _finite(a: np.ndarray, what: str) -> np.ndarray:
-    if not np.isfinite(a).all():
+    if not all_finite(a):
         raise WireError(f"{what} holds NaN or infinity")
     return a

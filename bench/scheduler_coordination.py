@@ -75,7 +75,8 @@ class Services:
         self.url = f"http://127.0.0.1:{self.port}"
 
     def start(self) -> None:
-        cmd = [sys.executable, "-m", "phalanx.cli.main", "server", "--port", str(self.port)]
+        cmd = [sys.executable, "-m", "phalanx.cli.main", "server", "--port", str(self.port),
+               "--workers", os.environ.get("BENCH_API_WORKERS", "1")]
         self._spawn(cmd, "server.log")
         if self.mode == "redis":
             self._spawn([sys.executable, "-m", "phalanx.cli.main", "worker", "--beat",
@@ -120,36 +121,40 @@ def enroll(url: str, n: int) -> list[tuple[str, str]]:
 
 
 def agent_thread(url: str, device: str, secret: str, stop: Any, log: Any) -> None:
-    headers = {"Authorization": f"Bearer {secret}"}
-    with httpx.Client(base_url=url, headers=headers, timeout=300) as c:
-        while not stop.is_set():
-            try:
-                one_step(c, device, log)
-            except httpx.HTTPError:
-                if stop.is_set():
-                    return  # the server is going away at the end of the run
-                time.sleep(0.1)
+    from agent.client import Client, ClientError
+
+    c = Client(url, secret, timeout_s=300)  # the phone's own HTTP client (stdlib)
+    while not stop.is_set():
+        try:
+            one_step(c, device, log)
+        except ClientError:
+            if stop.is_set():
+                return  # the server is going away at the end of the run
+            time.sleep(0.1)
 
 
 _GRAD = np.zeros(N_PARAMS, np.float32)
 
 
-def one_step(c: httpx.Client, device: str, log: Any) -> None:
+def one_step(c: Any, device: str, log: Any) -> None:
+    from agent.client import Conflict
     from agent.nn.step import ShardResult
     from agent.wire import encode_results
 
-    a = c.get(f"/v1/devices/{device}/work", params={"wait": 2}).json()["assignment"]
+    a = c.work(device, 2)
     if a is None:
         return
     job, step = a["job_id"], a["step"]
-    if c.get(f"/v1/jobs/{job}/weights", params={"step": step}).status_code != 200:
+    try:
+        c.weights(job, step)
+    except Conflict:
         return
     t0 = time.perf_counter()
     stats = np.zeros(a["n_stats"], np.float32)
     m = a["spec"]["global_batch_size"] // a["spec"]["shards"]
     body = encode_results(job, step, [ShardResult(k, _GRAD, 1.0, 0, m, stats) for k in a["shards"]])
     local = time.perf_counter() - t0
-    c.post(f"/v1/jobs/{job}/steps/{step}/gradients", content=body)
+    c.upload_gradients(job, step, body)
     log.put((step, local))
 
 
@@ -179,12 +184,17 @@ def run_phalanx(root: Path, mode: str, n: int, steps: int, pg: str | None, rd: s
                 "checkpoint_every": 100000, "optimizer": {"lr": 0.01},
                 "placement": {"min_devices": n, "max_devices": n}}
         admin = {"Authorization": f"Bearer {ADMIN}"}
+        groups_pids = {"server": [p.pid for p in services.procs], "agents": [p.pid for p in procs]}
         with httpx.Client(base_url=services.url, headers=admin, timeout=60) as c:
             job_id = c.post("/v1/jobs", json=spec).json()["id"]
             deadline = time.monotonic() + 600
-            while c.get(f"/v1/jobs/{job_id}").json()["step"] < steps + 1:
+            cpu_before: dict[str, float] = {}
+            while (at := c.get(f"/v1/jobs/{job_id}").json()["step"]) < steps + 1:
                 assert time.monotonic() < deadline, "steps did not advance"
-                time.sleep(0.2)
+                if at >= 1 and not cpu_before:
+                    cpu_before, first = cpu_seconds(groups_pids), at
+                time.sleep(0.01)
+            cpu_after = cpu_seconds(groups_pids)
             rows = c.get(f"/v1/jobs/{job_id}/metrics").json()["items"]
             c.post(f"/v1/jobs/{job_id}/cancel")
     finally:
@@ -201,9 +211,31 @@ def run_phalanx(root: Path, mode: str, n: int, steps: int, pg: str | None, rd: s
     measured = [r for r in rows if 1 <= r["step"] <= steps and r["step_seconds"]]
     wall = [r["step_seconds"] for r in measured]
     coord = [r["step_seconds"] - local.get(r["step"], 0.0) for r in measured]
+    cpu = {g: (cpu_after[g] - cpu_before.get(g, 0.0)) / max(1, at - first) for g in cpu_after}
     return {"mode": mode, "agents": n, "step_wall_s": statistics.median(wall),
+            "cpu_s_per_step": cpu,
             "slowest_agent_local_s": statistics.median(local.get(r["step"], 0.0) for r in measured),
             "coordination_s": statistics.median(coord), "steps": len(measured)}
+
+
+def cpu_seconds(groups: dict[str, list[int]]) -> dict[str, float]:
+    """CPU time so far (user + system) of each group of processes, plus Redis and Postgres by
+    process name: on a 2-core machine the step is as fast as its total CPU allows."""
+    tick = os.sysconf("SC_CLK_TCK")
+    owner = {pid: g for g, pids in groups.items() for pid in pids}
+    totals = dict.fromkeys([*groups, "redis", "postgres"], 0.0)
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            continue
+        name = stat[stat.index("(") + 1:stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2:].split()
+        group = owner.get(int(pid)) or ("redis" if name.startswith("redis") else
+                                        "postgres" if name.startswith("postgres") else None)
+        if group:
+            totals[group] += (int(fields[11]) + int(fields[12])) / tick
+    return totals
 
 
 def gloo_worker(rank: int, world: int, port: int, repeats: int, out: Any) -> None:
@@ -261,7 +293,9 @@ def main() -> None:
             results.append(row)
             print(f"phalanx {mode:8} {n:>3} agents: step {row['step_wall_s'] * 1000:7.0f} ms, "
                   f"agent-local {row['slowest_agent_local_s'] * 1000:5.0f} ms, coordination "
-                  f"{row['coordination_s'] * 1000:7.0f} ms", flush=True)
+                  f"{row['coordination_s'] * 1000:7.0f} ms | CPU per step: " + ", ".join(
+                      f"{g} {v * 1000:.0f} ms" for g, v in row["cpu_s_per_step"].items() if v),
+                  flush=True)
     gloo = {n: run_gloo(n) for n in counts if n <= args.gloo_max}
     for n, g in gloo.items():
         print(f"gloo allreduce {n:>3} processes: {g['allreduce_s'] * 1000:7.0f} ms", flush=True)

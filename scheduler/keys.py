@@ -13,6 +13,11 @@ def state(job_id: str, step: int) -> str:
     return f"job:{job_id}:state:{step}"
 
 
+def weights(job_id: str, step: int) -> str:
+    """The weights message (agent.wire) of step t, encoded once by the apply_step that made t."""
+    return f"job:{job_id}:weights:{step}"
+
+
 def grad(job_id: str, step: int, shard: int) -> str:
     return f"job:{job_id}:grad:{step}:{shard}"
 
@@ -55,9 +60,9 @@ def slow_factor(job_id: str, device_id: str) -> str:
 
 
 def step_of_key(key: str) -> int | None:
-    """The step number in a `job:{id}:state:{t}` or `job:{id}:grad:{t}:{k}` key."""
+    """The step number in a `job:{id}:state:{t}`, `...:weights:{t}` or `...:grad:{t}:{k}` key."""
     parts = key.split(":")
-    if len(parts) >= 4 and parts[2] in ("state", "grad", "apply"):
+    if len(parts) >= 4 and parts[2] in ("state", "weights", "grad", "apply"):
         try:
             return int(parts[3])
         except ValueError:

@@ -95,6 +95,7 @@ class StepProtocol:
         self.session_factory, self.blobs, self.data_dir, self.clock = (
             session_factory, blobs, data_dir, clock)
         self._weights = LRU(8)
+        self._encoding = threading.Lock()
         self._shards = LRU(256)
 
     def _job(self, session: Session, job_id: str) -> JobRow | None:
@@ -144,13 +145,23 @@ class StepProtocol:
             raise StaleStep(f"job is at step {job.step}, not {step}")
         if cached is not None:
             return cached
+        # every agent asks for the new weights at once: encode them once, not once per agent
+        with self._encoding:
+            cached = self._weights.get((job_id, step))
+            if cached is not None:
+                return cached
+            data = self.blobs.get(keys.weights(job_id, step)) or self._encode(job_id, step)
+            self._weights.put((job_id, step), data)
+            return data
+
+    def _encode(self, job_id: str, step: int) -> bytes:
+        """The weights message from the state itself: for a state restored from a checkpoint
+        (apply_step stores the message with every state it makes)."""
         raw = self.blobs.get(keys.state(job_id, step))
         if raw is None:
             raise StateMissing(f"weights of step {step} are being restored; retry shortly")
         state = decode_state(raw, expect_step=step)
-        data = encode_weights(job_id, step, state.params, state.buffers)
-        self._weights.put((job_id, step), data)
-        return data
+        return encode_weights(job_id, step, state.params, state.buffers)
 
     # -- GET /v1/jobs/{id}/shards/{k}/data ----------------------------------------------------
     def shard_data(self, device_id: str, job_id: str, shard: int) -> bytes:

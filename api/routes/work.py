@@ -17,6 +17,7 @@ from fastapi import APIRouter, FastAPI, Query, Request, Response
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
+from api import bulk_body
 from api.deps import DeviceDep
 from api.schemas.work import UploadOut, WorkOut
 from api.settings import Settings
@@ -79,7 +80,7 @@ async def upload_gradients(job_id: str, step: int, request: Request, principal: 
     """First upload of a shard wins; when the step's last shard arrives, apply_step is sent."""
     from scheduler.protocol import ProtocolError
 
-    body = await request.body()
+    body = await _whole_body(request)
     proto = request.app.state.step_protocol
     try:
         accepted, duplicates, complete = await run_in_threadpool(
@@ -89,6 +90,13 @@ async def upload_gradients(job_id: str, step: int, request: Request, principal: 
     if complete and accepted:
         request.app.state.scheduler_hooks.step_complete(job_id, step)
     return {"accepted": accepted, "duplicates": duplicates}
+
+
+async def _whole_body(request: Request) -> bytes:
+    """The body without Starlette's final join, which copies even a body that came in one
+    piece (api.bulk_body hands over gradient uploads whole)."""
+    chunks = [chunk async for chunk in request.stream() if chunk]
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 class SchedulerHooks:
@@ -122,13 +130,15 @@ class SchedulerHooks:
             log.warning("could not enqueue a scheduler task", exc_info=True)
 
 
+def is_gradient_upload(path: object) -> bool:
+    return isinstance(path, str) and path.startswith("/v1/jobs/") and path.endswith("/gradients")
+
+
 class _UploadPaths(tuple):
     """Paths that get the upload size limit: the control plane's, plus gradient uploads."""
 
     def __contains__(self, path: object) -> bool:
-        if isinstance(path, str) and path.startswith("/v1/jobs/") and path.endswith("/gradients"):
-            return True
-        return tuple.__contains__(self, path)
+        return is_gradient_upload(path) or tuple.__contains__(self, path)
 
 
 def _allow_big_gradients(app: FastAPI) -> None:
@@ -156,6 +166,7 @@ def install(app: FastAPI, settings: Settings) -> None:
     app.state.scheduler_hooks = SchedulerHooks(ctx)
     app.include_router(router)
     _allow_big_gradients(app)
+    bulk_body.install(app, is_gradient_upload, settings.max_upload_bytes)
     if getattr(app.state, "start_scheduler", False):
         _run_embedded_scheduler(app)
 

@@ -4,7 +4,8 @@ Order of effects, so that a crash anywhere repeats or repairs rather than corrup
 1. read state t and every shard's result for t from the blob store (missing: return);
 2. compute step t+1 with the engine's apply_step (sorted by shard, float64: the same function
    as the reference trainer);
-3. write state t+1 to the blob store (and a checkpoint file when due) BEFORE the commit;
+3. write state t+1 and its weights message to the blob store (and a checkpoint file when
+   due) BEFORE the commit;
 4. commit `UPDATE jobs SET step=t+1 WHERE id=:id AND step=t` with the step's metrics; the loser
    of a race (or a retry after the commit) matches no row and changes nothing;
 5. after the commit, drop step t's keys and wake the long polls.
@@ -24,6 +25,7 @@ import numpy as np
 from agent.nn.data import load_dataset
 from agent.nn.step import ShardResult, StepMetrics, TrainState, evaluate
 from agent.nn.step import apply_step as engine_apply_step
+from agent.wire import encode_weights
 from api.metrics import observe_task
 from api.store.db import transaction
 from api.store.models import Job, StepMetric
@@ -110,6 +112,10 @@ def run_apply_step(ctx: SchedulerContext, job_id: str, step: int) -> str:
         return Outcome.INCOMPLETE
     new_state, metrics = engine_apply_step(info.model, info.spec, state, results)
     ctx.blobs.set(keys.state(job_id, step + 1), encode_state(new_state))
+    # the message every agent downloads next, encoded here once: the API serves it as stored
+    # instead of reading the whole state (weights + momentum) back to encode it
+    ctx.blobs.set(keys.weights(job_id, step + 1),
+                  encode_weights(job_id, step + 1, new_state.params, new_state.buffers))
     if ctx.tuning.apply_pause_s:
         time.sleep(ctx.tuning.apply_pause_s)  # tests: widen the crash window on purpose
     final = new_state.step >= info.total_steps

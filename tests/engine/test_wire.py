@@ -126,3 +126,32 @@ def test_non_finite_results_are_refused_on_both_sides():
     raw[11:15] = struct.pack("<I", crc)
     with pytest.raises(WireError, match="stats holds NaN"):
         decode_results(bytes(raw))
+
+
+@pytest.mark.parametrize("values, finite", [
+    ([0.0, 1.0, -2.5], True),
+    ([], True),
+    ([3e38, 3e38, -1.0], True),  # the sum overflows; every element is finite
+    ([1.0, np.nan, 2.0], False),
+    ([1.0, np.inf], False),
+    ([np.inf, -np.inf], False),  # the sum is NaN
+    ([-np.inf, 0.0], False),
+])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "float64"])
+def test_all_finite_agrees_with_the_element_wise_check(values, finite, dtype):
+    from agent.wire import all_finite
+
+    with np.errstate(over="ignore"):
+        a = np.array(values, dtype=np.float64).astype(dtype)
+    assert all_finite(a) is bool(np.isfinite(a).all())
+    if dtype != "float16":  # 3e38 is inf in float16
+        assert all_finite(a) is finite
+
+
+def test_float32_results_decode_as_views_of_the_message_and_refuse_writes():
+    body = encode_results("job-1", 3, [ShardResult(0, np.arange(1000, dtype=np.float32), 1.0, 0,
+                                                   4, np.zeros(40, np.float32))])
+    got = decode_results(body, "job-1", 3, 1000, 40)[0]
+    np.testing.assert_array_equal(got.grad_sum, np.arange(1000, dtype=np.float32))
+    with pytest.raises(ValueError):
+        got.grad_sum[0] = 1.0  # a view of the (immutable) upload: nothing can change it

@@ -149,3 +149,50 @@ def test_a_device_with_nothing_to_do_gets_null_after_the_wait(app_client: TestCl
     dev, hdr = enroll(app_client, "idle")
     r = app_client.get(f"/v1/devices/{dev}/work", params={"wait": 0.2}, headers=hdr)
     assert r.status_code == 200 and r.json() == {"assignment": None}
+
+
+def test_weights_are_the_message_apply_step_stored_or_encoded_from_a_restored_state(
+        app_client: TestClient) -> None:
+    from agent.wire import encode_weights
+    from scheduler.hotstate import decode_state
+    from scheduler.protocol import StepProtocol
+    from tests.scheduler.helpers import upload_all
+
+    job_id, [(dev, hdr), _] = running_job(app_client)
+    ctx = context.get_context()
+    upload_all(ctx, job_id, 0)
+    assert run_apply_step(ctx, job_id, 0) == "applied"
+    stored = ctx.blobs.get(keys.weights(job_id, 1))
+    state = decode_state(ctx.blobs.get(keys.state(job_id, 1)), expect_step=1)
+    assert stored == encode_weights(job_id, 1, state.params, state.buffers)
+    served = app_client.get(f"/v1/jobs/{job_id}/weights", params={"step": 1}, headers=hdr)
+    assert served.status_code == 200 and served.content == stored
+    assert ctx.blobs.get(keys.weights(job_id, 0)) is None  # step 0's keys are dropped
+    # a state restored from a checkpoint comes without the message: it is encoded from the state
+    ctx.blobs.delete(keys.weights(job_id, 1))
+    fresh = StepProtocol(ctx.session_factory, ctx.blobs, ctx.settings.data_dir, ctx.clock)
+    assert fresh.weights(dev, job_id, 1) == stored
+
+
+def test_concurrent_first_weight_requests_encode_once(app_client: TestClient,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from scheduler import protocol
+    from scheduler.protocol import StepProtocol
+
+    job_id, [(dev, _), _] = running_job(app_client)
+    ctx = context.get_context()
+    calls = []
+    real = protocol.encode_weights
+
+    def slow_encode(*args, **kwargs):
+        calls.append(1)
+        time.sleep(0.05)  # widen the window in which the other requests arrive
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(protocol, "encode_weights", slow_encode)
+    fresh = StepProtocol(ctx.session_factory, ctx.blobs, ctx.settings.data_dir, ctx.clock)
+    with ThreadPoolExecutor(6) as pool:
+        bodies = list(pool.map(lambda _: fresh.weights(dev, job_id, 0), range(6)))
+    assert len(set(bodies)) == 1 and len(calls) == 1

@@ -1,0 +1,63 @@
+"""Whole-body reads for the big uploads (gradient results: one model-sized vector each).
+
+uvicorn hands a request body to the app in pieces of about 64 KB, and every piece travels up
+through each middleware's `receive` wrapper and Starlette's request stream before it is joined:
+a 12.9 MB upload (mobilenet_v1) is ~200 trips through the stack and two more copies. This
+layer sits in front of the middleware stack and, for the upload paths only, reads a body whose
+Content-Length is within the limit straight from the server into one buffer, then hands the
+app a single `http.request` message. Everything after that (auth, limits, the route, errors)
+is the normal stack, so answers do not change; a body without a Content-Length, or over the
+limit, passes through untouched and is refused there as before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+
+class WholeBodyReader:
+    def __init__(self, app: Any, wants: Callable[[str], bool], limit: int) -> None:
+        self.app, self.wants, self.limit = app, wants, limit
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        length = self._length(scope)
+        if length is None:
+            await self.app(scope, receive, send)
+            return
+        chunks: list[bytes] = []
+        while True:  # the server holds the body to Content-Length, so this ends within it
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return  # the client went away: nobody to answer, nothing was stored
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        first: dict[str, Any] | None = {"type": "http.request", "body": b"".join(chunks),
+                                        "more_body": False}
+
+        async def replay() -> dict[str, Any]:
+            nonlocal first
+            if first is not None:
+                message, first = first, None
+                return message
+            return await receive()  # after the body: only a disconnect can come
+
+        await self.app(scope, replay, send)
+
+    def _length(self, scope: dict[str, Any]) -> int | None:
+        """The announced body length when this request is one to read whole, else None."""
+        if scope["type"] != "http" or scope["method"] != "POST" or not self.wants(scope["path"]):
+            return None
+        for name, value in scope["headers"]:
+            if name == b"content-length":
+                if value.isdigit() and int(value) <= self.limit:
+                    return int(value)
+                return None
+        return None
+
+
+def install(app: Any, wants: Callable[[str], bool], limit: int) -> None:
+    """Put the reader in front of the app's middleware stack, whenever Starlette builds it."""
+    build = app.build_middleware_stack
+    app.build_middleware_stack = lambda: WholeBodyReader(build(), wants, limit)
