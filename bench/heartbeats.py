@@ -30,6 +30,7 @@ import psycopg
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from api.store.db import libpq_url  # noqa: E402
+from bench.proc_cpu import process_cpu  # noqa: E402
 from tests.support.server import start_server  # noqa: E402
 
 ADMIN = "phx-adm-bench-" + uuid.uuid4().hex
@@ -108,17 +109,11 @@ def cpu_seconds() -> dict[str, float]:
     """CPU time so far (user + system) of the live Python and Postgres processes: where a
     request's cost goes, which a noisy shared machine blurs less than rates. (wrk has exited by
     the time it is read; this script's own Python idles while wrk runs.)"""
-    tick = os.sysconf("SC_CLK_TCK")
     totals: dict[str, float] = {}
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-        except OSError:
-            continue
-        name, fields = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
+    for _, name, seconds in process_cpu():
         group = "postgres" if name.startswith("postgres") else \
             "python" if name.startswith("python") else "other"
-        totals[group] = totals.get(group, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+        totals[group] = totals.get(group, 0.0) + seconds
     return totals
 
 

@@ -35,6 +35,8 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.proc_cpu import process_cpu  # noqa: E402
+
 ADMIN = "phx-admin-bench-" + "0" * 24
 DATASET = "synthetic:3x32x32:10:65536"
 N_PARAMS = 3_217_226  # mobilenet_v1 (width 1, 10 classes)
@@ -221,20 +223,13 @@ def run_phalanx(root: Path, mode: str, n: int, steps: int, pg: str | None, rd: s
 def cpu_seconds(groups: dict[str, list[int]]) -> dict[str, float]:
     """CPU time so far (user + system) of each group of processes, plus Redis and Postgres by
     process name: on a 2-core machine the step is as fast as its total CPU allows."""
-    tick = os.sysconf("SC_CLK_TCK")
     owner = {pid: g for g, pids in groups.items() for pid in pids}
     totals = dict.fromkeys([*groups, "redis", "postgres"], 0.0)
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-        except OSError:
-            continue
-        name = stat[stat.index("(") + 1:stat.rindex(")")]
-        fields = stat[stat.rindex(")") + 2:].split()
-        group = owner.get(int(pid)) or ("redis" if name.startswith("redis") else
-                                        "postgres" if name.startswith("postgres") else None)
+    for pid, name, seconds in process_cpu():
+        group = owner.get(pid) or ("redis" if name.startswith("redis") else
+                                   "postgres" if name.startswith("postgres") else None)
         if group:
-            totals[group] += (int(fields[11]) + int(fields[12])) / tick
+            totals[group] += seconds
     return totals
 
 

@@ -1,0 +1,19 @@
+"""CPU time of live processes from /proc (Linux): where a benchmark's work went."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+
+def process_cpu() -> Iterator[tuple[int, str, float]]:
+    """(pid, command name, user + system seconds so far) for every readable process."""
+    tick = os.sysconf("SC_CLK_TCK")
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            continue
+        name, fields = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
+        yield int(pid), name, (int(fields[11]) + int(fields[12])) / tick
