@@ -121,8 +121,8 @@ class Client:
     # -- plumbing --------------------------------------------------------------------------
     def _send(self, method: str, path: str, *, json_body: Any = None, body: bytes | None = None,
               content_type: str = "application/octet-stream", timeout_s: float | None = None,
-              ) -> Response:
-        url = self.base_url + path
+              base_url: str | None = None) -> Response:
+        url = (base_url or self.base_url) + path
         headers = {"User-Agent": f"phalanx-agent/{__version__}", "Accept": "application/json"}
         if self.token:
             headers["Authorization"] = f"Bearer {self.token}"
@@ -158,15 +158,25 @@ class Client:
                           timeout_s=wait_s + self.timeout_s)
         return resp.json().get("assignment")
 
-    def weights(self, job_id: str, step: int) -> bytes:
-        return self._send("GET", f"/v1/jobs/{_q(job_id)}/weights?step={int(step)}").body
+    def weights(self, job_id: str, step: int, bulk_url: str | None = None) -> bytes:
+        """From the API, or from the bulk listener at `bulk_url` (the assignment names it)."""
+        path = f"/v1/jobs/{_q(job_id)}/weights?step={int(step)}"
+        return self._send("GET", path, base_url=_base(bulk_url)).body
 
     def shard_data(self, job_id: str, shard: int) -> bytes:
         return self._send("GET", f"/v1/jobs/{_q(job_id)}/shards/{int(shard)}/data").body
 
-    def upload_gradients(self, job_id: str, step: int, body: bytes) -> dict[str, Any]:
+    def upload_gradients(self, job_id: str, step: int, body: bytes,
+                         bulk_url: str | None = None) -> dict[str, Any]:
+        """To the API, or to the bulk listener at `bulk_url` (the assignment names it)."""
         path = f"/v1/jobs/{_q(job_id)}/steps/{int(step)}/gradients"
-        return self._send("POST", path, body=body).json()
+        return self._send("POST", path, body=body, base_url=_base(bulk_url)).json()
+
+
+def _base(url: str | None) -> str | None:
+    if url is not None and urllib.parse.urlsplit(url).scheme not in ("http", "https"):
+        raise ValueError(f"bulk URL must be http(s)://..., got {url!r}")
+    return url.rstrip("/") if url else None
 
 
 def _q(part: str) -> str:

@@ -41,6 +41,14 @@ class Settings(BaseSettings):
     reconcile_interval_s: float = 2.0
     checkpoint_every_steps: int = 50
     work_long_poll_max_s: float = 30.0
+    # the step's bulk transfers on their own port (api.bulk_listener); `phalanx server` sets these
+    bulk_port: int | None = Field(
+        default=None, description="port for weights and gradient uploads; unset: API port only")
+    bulk_host: str = "127.0.0.1"
+    bulk_public_url: str | None = Field(
+        default=None, description="the listener's base URL as agents reach it (proxy, NAT); "
+        "default: the host an agent used for the API, on bulk_port, plain http agents only")
+    bulk_reuse_port: bool = False  # several worker processes share the port (SO_REUSEPORT)
 
     @property
     def resolved_database_url(self) -> str:

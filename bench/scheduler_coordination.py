@@ -146,18 +146,21 @@ def one_step(c: Any, device: str, log: Any) -> None:
     a = c.work(device, 2)
     if a is None:
         return
+    got_work = time.time()
     job, step = a["job_id"], a["step"]
     try:
-        c.weights(job, step)
+        c.weights(job, step, bulk_url=a.get("bulk_url"))
     except Conflict:
         return
+    got_weights = time.time()
     t0 = time.perf_counter()
     stats = np.zeros(a["n_stats"], np.float32)
     m = a["spec"]["global_batch_size"] // a["spec"]["shards"]
     body = encode_results(job, step, [ShardResult(k, _GRAD, 1.0, 0, m, stats) for k in a["shards"]])
     local = time.perf_counter() - t0
-    c.upload_gradients(job, step, body)
-    log.put((step, local))
+    upload_start = time.time()
+    c.upload_gradients(job, step, body, bulk_url=a.get("bulk_url"))
+    log.put((step, local, (got_work, got_weights, upload_start, time.time())))
 
 
 def agent_process(url: str, devices: list[tuple[str, str]], stop: Any, log: Any) -> None:
@@ -195,7 +198,7 @@ def run_phalanx(root: Path, mode: str, n: int, steps: int, pg: str | None, rd: s
                 assert time.monotonic() < deadline, "steps did not advance"
                 if at >= 1 and not cpu_before:
                     cpu_before, first = cpu_seconds(groups_pids), at
-                time.sleep(0.01)
+                time.sleep(0.05)  # the bench's own polling is load on the server too
             cpu_after = cpu_seconds(groups_pids)
             rows = c.get(f"/v1/jobs/{job_id}/metrics").json()["items"]
             c.post(f"/v1/jobs/{job_id}/cancel")
@@ -207,9 +210,11 @@ def run_phalanx(root: Path, mode: str, n: int, steps: int, pg: str | None, rd: s
                 p.kill()
         services.stop()
     local: dict[int, float] = {}
+    marks: dict[int, list[tuple[float, float, float, float]]] = {}
     while not log.empty():
-        step, seconds = log.get()
+        step, seconds, times = log.get()
         local[step] = max(seconds, local.get(step, 0.0))
+        marks.setdefault(step, []).append(times)
     measured = [r for r in rows if 1 <= r["step"] <= steps and r["step_seconds"]]
     wall = [r["step_seconds"] for r in measured]
     coord = [r["step_seconds"] - local.get(r["step"], 0.0) for r in measured]
@@ -217,7 +222,24 @@ def run_phalanx(root: Path, mode: str, n: int, steps: int, pg: str | None, rd: s
     return {"mode": mode, "agents": n, "step_wall_s": statistics.median(wall),
             "cpu_s_per_step": cpu,
             "slowest_agent_local_s": statistics.median(local.get(r["step"], 0.0) for r in measured),
-            "coordination_s": statistics.median(coord), "steps": len(measured)}
+            "coordination_s": statistics.median(coord), "steps": len(measured),
+            "phases_s": step_phases(marks, [r["step"] for r in measured])}
+
+
+def step_phases(marks: dict[int, list[tuple[float, ...]]], steps: list[int]) -> dict[str, float]:
+    """Where a step's wall time goes, from the agents' clocks (one machine, one clock), median
+    over steps: `download` first work answer -> last weights received; `upload` first upload
+    sent -> last upload answered; `apply` last upload answered -> first work answer of the
+    next step (apply_step, the commit and waking the long polls)."""
+    phases: dict[str, list[float]] = {"download": [], "upload": [], "apply": []}
+    for step in steps:
+        this, after = marks.get(step), marks.get(step + 1)
+        if not this or not after:
+            continue
+        phases["download"].append(max(m[1] for m in this) - min(m[0] for m in this))
+        phases["upload"].append(max(m[3] for m in this) - min(m[2] for m in this))
+        phases["apply"].append(min(m[0] for m in after) - max(m[3] for m in this))
+    return {k: statistics.median(v) for k, v in phases.items() if v}
 
 
 def cpu_seconds(groups: dict[str, list[int]]) -> dict[str, float]:
@@ -289,7 +311,9 @@ def main() -> None:
             print(f"phalanx {mode:8} {n:>3} agents: step {row['step_wall_s'] * 1000:7.0f} ms, "
                   f"agent-local {row['slowest_agent_local_s'] * 1000:5.0f} ms, coordination "
                   f"{row['coordination_s'] * 1000:7.0f} ms | CPU per step: " + ", ".join(
-                      f"{g} {v * 1000:.0f} ms" for g, v in row["cpu_s_per_step"].items() if v),
+                      f"{g} {v * 1000:.0f} ms" for g, v in row["cpu_s_per_step"].items() if v)
+                  + " | phases: " + ", ".join(f"{k} {v * 1000:.0f} ms"
+                                              for k, v in row["phases_s"].items()),
                   flush=True)
     gloo = {n: run_gloo(n) for n in counts if n <= args.gloo_max}
     for n, g in gloo.items():

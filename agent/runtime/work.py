@@ -15,6 +15,7 @@ from agent.client import (
     ClientError,
     Conflict,
     StatusError,
+    TransportError,
     Unauthorized,
     revoked_message,
 )
@@ -45,6 +46,7 @@ class WorkLoop:
         self._per_shard_s: float | None = None
         self._job: str | None = None
         self._throttle_seen = 0
+        self._use_bulk = True  # until the bulk port proves unreachable
 
     def run(self, stop: threading.Event) -> None:
         while not stop.is_set() and self.state.fatal is None:
@@ -102,13 +104,28 @@ class WorkLoop:
         return max(1, int(CHUNK_TARGET_S / self._per_shard_s))
 
     def _request(self, a: dict[str, Any], job: str, step: int, shards: list[int]) -> dict[str, Any]:
-        weights = self.cache.weights(job, step, lambda: self.client.weights(job, step))
+        weights = self.cache.weights(job, step, lambda: self._bulk(
+            a, lambda url: self.client.weights(job, step, url)))
         paths = {str(k): str(self.cache.shard(job, k, lambda k=k: self.client.shard_data(job, k)))
                  for k in shards}
         return {"job_id": job, "step": step, "spec": a.get("spec") or {},
                 "n_train": a.get("n_train"), "input_shape": a.get("input_shape"),
                 "num_classes": a.get("num_classes"), "weights_path": str(weights),
                 "shards": paths, "out_path": str(self.cache.result_path(job, step))}
+
+    def _bulk(self, a: dict[str, Any], call: Any) -> Any:
+        """`call(bulk_url)` through the bulk port the assignment names (weights down, gradients
+        up), else, and for good once that port fails to answer, `call(None)`: the API port. An
+        upload that reached the bulk port before the failure comes back as a duplicate."""
+        bulk_url = a.get("bulk_url") if self._use_bulk else None
+        if bulk_url:
+            try:
+                return call(bulk_url)
+            except TransportError as exc:
+                log.warning("bulk port %s unreachable (%s): using the API port from now on",
+                            bulk_url, exc)
+                self._use_bulk = False
+        return call(None)
 
     def _ensure_choice(self, a: dict[str, Any], req: dict[str, Any]) -> None:
         spec = a.get("spec") or {}
@@ -135,7 +152,8 @@ class WorkLoop:
         self._per_shard_s = (time.monotonic() - started) / len(shards)
         out = self.cache.result_path(job, step)
         try:
-            reply = self.client.upload_gradients(job, step, out.read_bytes())
+            body = out.read_bytes()
+            reply = self._bulk(a, lambda url: self.client.upload_gradients(job, step, body, url))
         except Conflict:
             log.info("step %d of %s already applied: result dropped", step, job)
             return False

@@ -42,25 +42,43 @@ async def work(device_id: str, request: Request, principal: DeviceDep,
         since = state.version_watch.snapshot()
         found = await run_in_threadpool(state.step_protocol.work, device_id)
         remaining = deadline - time.monotonic()
-        if found is not None or remaining <= 0:
-            return {"assignment": found}
+        if found is not None:
+            return {"assignment": {**found, "bulk_url": _bulk_url(request)}}
+        if remaining <= 0:
+            return {"assignment": None}
         await state.version_watch.wait_change(since, remaining)
+
+
+def _bulk_url(request: Request) -> str | None:
+    listener = getattr(request.app.state, "bulk_listener", None)
+    return listener.url_for(request.url.scheme, request.url.hostname) if listener else None
 
 
 @router.get("/jobs/{job_id}/weights")
 async def weights(job_id: str, request: Request, principal: DeviceDep,
                   step: int = Query(..., ge=0)):
+    status, payload = await run_in_threadpool(serve_weights, request.app.state,
+                                              principal.device_id, job_id, step)
+    if status != 200:
+        headers = {"Retry-After": "1"} if status == 503 else None
+        return JSONResponse(payload, status_code=status, headers=headers)
+    return Response(payload, media_type=OCTETS, headers=WEIGHTS_HEADERS)
+
+
+WEIGHTS_HEADERS = {"Cache-Control": "private, max-age=86400"}
+
+
+def serve_weights(state: Any, device_id: str, job_id: str, step: int) -> tuple[int, Any]:
+    """The weights message of step `step` -> (200, bytes) or (status, error answer); blocking."""
     from scheduler.protocol import ProtocolError, StateMissing
 
-    proto = request.app.state.step_protocol
     try:
-        data = await run_in_threadpool(proto.weights, principal.device_id, job_id, step)
+        return 200, state.step_protocol.weights(device_id, job_id, step)
     except StateMissing as exc:
-        request.app.state.scheduler_hooks.job_changed(job_id)  # restore now, not at next beat
-        return _error(exc)
+        state.scheduler_hooks.job_changed(job_id)  # restore now, not at the next beat
+        return exc.status, {"detail": exc.detail}
     except ProtocolError as exc:
-        return _error(exc)
-    return Response(data, media_type=OCTETS, headers={"Cache-Control": "private, max-age=86400"})
+        return exc.status, {"detail": exc.detail}
 
 
 @router.get("/jobs/{job_id}/shards/{shard}/data")
@@ -77,19 +95,29 @@ async def shard_data(job_id: str, shard: int, request: Request, principal: Devic
 
 @router.post("/jobs/{job_id}/steps/{step}/gradients", response_model=UploadOut)
 async def upload_gradients(job_id: str, step: int, request: Request, principal: DeviceDep):
-    """First upload of a shard wins; when the step's last shard arrives, apply_step is sent."""
+    """First upload of a shard wins; when the step's last shard arrives, apply_step is sent.
+    The bulk listener (api.bulk_listener) answers the same on its own port."""
+    body = await _whole_body(request)
+    status, payload = await run_in_threadpool(accept_upload, request.app.state,
+                                              principal.device_id, job_id, step, body)
+    if status != 200:
+        headers = {"Retry-After": "1"} if status == 503 else None
+        return JSONResponse(payload, status_code=status, headers=headers)
+    return payload
+
+
+def accept_upload(state: Any, device_id: str, job_id: str, step: int,
+                  body: bytes | bytearray) -> tuple[int, dict[str, Any]]:
+    """One device's upload for step `step` of `job_id` -> (status, answer); blocking."""
     from scheduler.protocol import ProtocolError
 
-    body = await _whole_body(request)
-    proto = request.app.state.step_protocol
     try:
-        accepted, duplicates, complete = await run_in_threadpool(
-            proto.upload, principal.device_id, job_id, step, body)
+        accepted, duplicates, complete = state.step_protocol.upload(device_id, job_id, step, body)
     except ProtocolError as exc:
-        return _error(exc)
+        return exc.status, {"detail": exc.detail}
     if complete and accepted:
-        request.app.state.scheduler_hooks.step_complete(job_id, step)
-    return {"accepted": accepted, "duplicates": duplicates}
+        state.scheduler_hooks.step_complete(job_id, step)
+    return 200, {"accepted": accepted, "duplicates": duplicates}
 
 
 async def _whole_body(request: Request) -> bytes:
@@ -169,6 +197,37 @@ def install(app: FastAPI, settings: Settings) -> None:
     bulk_body.install(app, is_gradient_upload, settings.max_upload_bytes)
     if getattr(app.state, "start_scheduler", False):
         _run_embedded_scheduler(app)
+    if settings.bulk_port is not None:
+        _serve_bulk(app, settings)
+
+
+def _serve_bulk(app: FastAPI, settings: Settings) -> None:
+    """Wrap the app's lifespan: the bulk listener runs while the app serves. A port that
+    cannot be bound is logged and skipped: agents then upload through the API port."""
+    from api.bulk_listener import BulkListener
+
+    inner = app.router.lifespan_context
+
+    @asynccontextmanager
+    async def lifespan(a: FastAPI) -> AsyncIterator[Any]:
+        listener = BulkListener(a.state, settings.bulk_host, int(settings.bulk_port or 0),
+                                  settings.max_upload_bytes, reuse_port=settings.bulk_reuse_port,
+                                  public_url=settings.bulk_public_url)
+        a.state.bulk_listener = None
+        try:
+            listener.start()
+            a.state.bulk_listener = listener
+        except OSError as exc:
+            log.warning("bulk port %s:%s not available (%s): weights and uploads go through "
+                        "the API port only", settings.bulk_host, settings.bulk_port, exc)
+        try:
+            async with inner(a) as state:
+                yield state
+        finally:
+            a.state.bulk_listener = None
+            await run_in_threadpool(listener.stop)
+
+    app.router.lifespan_context = lifespan
 
 
 def _run_embedded_scheduler(app: FastAPI) -> None:

@@ -29,10 +29,24 @@ def server(
     workers: int = typer.Option(1, min=1, max=64, help="uvicorn worker processes "
                                 "(forced to 1 in embedded mode: no PHALANX_REDIS_URL)"),
     access_log: bool = typer.Option(False, help="log every request (slow under load)"),
+    bulk_port: int | None = typer.Option(
+        None, min=0, max=65535, help="port for the steps' bulk transfers, weights down and "
+        "gradients up (a thread per connection; agents are told it and fall back to --port); "
+        "default --port + 1, 0: off"),
 ) -> None:
     """Run the control plane: migrate the database, then serve the API."""
+    import os
+
     import uvicorn
 
+    if bulk_port is None:
+        bulk_port = int(os.environ.get("PHALANX_BULK_PORT") or port + 1)
+    if bulk_port:  # the environment carries it to uvicorn's worker processes too
+        os.environ.update(PHALANX_BULK_PORT=str(bulk_port), PHALANX_BULK_HOST=host,
+                          PHALANX_BULK_REUSE_PORT="1" if workers > 1 and
+                          os.environ.get("PHALANX_REDIS_URL") else "0")
+    else:
+        os.environ.pop("PHALANX_BULK_PORT", None)
     settings, _ = _prepare()
     common = {"host": host, "port": port, "access_log": access_log, "log_level": "info",
               "loop": "auto", "http": "auto", "timeout_graceful_shutdown": 10}

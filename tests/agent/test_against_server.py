@@ -215,3 +215,44 @@ def test_a_revoked_device_token_stops_the_agent(
     text = log.read_text()
     assert code == 3, text
     assert "revoked" in text and "phalanx-agent enroll" in text
+
+
+def test_an_unreachable_bulk_port_falls_back_to_the_api(tmp_path: Path, phone_root: Path) -> None:
+    """The assignment names an upload URL nothing listens on (a firewall, a missing port
+    mapping): the agent says so once, uploads through the API port, and the job finishes."""
+    from tests.support.server import free_port
+
+    root = tmp_path / "server"
+    root.mkdir()
+    srv = start_server(database_url=migrated_sqlite(root / "phalanx.sqlite"), data_dir=root / "data",
+                       admin_token=ADMIN_TOKEN, extra_env={
+                           **SERVER_ENV, "PHALANX_BULK_PUBLIC_URL": f"http://127.0.0.1:{free_port()}"})
+    home, log = tmp_path / "phone", tmp_path / "agent.log"
+    try:
+        device_id = enroll(srv, home, phone_root)
+        proc = agent_process(home / "config.json", phone_root, log)
+        try:
+            wait_for("Ready", lambda: device(srv, device_id)["state"] == "Ready",
+                     on_fail=log.read_text)
+            spec = {"name": "fallback", "model": {"arch": "logreg"}, "dataset": "digits",
+                    "global_batch_size": 256, "shards": 4, "epochs": 1, "seed": 0,
+                    "placement": {"min_devices": 1, "max_devices": 1}}
+            with srv.client() as c:
+                job_id = c.post("/v1/jobs", json=spec).json()["id"]
+
+            def finished() -> dict[str, Any] | None:
+                with srv.client() as c:
+                    j = c.get(f"/v1/jobs/{job_id}").json()
+                return j if j["state"] in ("Succeeded", "Failed") else None
+
+            done = wait_for("the job to finish", finished, timeout=120,
+                            on_fail=lambda: log.read_text() + srv.log()[-3000:])
+            assert done["state"] == "Succeeded" and done["step"] == done["total_steps"]
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+    finally:
+        srv.stop()
+    text = log.read_text()
+    assert text.count("unreachable") == 1 and "using the API port from now on" in text
+    assert "Traceback" not in text

@@ -1,0 +1,239 @@
+"""The step's bulk transfers on a port of their own: a thread per connection, bodies whole.
+
+A synchronous step moves one model-sized vector down to every agent (weights) and one back up
+(gradients), all at once. Through uvicorn a 12.9 MB upload arrives in ~64 KB pieces, each parsed,
+copied and flow-controlled on the one event-loop thread; measured, 8 concurrent uploads cost that
+thread ~140 ms of CPU against ~45 ms for threads that `readinto` one buffer (the kernel copies
+straight into it, without the GIL). A download through uvicorn costs about what a thread's
+`sendall` does, but uvloop makes the copy holding the GIL, which stalls every other thread of the
+server meanwhile; `sendall` releases it (docs/benchmarks.md).
+
+The listener serves exactly two paths, `POST /v1/jobs/{job_id}/steps/{t}/gradients` and
+`GET /v1/jobs/{job_id}/weights?step=t`, with the API routes' auth rule (a device token), size
+limit and answers (`api.routes.work.accept_upload` / `serve_weights`), so an agent may use either
+port. The work assignment tells agents where it listens (`bulk_url`); an agent that cannot reach
+it uses the API port instead.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, BinaryIO
+from urllib.parse import parse_qsl, unquote, urlsplit
+
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, Field, ValidationError
+
+from api.auth import parse_bearer
+from api.deps import check_device
+from api.error_responses import error_response
+from api.errors import ApiError
+from api.limits import BodyTooLarge
+from api.metrics import HTTP_LATENCY, HTTP_REQUESTS, UNMATCHED
+from api.routes.work import WEIGHTS_HEADERS, accept_upload, serve_weights
+
+log = logging.getLogger(__name__)
+UPLOAD = re.compile(r"/v1/jobs/([^/]+)/steps/([0-9]+)/gradients")
+WEIGHTS = re.compile(r"/v1/jobs/([^/]+)/weights")
+# the API routes' templates: one series per route whichever port served it
+ROUTES = {"POST": "/v1/jobs/{job_id}/steps/{step}/gradients", "GET": "/v1/jobs/{job_id}/weights"}
+
+
+class LengthRequired(ApiError):
+    status_code = 411
+
+
+class BadRequest(ApiError):
+    status_code = 400
+
+
+@dataclass
+class Reply:
+    status: int
+    payload: Any
+    headers: dict[str, str] = field(default_factory=dict)
+    close: bool = False  # the body was not read: the connection cannot carry another request
+
+
+def content_length(value: str | None, limit: int) -> int:
+    """The body's announced size, refused (411/400/413) unless it is a number within `limit`."""
+    if value is None:
+        raise LengthRequired("Content-Length is required for a gradient upload")
+    if not value.strip().isdigit():
+        raise BadRequest(f"Content-Length {value!r} is not a byte count")
+    length = int(value)
+    if length > limit:
+        raise BodyTooLarge(limit)
+    return length
+
+
+def read_exactly(rfile: BinaryIO, length: int) -> bytearray | None:
+    """`length` bytes into one buffer (None when the client goes away first)."""
+    buf = bytearray(length)
+    view, got = memoryview(buf), 0
+    while got < length:
+        n = rfile.readinto(view[got:])  # type: ignore[attr-defined]
+        if not n:
+            return None
+        got += n
+    return buf
+
+
+class BulkListener:
+    """Serves weights and uploads for the app whose `state` it is given (auth, protocol, hooks)."""
+
+    def __init__(self, state: Any, host: str, port: int, limit: int, *,
+                 reuse_port: bool = False, public_url: str | None = None) -> None:
+        self.state, self.host, self.requested_port, self.limit = state, host, port, limit
+        self.reuse_port, self.public_url = reuse_port, public_url
+        self.port: int | None = None
+        self._server: _Server | None = None
+        self._thread: threading.Thread | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> int:
+        self._server = _Server((self.host, self.requested_port), _Handler, self)
+        self.port = self._server.server_address[1]
+        self._thread = threading.Thread(target=self._server.serve_forever, name="bulk-listener",
+                                        kwargs={"poll_interval": 0.2}, daemon=True)
+        self._thread.start()
+        log.info("weights and gradient uploads also on %s:%d", self.host, self.port)
+        return self.port
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+    def url_for(self, scheme: str, hostname: str | None) -> str | None:
+        """Where an agent that reached the API as `scheme://hostname` sends uploads. Never a
+        plain-http address for an agent that came over https (its token would travel bare),
+        unless the operator set one."""
+        if self.public_url:
+            return self.public_url.rstrip("/")
+        if self.port is None or scheme != "http" or not hostname:
+            return None
+        host = f"[{hostname}]" if ":" in hostname else hostname
+        return f"http://{host}:{self.port}"
+
+    # -- one request -------------------------------------------------------------------------
+    def handle(self, method: str, target: str, headers: Any, rfile: BinaryIO) -> Reply | None:
+        """The answer to one request; None when the client left mid-body (nobody to answer)."""
+        parts = urlsplit(target)
+        upload, weights = UPLOAD.fullmatch(parts.path), WEIGHTS.fullmatch(parts.path)
+        if upload is None and weights is None:
+            return Reply(404, {"detail": "this port serves only the step's bulk data: POST "
+                               "/v1/jobs/{job_id}/steps/{t}/gradients, GET "
+                               "/v1/jobs/{job_id}/weights?step=t"}, close=True)
+        wanted = "POST" if upload else "GET"
+        if method != wanted:
+            return Reply(405, {"detail": f"{method} not allowed here: use {wanted}"},
+                         {"Allow": wanted}, close=True)
+        try:
+            principal = self._device(headers)
+            if weights:
+                return self._weights(principal.device_id, unquote(weights.group(1)), parts.query)
+            length = content_length(headers.get("Content-Length"), self.limit)
+        except Exception as exc:  # noqa: BLE001 - mapped like the API's handlers, else a 500
+            return _refusal(exc, close=upload is not None)
+        body = read_exactly(rfile, length)
+        if body is None:
+            return None
+        try:
+            status, payload = accept_upload(self.state, principal.device_id, unquote(upload.group(1)),
+                                            int(upload.group(2)), body)
+        except Exception as exc:  # noqa: BLE001
+            return _refusal(exc, close=False)
+        return Reply(status, payload, {"Retry-After": "1"} if status == 503 else {})
+
+    def _device(self, headers: Any) -> Any:
+        auth = self.state.authenticator
+        token_hash, principal = auth.cached(parse_bearer(headers.get("Authorization")))
+        if principal is None:
+            principal = auth.lookup(token_hash)
+        return check_device(principal, None)
+
+    def _weights(self, device_id: str, job_id: str, query: str) -> Reply:
+        try:
+            step = _WeightsQuery.model_validate(dict(parse_qsl(query))).step
+        except ValidationError as exc:  # the route's 422, field for field
+            raise RequestValidationError(
+                [{**e, "loc": ("query", *e["loc"])} for e in exc.errors()]) from None
+        status, payload = serve_weights(self.state, device_id, job_id, step)
+        if status != 200:
+            return Reply(status, payload, {"Retry-After": "1"} if status == 503 else {})
+        return Reply(200, payload, {"Content-Type": "application/octet-stream", **WEIGHTS_HEADERS})
+
+
+class _WeightsQuery(BaseModel):
+    step: int = Field(ge=0)
+
+
+def _refusal(exc: Exception, close: bool) -> Reply:
+    mapped = error_response(exc)
+    if mapped is None:
+        log.exception("gradient upload failed", exc_info=exc)
+        return Reply(500, {"detail": "internal error"}, close=True)
+    status, detail, extra = mapped
+    return Reply(status, {"detail": detail}, extra, close=close)
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 256  # a whole fleet uploads at the same step boundary
+
+    def __init__(self, address: tuple[str, int], handler: type, listener: BulkListener) -> None:
+        self.listener = listener
+        super().__init__(address, handler)
+
+    def server_bind(self) -> None:
+        # several uvicorn worker processes each run a listener on the same port
+        if self.listener.reuse_port and hasattr(socket, "SO_REUSEPORT"):
+            self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        super().server_bind()
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"  # keep-alive: an agent's next upload reuses the connection
+    server: _Server
+
+    def do_POST(self) -> None:  # noqa: N802 - BaseHTTPRequestHandler's naming
+        self._serve()
+
+    do_GET = do_PUT = do_DELETE = do_PATCH = do_HEAD = do_POST  # noqa: N815
+
+    def _serve(self) -> None:
+        started = time.perf_counter()
+        reply = self.server.listener.handle(self.command, self.path, self.headers, self.rfile)
+        if reply is None:
+            self.close_connection = True
+            return
+        raw = isinstance(reply.payload, (bytes, bytearray, memoryview))
+        body = reply.payload if raw else json.dumps(  # byte for byte what Starlette sends
+            reply.payload, ensure_ascii=False, separators=(",", ":")).encode()
+        self.send_response(reply.status)
+        if "Content-Type" not in reply.headers:
+            self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        for name, value in reply.headers.items():
+            self.send_header(name, value)
+        if reply.close:
+            self.send_header("Connection", "close")
+            self.close_connection = True
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+        route = ROUTES.get(self.command, UNMATCHED) if reply.status not in (404, 405) else UNMATCHED
+        HTTP_REQUESTS.labels(self.command, route, str(reply.status)).inc()
+        HTTP_LATENCY.labels(self.command, route).observe(time.perf_counter() - started)
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+        log.debug("bulk listener: " + format, *args)

@@ -1,0 +1,191 @@
+"""The bulk listener (api.bulk_listener): a real port on a real app, spoken to over real
+sockets. It must answer exactly what the API routes answer (weights and gradient uploads),
+refuse what they refuse (before reading a body it would refuse), lose nothing on a client that
+goes away, and be named in the work assignment only when it runs."""
+
+from __future__ import annotations
+
+import http.client
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+
+from api.main import create_app
+from api.settings import Settings
+from scheduler import context, keys
+from scheduler.tasks.steps import run_apply_step
+from tests.scheduler.helpers import job, shard_result_blobs
+from tests.scheduler.test_protocol import ADMIN, admin, running_job, shards_of
+
+LIMIT = 4 * 1024 * 1024
+
+
+def make_client(sqlite_url: str, tmp_path: Path, **settings: object) -> TestClient:
+    return TestClient(create_app(Settings(database_url=sqlite_url, data_dir=tmp_path / "data",
+                                          admin_token=ADMIN, max_upload_bytes=LIMIT, **settings)))
+
+
+@pytest.fixture
+def app_client(sqlite_url: str, tmp_path: Path) -> Iterator[TestClient]:
+    with make_client(sqlite_url, tmp_path, bulk_port=0) as client:
+        yield client
+    context.reset()
+
+
+def listener_url(client: TestClient) -> str:
+    return f"http://127.0.0.1:{client.app.state.bulk_listener.port}"
+
+
+def gradients(job_id: str, step: int = 0) -> str:
+    return f"/v1/jobs/{job_id}/steps/{step}/gradients"
+
+
+def both(client: TestClient, method: str, path: str, **kw: object) -> tuple[httpx.Response, ...]:
+    """The same request to the API route and to the listener."""
+    with httpx.Client(base_url=listener_url(client), timeout=30) as direct:
+        return client.request(method, path, **kw), direct.request(method, path, **kw)
+
+
+def test_the_assignment_names_the_listener_and_its_answers_are_the_routes(
+        app_client: TestClient) -> None:
+    job_id, [(dev, hdr), (other, other_hdr)] = running_job(app_client)
+    a = app_client.get(f"/v1/devices/{dev}/work", params={"wait": 0}, headers=hdr).json()["assignment"]
+    port = app_client.app.state.bulk_listener.port
+    assert a["bulk_url"] == f"http://testserver:{port}"  # the host the agent used, this port
+    for query in ({"step": 0}, {"step": 3}, {}, {"step": -1}, {"step": "x"}):
+        api, bulk = both(app_client, "get", f"/v1/jobs/{job_id}/weights", params=query, headers=hdr)
+        assert (bulk.status_code, bulk.content) == (api.status_code, api.content), query
+        assert bulk.headers["content-type"] == api.headers["content-type"]
+    for headers in ({}, admin(None), other_hdr):  # no token 401, admin 403; the other phone: 200
+        api, bulk = both(app_client, "get", f"/v1/jobs/{job_id}/weights", params={"step": 0},
+                         headers=headers)
+        assert (bulk.status_code, bulk.content) == (api.status_code, api.content)
+    ctx = context.get_context()
+    blobs = shard_result_blobs(ctx, job_id, 0)
+    mine, theirs = shards_of(job_id, dev)[0], shards_of(job_id, other)[0]
+    with httpx.Client(base_url=listener_url(app_client), timeout=30) as direct:
+        first = direct.post(gradients(job_id), content=blobs[mine], headers=hdr)
+        assert first.status_code == 200 and first.json() == {"accepted": [mine], "duplicates": []}
+        assert ctx.blobs.get(keys.grad(job_id, 0, mine)) is not None
+        again = direct.post(gradients(job_id), content=blobs[mine], headers=hdr)
+        assert again.json() == {"accepted": [], "duplicates": [mine]}
+    # one store behind both ports: what came in on one is a duplicate on the other
+    via_api = app_client.post(gradients(job_id), content=blobs[mine], headers=hdr)
+    assert via_api.json() == {"accepted": [], "duplicates": [mine]}
+    for refused in ([("post", gradients(job_id)), {"content": blobs[theirs], "headers": hdr}],
+                    [("post", gradients(job_id)), {"content": b"garbage", "headers": hdr}],
+                    [("post", gradients(job_id)), {"content": blobs[mine]}],
+                    [("post", gradients(job_id)), {"content": blobs[mine],
+                                                   "headers": {"Authorization": "Bearer nope"}}],
+                    [("post", gradients(job_id)), {"content": blobs[mine], "headers": admin(None)}],
+                    [("post", gradients("no-such-job")), {"content": blobs[mine], "headers": hdr}]):
+        (method, path), kw = refused
+        api, listener = both(app_client, method, path, **kw)
+        assert api.status_code >= 400, api.text
+        assert (listener.status_code, listener.json()) == (api.status_code, api.json())
+    # the step completes through the listener and apply_step runs on what it stored
+    with httpx.Client(base_url=listener_url(app_client), timeout=30) as direct:
+        for device, headers in ((dev, hdr), (other, other_hdr)):
+            for k in shards_of(job_id, device):
+                direct.post(gradients(job_id), content=blobs[k], headers=headers)
+    assert run_apply_step(ctx, job_id, 0) in ("applied", "stale")  # the hook may have run it
+    assert job(ctx, job_id).step == 1
+    api, listener = both(app_client, "post", gradients(job_id), content=blobs[mine], headers=hdr)
+    assert listener.status_code == api.status_code == 409
+    assert listener.json() == api.json() and "step 1" in listener.json()["detail"]
+
+
+def raw_request(port: int, headers: dict[str, str], body: bytes = b"",
+                path: str = "/v1/jobs/j/steps/0/gradients", method: str = "POST",
+                ) -> http.client.HTTPResponse:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    conn.putrequest(method, path, skip_accept_encoding=True)
+    for name, value in headers.items():
+        conn.putheader(name, value)
+    conn.endheaders()
+    if body:
+        conn.send(body)
+    return conn.getresponse()
+
+
+def test_refusals_come_before_the_body_and_close_the_connection(app_client: TestClient) -> None:
+    job_id, [(dev, hdr), _] = running_job(app_client)
+    port = app_client.app.state.bulk_listener.port
+    # announced over the limit: 413 at once, without waiting for a body that never comes
+    big = raw_request(port, {**hdr, "Content-Length": str(LIMIT + 1)}, path=gradients(job_id))
+    assert big.status == 413 and "limit" in big.read().decode()
+    assert big.getheader("Connection") == "close"
+    chunked = raw_request(port, {**hdr, "Transfer-Encoding": "chunked"}, path=gradients(job_id))
+    assert chunked.status == 411 and "Content-Length" in chunked.read().decode()
+    nonsense = raw_request(port, {**hdr, "Content-Length": "12abc"}, path=gradients(job_id))
+    assert nonsense.status == 400
+    wrong_path = raw_request(port, {**hdr, "Content-Length": "0"}, path="/v1/jobs")
+    assert wrong_path.status == 404 and "only the step's bulk data" in wrong_path.read().decode()
+    wrong_method = raw_request(port, hdr, method="GET", path=gradients(job_id))
+    assert wrong_method.status == 405 and wrong_method.getheader("Allow") == "POST"
+    post_weights = raw_request(port, {**hdr, "Content-Length": "0"}, path=f"/v1/jobs/{job_id}/weights")
+    assert post_weights.status == 405 and post_weights.getheader("Allow") == "GET"
+
+
+def test_a_client_that_leaves_mid_body_stores_nothing(app_client: TestClient) -> None:
+    job_id, [(dev, hdr), _] = running_job(app_client)
+    ctx = context.get_context()
+    mine = shards_of(job_id, dev)[0]
+    body = shard_result_blobs(ctx, job_id, 0)[mine]
+    port = app_client.app.state.bulk_listener.port
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        head = (f"POST {gradients(job_id)} HTTP/1.1\r\nHost: x\r\nAuthorization: "
+                f"{hdr['Authorization']}\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+        sock.sendall(head + body[: len(body) // 2])
+    # the listener is still serving, and the half upload left no trace
+    r = httpx.post(listener_url(app_client) + gradients(job_id), content=body, headers=hdr)
+    assert r.json() == {"accepted": [mine], "duplicates": []}
+
+
+def test_keep_alive_carries_several_uploads_on_one_connection(app_client: TestClient) -> None:
+    job_id, [(dev, hdr), (other, other_hdr)] = running_job(app_client)
+    blobs = shard_result_blobs(context.get_context(), job_id, 0)
+    conn = http.client.HTTPConnection("127.0.0.1", app_client.app.state.bulk_listener.port)
+    answers = []
+    for k in shards_of(job_id, dev):
+        conn.request("POST", gradients(job_id), body=blobs[k], headers=hdr)
+        resp = conn.getresponse()
+        answers.append((resp.status, resp.read()))
+        assert resp.getheader("Connection") != "close"
+    conn.close()
+    assert [status for status, _ in answers] == [200] * len(answers)
+
+
+def test_no_listener_no_bulk_url_and_a_taken_port_is_skipped(sqlite_url: str, tmp_path: Path,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
+    with make_client(sqlite_url, tmp_path) as client:  # bulk_port unset
+        job_id, [(dev, hdr), _] = running_job(client)
+        a = client.get(f"/v1/devices/{dev}/work", params={"wait": 0}, headers=hdr).json()
+        assert a["assignment"]["bulk_url"] is None
+    context.reset()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with make_client(sqlite_url, tmp_path / "b", bulk_port=port) as client:
+            assert client.app.state.bulk_listener is None
+            assert "not available" in caplog.text
+            assert client.get("/healthz").status_code == 200
+    context.reset()
+
+
+def test_over_https_only_an_operator_set_url_is_advertised(sqlite_url: str, tmp_path: Path) -> None:
+    from api.bulk_listener import BulkListener
+
+    plain = BulkListener(None, "127.0.0.1", 0, LIMIT)
+    plain.port = 9001
+    assert plain.url_for("http", "10.0.0.7") == "http://10.0.0.7:9001"
+    assert plain.url_for("http", "::1") == "http://[::1]:9001"
+    assert plain.url_for("https", "api.lab") is None  # a bearer token never goes out bare
+    public = BulkListener(None, "0.0.0.0", 0, LIMIT, public_url="https://up.lab/")
+    public.port = 9001
+    assert public.url_for("https", "api.lab") == "https://up.lab"
