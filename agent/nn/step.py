@@ -82,13 +82,12 @@ def apply_step(model: Model, spec: TrainSpec, state: TrainState,
                results: Iterable[ShardResult]) -> tuple[TrainState, StepMetrics]:
     """Average every shard's gradient for state.step, update, and return step + 1."""
     ordered = _check_results(model, spec, list(results))
-    grad = np.zeros(model.n_params, dtype=np.float64)
-    stats = np.zeros(model.n_stats, dtype=np.float64)
+    # shard order: the one summation order every placement shares
+    grad = ordered_sum([r.grad_sum for r in ordered], model.n_params)
+    stats = ordered_sum([r.stats for r in ordered], model.n_stats)
     loss = 0.0
     correct = count = 0
-    for r in ordered:  # shard order: the one summation order every placement shares
-        grad += r.grad_sum
-        stats += r.stats
+    for r in ordered:
         loss += r.loss_sum
         correct += r.correct
         count += r.count
@@ -103,6 +102,24 @@ def apply_step(model: Model, spec: TrainSpec, state: TrainState,
                    + BN_MOMENTUM * mean_stats).astype(np.float32)
     metrics = StepMetrics(state.step, loss / count, correct / count, lr, count)
     return TrainState(state.step + 1, params, momentum, buffers), metrics
+
+
+# Elements per block of `ordered_sum`: a 256 KB float64 accumulator stays in the cache while
+# every input adds its block to it, instead of one pass over a 26 MB vector per input (8
+# mobilenet_v1 shards: ~39 -> ~25 ms measured; docs/benchmarks.md).
+SUM_BLOCK = 1 << 15
+
+
+def ordered_sum(arrays: list[np.ndarray], n: int) -> np.ndarray:
+    """float64 sum of `arrays` added in list order, blocked for the cache. Each element still
+    starts at 0.0 and gets arrays[0], arrays[1], ... added in turn: bit for bit the plain loop
+    `total += a` for a in arrays."""
+    total = np.zeros(n, dtype=np.float64)
+    for lo in range(0, n, SUM_BLOCK):
+        block = total[lo:lo + SUM_BLOCK]
+        for a in arrays:
+            block += a[lo:lo + SUM_BLOCK]
+    return total
 
 
 def _check_results(model: Model, spec: TrainSpec, results: list[ShardResult]) -> list[ShardResult]:

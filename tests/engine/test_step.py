@@ -11,7 +11,14 @@ from agent.nn.data import load_dataset
 from agent.nn.models import build_model
 from agent.nn.sampler import select_microbatch, shard_indices
 from agent.nn.spec import TrainSpec
-from agent.nn.step import BN_MOMENTUM, apply_step, compute_shard, initial_state
+from agent.nn.step import (
+    BN_MOMENTUM,
+    SUM_BLOCK,
+    apply_step,
+    compute_shard,
+    initial_state,
+    ordered_sum,
+)
 from agent.wire import decode_results, encode_results
 
 JOB = {"model": {"arch": "resnet", "width": 0.5}, "dataset": "digits", "global_batch_size": 64,
@@ -105,3 +112,22 @@ def test_a_missing_or_duplicated_shard_is_refused(setup, drop, dup, needle):
         results.append(results[dup])
     with pytest.raises(ValueError, match=needle):
         apply_step(model, spec, state, results)
+
+
+@pytest.mark.parametrize("n", [1, SUM_BLOCK - 1, SUM_BLOCK, 3 * SUM_BLOCK + 17])
+def test_ordered_sum_is_the_plain_loop_bit_for_bit(n: int) -> None:
+    """The blocked sum must not change one bit against adding whole vectors in order; values of
+    wildly different magnitudes make any reordering show (float addition does not associate)."""
+    rng = np.random.default_rng(n)
+    arrays = [(rng.standard_normal(n) * 10.0 ** rng.integers(-8, 8, n)).astype(np.float32)
+              for _ in range(7)]
+    plain = np.zeros(n, np.float64)
+    for a in arrays:
+        plain += a
+    assert ordered_sum(arrays, n).tobytes() == plain.tobytes()
+    # and it is the order that counts: the reverse order differs somewhere
+    if n > 1000:
+        backwards = np.zeros(n, np.float64)
+        for a in reversed(arrays):
+            backwards += a
+        assert backwards.tobytes() != plain.tobytes()
