@@ -40,6 +40,8 @@ from api.metrics import HTTP_LATENCY, HTTP_REQUESTS, UNMATCHED
 from api.routes.work import WEIGHTS_HEADERS, accept_upload, serve_weights
 
 log = logging.getLogger(__name__)
+MAX_BODIES = 16  # upload bodies read and checked at once per process (memory: 16 x the limit)
+SOCKET_TIMEOUT_S = 120.0
 UPLOAD = re.compile(r"/v1/jobs/([^/]+)/steps/([0-9]+)/gradients")
 WEIGHTS = re.compile(r"/v1/jobs/([^/]+)/weights")
 # the API routes' templates: one series per route whichever port served it
@@ -75,11 +77,14 @@ def content_length(value: str | None, limit: int) -> int:
 
 
 def read_exactly(rfile: BinaryIO, length: int) -> bytearray | None:
-    """`length` bytes into one buffer (None when the client goes away first)."""
+    """`length` bytes into one buffer (None when the client goes away or stalls first)."""
     buf = bytearray(length)
     view, got = memoryview(buf), 0
     while got < length:
-        n = rfile.readinto(view[got:])  # type: ignore[attr-defined]
+        try:
+            n = rfile.readinto(view[got:])  # type: ignore[attr-defined]
+        except OSError:  # reset, or silent past the socket timeout
+            return None
         if not n:
             return None
         got += n
@@ -90,9 +95,13 @@ class BulkListener:
     """Serves weights and uploads for the app whose `state` it is given (auth, protocol, hooks)."""
 
     def __init__(self, state: Any, host: str, port: int, limit: int, *,
-                 reuse_port: bool = False, public_url: str | None = None) -> None:
+                 reuse_port: bool = False, public_url: str | None = None,
+                 max_bodies: int = MAX_BODIES) -> None:
         self.state, self.host, self.requested_port, self.limit = state, host, port, limit
         self.reuse_port, self.public_url = reuse_port, public_url
+        # a fleet uploads at the same step boundary: bound the bodies held at once, not the
+        # connections (a waiting upload holds its socket, not a model-sized buffer)
+        self.bodies = threading.BoundedSemaphore(max_bodies)
         self.port: int | None = None
         self._server: _Server | None = None
         self._thread: threading.Thread | None = None
@@ -144,14 +153,15 @@ class BulkListener:
             length = content_length(headers.get("Content-Length"), self.limit)
         except Exception as exc:  # noqa: BLE001 - mapped like the API's handlers, else a 500
             return _refusal(exc, close=upload is not None)
-        body = read_exactly(rfile, length)
-        if body is None:
-            return None
-        try:
-            status, payload = accept_upload(self.state, principal.device_id, unquote(upload.group(1)),
-                                            int(upload.group(2)), body)
-        except Exception as exc:  # noqa: BLE001
-            return _refusal(exc, close=False)
+        with self.bodies:
+            body = read_exactly(rfile, length)
+            if body is None:
+                return None
+            try:
+                status, payload = accept_upload(self.state, principal.device_id,
+                                                unquote(upload.group(1)), int(upload.group(2)), body)
+            except Exception as exc:  # noqa: BLE001
+                return _refusal(exc, close=False)
         return Reply(status, payload, {"Retry-After": "1"} if status == 503 else {})
 
     def _device(self, headers: Any) -> Any:
@@ -203,6 +213,7 @@ class _Server(ThreadingHTTPServer):
 
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive: an agent's next upload reuses the connection
+    timeout = SOCKET_TIMEOUT_S  # a client that stalls mid-request frees its thread
     server: _Server
 
     def do_POST(self) -> None:  # noqa: N802 - BaseHTTPRequestHandler's naming

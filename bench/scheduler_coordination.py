@@ -198,7 +198,7 @@ def run_phalanx(root: Path, mode: str, n: int, steps: int, pg: str | None, rd: s
                 assert time.monotonic() < deadline, "steps did not advance"
                 if at >= 1 and not cpu_before:
                     cpu_before, first = cpu_seconds(groups_pids), at
-                time.sleep(0.05)  # the bench's own polling is load on the server too
+                time.sleep(0.25)  # the bench's own polling is load on the server too
             cpu_after = cpu_seconds(groups_pids)
             rows = c.get(f"/v1/jobs/{job_id}/metrics").json()["items"]
             c.post(f"/v1/jobs/{job_id}/cancel")

@@ -96,5 +96,13 @@ def test_postgres_server_with_two_workers(pg_url, tmp_path, redis_url):
         with server.client() as admin:
             history = admin.get(f"/v1/devices/{device['device_id']}/telemetry").json()["items"]
             assert len(history) == 20
+        # both workers listen on the bulk port (API port + 1, shared with SO_REUSEPORT): every
+        # fresh connection, whichever worker takes it, gets the API's answer
+        bulk = server.url.rsplit(":", 1)[0] + f":{int(server.url.rsplit(':', 1)[1]) + 1}"
+        for _ in range(10):
+            r = httpx.get(f"{bulk}/v1/jobs/nope/weights", params={"step": 0}, timeout=10,
+                          headers={"Authorization": f"Bearer {device['device_token']}"})
+            assert r.status_code == 404 and r.json() == {"detail": "job nope not found"}
+        assert "not available" not in server.log()
     finally:
         server.stop()

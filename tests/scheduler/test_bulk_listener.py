@@ -189,3 +189,33 @@ def test_over_https_only_an_operator_set_url_is_advertised(sqlite_url: str, tmp_
     public = BulkListener(None, "0.0.0.0", 0, LIMIT, public_url="https://up.lab/")
     public.port = 9001
     assert public.url_for("https", "api.lab") == "https://up.lab"
+
+
+def test_bodies_held_at_once_are_bounded_and_a_stalled_one_frees_its_place(
+        sqlite_url: str, tmp_path: Path) -> None:
+    """With room for one body, an upload waits while another client trickles its body in, and
+    goes through once that client leaves: a fleet uploading at once cannot hold a model-sized
+    buffer per connection."""
+    import threading
+
+    with make_client(sqlite_url, tmp_path, bulk_port=0) as client:
+        client.app.state.bulk_listener.bodies = threading.BoundedSemaphore(1)
+        job_id, [(dev, hdr), _] = running_job(client)
+        blobs = shard_result_blobs(context.get_context(), job_id, 0)
+        mine = shards_of(job_id, dev)
+        port = client.app.state.bulk_listener.port
+        staller = socket.create_connection(("127.0.0.1", port))
+        staller.sendall((f"POST {gradients(job_id)} HTTP/1.1\r\nHost: x\r\nAuthorization: "
+                         f"{hdr['Authorization']}\r\nContent-Length: {len(blobs[mine[0]])}\r\n\r\n"
+                         ).encode() + blobs[mine[0]][:100])
+        answers: list[httpx.Response] = []
+        waiter = threading.Thread(target=lambda: answers.append(httpx.post(
+            listener_url(client) + gradients(job_id), content=blobs[mine[1]], headers=hdr,
+            timeout=60)))
+        waiter.start()
+        waiter.join(1.0)
+        assert not answers  # still waiting for the one place
+        staller.close()
+        waiter.join(60)
+        assert answers and answers[0].json() == {"accepted": [mine[1]], "duplicates": []}
+    context.reset()
