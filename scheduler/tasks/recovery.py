@@ -7,6 +7,8 @@ there; the math is a function of (spec, seed), so the rewound run ends where it 
 
 from __future__ import annotations
 
+import threading
+
 from sqlalchemy import delete
 
 from agent.nn.step import TrainState, initial_state
@@ -20,7 +22,37 @@ from scheduler.jobinfo import JobInfo
 from scheduler.notify import bump_version
 
 
+class RecentStates:
+    """The state each job's last apply_step in this process wrote, so the next one reads it
+    from memory instead of the blob store (25.7 MB of Redis GET per step for mobilenet_v1).
+    Trusted only while the blob store still holds that key: a store that lost it (a Redis
+    restart) sends the job through the restore below exactly as without this cache."""
+
+    def __init__(self, jobs: int = 16) -> None:
+        self.jobs = jobs
+        self._states: dict[str, TrainState] = {}
+        self._lock = threading.Lock()
+
+    def remember(self, job_id: str, state: TrainState) -> None:
+        with self._lock:
+            self._states.pop(job_id, None)
+            self._states[job_id] = state
+            while len(self._states) > self.jobs:
+                self._states.pop(next(iter(self._states)))
+
+    def get(self, job_id: str, step: int) -> TrainState | None:
+        with self._lock:
+            state = self._states.get(job_id)
+        return state if state is not None and state.step == step else None
+
+
+RECENT = RecentStates()
+
+
 def load_state(ctx: SchedulerContext, job_id: str, step: int) -> TrainState | None:
+    recent = RECENT.get(job_id, step)
+    if recent is not None and ctx.blobs.exists(keys.state(job_id, step)):
+        return recent
     data = ctx.blobs.get(keys.state(job_id, step))
     if data is None:
         return None

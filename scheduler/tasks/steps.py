@@ -38,7 +38,7 @@ from scheduler.hotstate import encode_state
 from scheduler.jobinfo import JobInfo, job_info_or_reason
 from scheduler.notify import bump_version
 from scheduler.tasks import boundary
-from scheduler.tasks.recovery import drop_step_keys, ensure_state
+from scheduler.tasks.recovery import RECENT, drop_step_keys, ensure_state
 
 log = logging.getLogger(__name__)
 
@@ -69,15 +69,15 @@ def step_complete(ctx: SchedulerContext, job_id: str, step: int, shards: int) ->
 
 
 def load_results(ctx: SchedulerContext, job_id: str, step: int, info: JobInfo) -> list[ShardResult] | None:
+    shard_keys = [keys.grad(job_id, step, shard) for shard in range(info.spec.shards)]
     results = []
-    for shard in range(info.spec.shards):
-        data = ctx.blobs.get(keys.grad(job_id, step, shard))
+    for key, data in zip(shard_keys, ctx.blobs.get_many(shard_keys)):
         if data is None:
             return None
         try:
             results.append(unpack_result(data, info.model.n_params, info.model.n_stats))
         except GradBlobError:
-            ctx.blobs.delete(keys.grad(job_id, step, shard))  # cannot happen unless corrupted
+            ctx.blobs.delete(key)  # cannot happen unless corrupted
             return None
     return results
 
@@ -112,6 +112,7 @@ def run_apply_step(ctx: SchedulerContext, job_id: str, step: int) -> str:
         return Outcome.INCOMPLETE
     new_state, metrics = engine_apply_step(info.model, info.spec, state, results)
     ctx.blobs.set(keys.state(job_id, step + 1), encode_state(new_state))
+    RECENT.remember(job_id, new_state)  # the next step reads it from here, if still stored
     # the message every agent downloads next, encoded here once: the API serves it as stored
     # instead of reading the whole state (weights + momentum) back to encode it
     ctx.blobs.set(keys.weights(job_id, step + 1),

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from agent.nn.step import TrainState
-from scheduler.blobs import BlobStore, MemoryBlobStore, RedisBlobStore
+from scheduler.blobs import MGET_GROUP, BlobStore, MemoryBlobStore, RedisBlobStore
 from scheduler.hotstate import StateError, decode_state, encode_state
 from scheduler.locks import acquire, release
 
@@ -28,6 +28,16 @@ def test_set_get_delete(store: BlobStore) -> None:
     assert store.get("a") == b"1" and store.exists("a")
     store.delete("a", "missing")
     assert store.get("a") is None and not store.exists("a")
+
+
+def test_get_many_answers_in_order_with_none_for_missing_across_groups(store: BlobStore) -> None:
+    names = [f"g:{i}" for i in range(MGET_GROUP * 2 + 3)]
+    for i, name in enumerate(names):
+        if i % 5:
+            store.set(name, f"v{i}".encode())
+    assert store.get_many(names) == [None if i % 5 == 0 else f"v{i}".encode()
+                                     for i in range(len(names))]
+    assert store.get_many([]) == []
 
 
 def test_first_set_if_absent_wins(store: BlobStore) -> None:

@@ -21,7 +21,7 @@ from scheduler.hotstate import decode_state
 from scheduler.jobinfo import job_info
 from scheduler.tasks import steps
 from scheduler.tasks.reconcile import run_reconcile, run_reconcile_job
-from scheduler.tasks.recovery import load_state
+from scheduler.tasks.recovery import RECENT, load_state
 from scheduler.tasks.steps import run_apply_step
 from tests.scheduler.helpers import (
     Clock,
@@ -289,3 +289,18 @@ def test_reconcile_prunes_telemetry_past_retention_at_most_once_a_minute(ctx) ->
     ctx.blobs.delete(keys.TELEMETRY_PRUNED)
     assert run_reconcile(ctx)["pruned"] == 1
     assert len(ages()) == 1
+
+
+def test_the_next_step_reads_the_state_this_process_wrote_but_only_while_it_is_stored(ctx) -> None:
+    """apply_step keeps the state it wrote; the next apply_step uses it instead of reading (and
+    decoding) the blob again, and falls back to the blob store's answer once the key is gone."""
+    job_id = start(ctx)
+    upload_all(ctx, job_id, 0)
+    assert run_apply_step(ctx, job_id, 0) == "applied"
+    kept = RECENT.get(job_id, 1)
+    assert kept is not None and kept.step == 1
+    assert load_state(ctx, job_id, 1) is kept  # the very object: no read, no decode
+    assert np.array_equal(decode_state(ctx.blobs.get(keys.state(job_id, 1))).params, kept.params)
+    assert RECENT.get(job_id, 0) is None  # only the step it is for
+    ctx.blobs.delete(keys.state(job_id, 1))  # what a Redis restart does to it
+    assert load_state(ctx, job_id, 1) is None  # the restore path runs, as without the cache
