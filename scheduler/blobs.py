@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Protocol
+from typing import Any, Protocol
 
 from api.settings import Settings
 
@@ -98,7 +98,9 @@ class RedisBlobStore:
         import redis
 
         self.url = url
-        self._redis = redis.Redis.from_url(url, socket_timeout=30, health_check_interval=30)
+        extra = {"connection_class": _big_value_connection()} if url.startswith("redis://") else {}
+        self._redis = redis.Redis.from_url(url, socket_timeout=30, health_check_interval=30,
+                                           **extra)
 
     def get(self, key: str) -> bytes | None:
         return self._redis.get(key)
@@ -130,6 +132,24 @@ class RedisBlobStore:
 
     def flush(self) -> None:
         self._redis.flushdb()
+
+
+def _big_value_connection() -> type:
+    """A plain TCP connection that sends big values as they are.
+
+    With hiredis installed, redis-py packs every command into one new buffer: measured, 32 ms to
+    pack a 12.9 MB SET, against 15 ms for the whole SET when the value goes out uncopied (each
+    gradient upload and every state the worker writes is such a SET). redis-py's own packer
+    passes a value over its cutoff through as it is; replies still parse with hiredis.
+    """
+    import redis
+    from redis.connection import PythonRespSerializer
+
+    class BigValueConnection(redis.Connection):
+        def _construct_command_packer(self, packer: Any) -> Any:
+            return packer or PythonRespSerializer(self._buffer_cutoff, self.encoder.encode)
+
+    return BigValueConnection
 
 
 def _ms(ttl: float | None) -> int | None:

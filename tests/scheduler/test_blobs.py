@@ -85,3 +85,17 @@ def test_state_round_trips_exactly() -> None:
         decode_state(encode_state(state), expect_step=8)
     with pytest.raises(StateError):
         decode_state(encode_state(state)[:-4])
+
+
+def test_redis_sends_a_big_value_uncopied_and_it_round_trips(redis_url: str) -> None:
+    """The packer in use hands a big value to the socket as the same object (hiredis's copies
+    it into one new buffer: 32 ms per 12.9 MB SET, measured); the value arrives intact."""
+    store = RedisBlobStore(redis_url)
+    value = np.random.default_rng(0).bytes(3 * 1024 * 1024)
+    conn = store._redis.connection_pool.get_connection()
+    try:
+        assert any(part is value for part in conn.pack_command("SET", "k", value))
+    finally:
+        store._redis.connection_pool.release(conn)
+    store.set("big", value)
+    assert store.get("big") == value and store.get_many(["big"]) == [value]
