@@ -74,7 +74,10 @@ def start_embedded_server(data_dir: Path, *, host: str = "127.0.0.1", port: int 
     env.update(settings or {})
     env.update(PHALANX_DATA_DIR=str(data_dir), PHALANX_ADMIN_TOKEN=token, PYTHONUNBUFFERED="1")
     log_path = data_dir / "server.log"
-    cmd = [sys.executable, "-m", "phalanx.cli.main", "server", "--host", host, "--port", str(port)]
+    # no bulk port: each simulated phone reaches the server only through its own cuttable link
+    # (phalanx.sim.netproxy), and a bulk URL would let it go around the "loses network" fault
+    cmd = [sys.executable, "-m", "phalanx.cli.main", "server", "--host", host, "--port", str(port),
+           "--bulk-port", "0"]
     with log_path.open("ab") as log:
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
