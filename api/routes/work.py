@@ -203,7 +203,7 @@ def install(app: FastAPI, settings: Settings) -> None:
 
 def _serve_bulk(app: FastAPI, settings: Settings) -> None:
     """Wrap the app's lifespan: the bulk listener runs while the app serves. A port that
-    cannot be bound is logged and skipped: agents then upload through the API port."""
+    cannot be bound is logged and skipped: agents then use the API port for everything."""
     from api.bulk_listener import BulkListener
 
     inner = app.router.lifespan_context
@@ -211,8 +211,8 @@ def _serve_bulk(app: FastAPI, settings: Settings) -> None:
     @asynccontextmanager
     async def lifespan(a: FastAPI) -> AsyncIterator[Any]:
         listener = BulkListener(a.state, settings.bulk_host, int(settings.bulk_port or 0),
-                                  settings.max_upload_bytes, reuse_port=settings.bulk_reuse_port,
-                                  public_url=settings.bulk_public_url)
+                                settings.max_upload_bytes, reuse_port=settings.bulk_reuse_port,
+                                public_url=settings.bulk_public_url)
         a.state.bulk_listener = None
         try:
             listener.start()

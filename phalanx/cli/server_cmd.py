@@ -40,7 +40,7 @@ def server(
     import uvicorn
 
     if bulk_port is None:
-        bulk_port = int(os.environ.get("PHALANX_BULK_PORT") or port + 1)
+        bulk_port = int(os.environ.get("PHALANX_BULK_PORT") or (port + 1 if port < 65535 else 0))
     if bulk_port:  # the environment carries it to uvicorn's worker processes too
         os.environ.update(PHALANX_BULK_PORT=str(bulk_port), PHALANX_BULK_HOST=host,
                           PHALANX_BULK_REUSE_PORT="1" if workers > 1 and

@@ -9,6 +9,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import pytest
 
 from tests.support.server import REPO_ROOT, free_port, start_server
 
@@ -104,5 +105,25 @@ def test_postgres_server_with_two_workers(pg_url, tmp_path, redis_url):
                           headers={"Authorization": f"Bearer {device['device_token']}"})
             assert r.status_code == 404 and r.json() == {"detail": "job nope not found"}
         assert "not available" not in server.log()
+    finally:
+        server.stop()
+
+
+def test_bulk_port_flag_moves_or_turns_off_the_bulk_listener(sqlite_url, tmp_path):
+    bulk = free_port()
+    server = start_server(database_url=sqlite_url, data_dir=tmp_path / "a", admin_token="phx-adm-x",
+                          args=["--bulk-port", str(bulk)])
+    try:
+        r = httpx.get(f"http://127.0.0.1:{bulk}/v1/jobs/j/weights", params={"step": 0}, timeout=10)
+        assert r.status_code == 401 and "bearer token" in r.json()["detail"]
+    finally:
+        server.stop()
+    port = free_port()
+    server = start_server(database_url=sqlite_url, data_dir=tmp_path / "b", admin_token="phx-adm-x",
+                          port=port, args=["--bulk-port", "0"])
+    try:
+        assert httpx.get(f"{server.url}/healthz", timeout=10).status_code == 200
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"http://127.0.0.1:{port + 1}/v1/jobs/j/weights", timeout=10)
     finally:
         server.stop()
