@@ -239,9 +239,12 @@ class _Handler(BaseHTTPRequestHandler):
         if reply.close:
             self.send_header("Connection", "close")
             self.close_connection = True
-        self.end_headers()
-        if self.command != "HEAD":
-            self.wfile.write(body)
+        try:
+            self.end_headers()
+            if self.command != "HEAD":
+                self.wfile.write(body)
+        except OSError:  # the agent went away mid-answer (killed, network lost): nothing to do
+            self.close_connection = True
         route = ROUTES.get(self.command, UNMATCHED) if reply.status not in (404, 405) else UNMATCHED
         HTTP_REQUESTS.labels(self.command, route, str(reply.status)).inc()
         HTTP_LATENCY.labels(self.command, route).observe(time.perf_counter() - started)

@@ -219,3 +219,21 @@ def test_bodies_held_at_once_are_bounded_and_a_stalled_one_frees_its_place(
         waiter.join(60)
         assert answers and answers[0].json() == {"accepted": [mine[1]], "duplicates": []}
     context.reset()
+
+
+def test_an_agent_leaving_mid_download_leaves_the_listener_serving(
+        app_client: TestClient, capfd: pytest.CaptureFixture[str]) -> None:
+    # weights bigger than the sockets' buffers (~15 MB), so the send is cut off mid-way
+    job_id, [(dev, hdr), _] = running_job(app_client, model={"hidden": 1024},
+                                          dataset="synthetic:3x32x32:10:256")
+    port = app_client.app.state.bulk_listener.port
+    for _ in range(3):
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.sendall((f"GET /v1/jobs/{job_id}/weights?step=0 HTTP/1.1\r\nHost: x\r\n"
+                          f"Authorization: {hdr['Authorization']}\r\n\r\n").encode())
+            sock.recv(100)  # the answer has started; leave with the rest unread
+    r = httpx.get(listener_url(app_client) + f"/v1/jobs/{job_id}/weights", params={"step": 0},
+                  headers=hdr, timeout=30)
+    assert r.status_code == 200
+    assert "Traceback" not in capfd.readouterr().err

@@ -7,6 +7,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -50,9 +51,9 @@ def enroll(client: TestClient, name: str) -> tuple[str, dict[str, str]]:
     return body["device_id"], headers
 
 
-def running_job(client: TestClient, devices: int = 2) -> tuple[str, list[tuple[str, dict]]]:
+def running_job(client: TestClient, devices: int = 2, **spec: Any) -> tuple[str, list[tuple[str, dict]]]:
     phones = [enroll(client, f"phone-{i}") for i in range(devices)]
-    r = client.post("/v1/jobs", json=tiny_spec(placement={"min_devices": devices}),
+    r = client.post("/v1/jobs", json=tiny_spec(placement={"min_devices": devices}, **spec),
                     headers=admin(client))
     assert r.status_code == 201, r.text
     ctx = context.get_context()
