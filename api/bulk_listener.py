@@ -123,9 +123,9 @@ class BulkListener:
             self._server = None
 
     def url_for(self, scheme: str, hostname: str | None) -> str | None:
-        """Where an agent that reached the API as `scheme://hostname` sends uploads. Never a
-        plain-http address for an agent that came over https (its token would travel bare),
-        unless the operator set one."""
+        """Where an agent that reached the API as `scheme://hostname` fetches weights and sends
+        uploads. Never a plain-http address for an agent that came over https (its token would
+        travel bare), unless the operator set one."""
         if self.public_url:
             return self.public_url.rstrip("/")
         if self.port is None or scheme != "http" or not hostname:
@@ -149,7 +149,9 @@ class BulkListener:
         try:
             principal = self._device(headers)
             if weights:
-                return self._weights(principal.device_id, unquote(weights.group(1)), parts.query)
+                reply = self._weights(principal.device_id, unquote(weights.group(1)), parts.query)
+                reply.close = headers.get("Content-Length", "0") != "0"  # a body left unread
+                return reply
             length = content_length(headers.get("Content-Length"), self.limit)
         except Exception as exc:  # noqa: BLE001 - mapped like the API's handlers, else a 500
             return _refusal(exc, close=upload is not None)
@@ -190,7 +192,7 @@ class _WeightsQuery(BaseModel):
 def _refusal(exc: Exception, close: bool) -> Reply:
     mapped = error_response(exc)
     if mapped is None:
-        log.exception("gradient upload failed", exc_info=exc)
+        log.exception("bulk request failed", exc_info=exc)
         return Reply(500, {"detail": "internal error"}, close=True)
     status, detail, extra = mapped
     return Reply(status, {"detail": detail}, extra, close=close)
