@@ -5,7 +5,7 @@ Layout (all integers little-endian):
     magic  b"PHLXW"  (5 bytes)
     version          u16   (1)
     header length    u32
-    crc32            u32   zlib.crc32 of header + payload
+    crc32            u32   CRC-32 (zlib's) of header + payload
     header           UTF-8 JSON: kind, job, step, dtype, n_params, and per kind
                      weights: n_buffers; results: n_stats and
                      "shards": [{"shard", "loss_sum", "correct", "count"}, ...]
@@ -23,12 +23,17 @@ from __future__ import annotations
 import json
 import math
 import struct
-import zlib
 from typing import Any
 
 import numpy as np
 
 from agent.nn.step import ShardResult
+
+try:  # the same CRC-32 as zlib's, ~10x faster (zlib-ng's folding kernel); the control plane
+    # installs it, a phone without it uses the standard library (1.9 vs 0.19 ms per 12.9 MB)
+    from zlib_ng.zlib_ng import crc32
+except ImportError:  # pragma: no cover - depends on what is installed
+    from zlib import crc32
 
 MAGIC = b"PHLXW"
 VERSION = 1
@@ -120,9 +125,9 @@ def _pack(header: dict[str, Any], arrays: list[np.ndarray]) -> bytes:
     except ValueError:
         raise WireError("header holds NaN or infinity (a shard's loss is not finite)") from None
     parts = [memoryview(a).cast("B") for a in arrays]
-    crc = zlib.crc32(raw)
+    crc = crc32(raw)
     for part in parts:
-        crc = zlib.crc32(part, crc)
+        crc = crc32(part, crc)
     return b"".join([_PREFIX.pack(MAGIC, VERSION, len(raw), crc), raw, *parts])
 
 
@@ -141,7 +146,7 @@ def _unpack(data: bytes | bytearray | memoryview, kind: str, job: str | None,
         raise WireError(f"truncated: header of {hlen} bytes does not fit in {len(data)} bytes")
     raw = bytes(data[_PREFIX.size : _PREFIX.size + hlen])
     payload = data[_PREFIX.size + hlen :]
-    if zlib.crc32(payload, zlib.crc32(raw)) != crc:
+    if crc32(payload, crc32(raw)) != crc:
         raise WireError("checksum mismatch: the message was corrupted or truncated")
     try:
         header = json.loads(raw, parse_constant=_reject_constant)

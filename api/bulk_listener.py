@@ -215,6 +215,7 @@ class _Server(ThreadingHTTPServer):
 
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive: an agent's next upload reuses the connection
+    disable_nagle_algorithm = True  # a small answer after its headers goes out at once
     timeout = SOCKET_TIMEOUT_S  # a client that stalls mid-request frees its thread
     server: _Server
 

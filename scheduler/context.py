@@ -8,6 +8,7 @@ store and clock.
 from __future__ import annotations
 
 import datetime as dt
+import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -31,6 +32,8 @@ class Tuning(BaseSettings):
     lock_ttl_s: float = 30.0  # placement lock lease (a dead holder frees it by then)
     long_poll_interval_s: float = 0.005  # how often a waiting API process checks the version key
     eviction_window_s: float = 60.0
+    # threads that share apply_step's sum + update (element-wise: the same bits for any count)
+    apply_threads: int = min(4, os.cpu_count() or 1)
     # tests only: sleep between writing state t+1 and committing step t+1 (the crash window)
     apply_pause_s: float = 0.0
 

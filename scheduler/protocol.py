@@ -1,7 +1,8 @@
 """The step protocol's logic behind `api/routes/work.py` (sync; routes run it in a thread).
 
-Reads are cheap on purpose: one small query for the device's holdings and the job's step, and
-key listings in the blob store for what is already uploaded.
+Reads are cheap on purpose: a device's holdings and its jobs' rows are read once per value of
+the version key (`DeviceView`), so a step's work, weights and upload requests cost no query after
+the first; what is already uploaded comes from key listings in the blob store.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from scheduler.blobs import BlobStore
 from scheduler.gradstore import pack_result
 from scheduler.hotstate import decode_state
 from scheduler.jobinfo import JobInfo, job_info
+from scheduler.notify import current_version
 from scheduler.tasks.stragglers import uploaded_shards
 
 
@@ -89,6 +91,22 @@ class LRU:
                 self._data.popitem(last=False)
 
 
+@dataclass(frozen=True)
+class DeviceView:
+    """What one device holds, as of one value of the version key: its shards per job and
+    those jobs' rows. Every change to assignments or to a job's state or step is committed
+    before the version key is bumped (scheduler.notify), so a view read under version v stays
+    right until the key moves on; the step's requests (work, weights, upload) then cost no
+    query."""
+
+    version: bytes
+    held: dict[str, frozenset[int]]
+    jobs: dict[str, JobRow]
+
+    def first_job(self) -> str | None:
+        return next(iter(self.held), None)
+
+
 class StepProtocol:
     def __init__(self, session_factory: sessionmaker[Session], blobs: BlobStore,
                  data_dir: Path, clock: Any) -> None:
@@ -97,6 +115,7 @@ class StepProtocol:
         self._weights = LRU(8)
         self._encoding = threading.Lock()
         self._shards = LRU(256)
+        self._views = LRU(16384)
 
     def _job(self, session: Session, job_id: str) -> JobRow | None:
         job = session.get(Job, job_id)
@@ -104,10 +123,36 @@ class StepProtocol:
             return None
         return JobRow(job.id, job.state, job.step, dict(job.spec or {}), job.step_started_at)
 
-    def _held(self, session: Session, device_id: str, job_id: str) -> set[int]:
-        rows = session.scalars(select(ShardAssignment.shard).where(
-            ShardAssignment.device_id == device_id, ShardAssignment.job_id == job_id))
-        return {int(s) for s in rows}
+    def view(self, device_id: str) -> DeviceView:
+        """The device's holdings and their jobs: from the cache while the version key holds
+        still, else two indexed queries."""
+        version = current_version(self.blobs)  # read BEFORE the rows: a later bump is seen
+        cached = self._views.get(device_id)
+        if cached is not None and cached.version == version:
+            return cached
+        held: dict[str, set[int]] = {}
+        with self.session_factory() as session:
+            rows = session.execute(
+                select(ShardAssignment.job_id, ShardAssignment.shard)
+                .where(ShardAssignment.device_id == device_id).order_by(ShardAssignment.id))
+            for job_id, shard in rows:
+                held.setdefault(job_id, set()).add(int(shard))
+            jobs = {}
+            for job_id in held:
+                row = self._job(session, job_id)
+                if row is not None:
+                    jobs[job_id] = row
+        fresh = DeviceView(version, {j: frozenset(s) for j, s in held.items()}, jobs)
+        self._views.put(device_id, fresh)
+        return fresh
+
+    def _job_and_held(self, device_id: str, job_id: str) -> tuple[JobRow | None, frozenset[int]]:
+        view = self.view(device_id)
+        job = view.jobs.get(job_id)
+        if job is None:  # a job this device holds nothing of: only its existence matters
+            with self.session_factory() as session:
+                job = self._job(session, job_id)
+        return job, view.held.get(job_id, frozenset())
 
     def info(self, job: JobRow) -> JobInfo:
         return job_info(job.id, job.spec, self.data_dir)
@@ -115,13 +160,11 @@ class StepProtocol:
     # -- GET /v1/devices/{id}/work ------------------------------------------------------------
     def work(self, device_id: str) -> dict[str, Any] | None:
         """The shards of the current step this device must still upload; None: nothing now."""
-        with self.session_factory() as session:
-            job_id = session.scalars(select(ShardAssignment.job_id).where(
-                ShardAssignment.device_id == device_id).limit(1)).first()
-            if job_id is None:
-                return None
-            job = self._job(session, job_id)
-            held = self._held(session, device_id, job_id)
+        view = self.view(device_id)
+        job_id = view.first_job()
+        if job_id is None:
+            return None
+        job, held = view.jobs.get(job_id), view.held[job_id]
         if job is None or job.state != "Running":
             return None
         if not self.blobs.exists(keys.state(job.id, job.step)):
@@ -135,12 +178,11 @@ class StepProtocol:
     # -- GET /v1/jobs/{id}/weights?step=t -----------------------------------------------------
     def weights(self, device_id: str, job_id: str, step: int) -> bytes:
         cached = self._weights.get((job_id, step))
-        with self.session_factory() as session:
-            job = self._job(session, job_id)
-            if job is None:
-                raise NotThere(f"job {job_id} not found")
-            if not self._held(session, device_id, job_id):
-                raise ForeignShard(f"device {device_id} holds no shard of {job_id}")
+        job, held = self._job_and_held(device_id, job_id)
+        if job is None:
+            raise NotThere(f"job {job_id} not found")
+        if not held:
+            raise ForeignShard(f"device {device_id} holds no shard of {job_id}")
         if job.step != step:
             raise StaleStep(f"job is at step {job.step}, not {step}")
         if cached is not None:
@@ -165,12 +207,11 @@ class StepProtocol:
 
     # -- GET /v1/jobs/{id}/shards/{k}/data ----------------------------------------------------
     def shard_data(self, device_id: str, job_id: str, shard: int) -> bytes:
-        with self.session_factory() as session:
-            job = self._job(session, job_id)
-            if job is None:
-                raise NotThere(f"job {job_id} not found")
-            if shard not in self._held(session, device_id, job_id):
-                raise ForeignShard(f"shard {shard} of {job_id} is not assigned to {device_id}")
+        job, held = self._job_and_held(device_id, job_id)
+        if job is None:
+            raise NotThere(f"job {job_id} not found")
+        if shard not in held:
+            raise ForeignShard(f"shard {shard} of {job_id} is not assigned to {device_id}")
         cached = self._shards.get((job_id, shard))
         if cached is not None:
             return cached
@@ -184,11 +225,9 @@ class StepProtocol:
     def upload(self, device_id: str, job_id: str, step: int, body: bytes) -> tuple[list[int], list[int], bool]:
         """Store each shard's result once (first upload wins); returns (accepted, duplicates,
         step_complete)."""
-        with self.session_factory() as session:
-            job = self._job(session, job_id)
-            if job is None:
-                raise NotThere(f"job {job_id} not found")
-            held = self._held(session, device_id, job_id)
+        job, held = self._job_and_held(device_id, job_id)
+        if job is None:
+            raise NotThere(f"job {job_id} not found")
         if job.step != step or job.state != "Running":
             raise StaleStep(f"job is at step {job.step} ({job.state}), not {step}: result dropped")
         info = self.info(job)

@@ -15,6 +15,8 @@ v = momentum x v + g; p -= lr x (g + momentum x v if nesterov else v).
 from __future__ import annotations
 
 import math
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -69,4 +71,62 @@ def sgd_update(params: np.ndarray, momentum_buf: np.ndarray, grad_mean: np.ndarr
         update = g + momentum * v if nesterov else v
         new_params[block] = p - lr * update
         new_momentum[block] = v
+    return new_params, new_momentum
+
+
+# Elements per block of the fused sum + update: the float64 accumulator (256 KB) and the
+# block's temporaries stay in the caches while every shard adds its block.
+FUSED_BLOCK = 1 << 15
+_POOLS: dict[int, ThreadPoolExecutor] = {}
+_POOLS_LOCK = threading.Lock()
+
+
+def _pool(workers: int) -> ThreadPoolExecutor:
+    with _POOLS_LOCK:
+        pool = _POOLS.get(workers)
+        if pool is None:
+            pool = _POOLS[workers] = ThreadPoolExecutor(workers, thread_name_prefix="sgd")
+        return pool
+
+
+def sum_and_update(grads: list[np.ndarray], params: np.ndarray, momentum_buf: np.ndarray,
+                   lr: float, momentum: float, weight_decay: float, nesterov: bool,
+                   decay_mask: np.ndarray, grad_divisor: float = 1.0, workers: int = 1,
+                   ) -> tuple[np.ndarray, np.ndarray]:
+    """`sgd_update` of the float64 sum of `grads` added in list order, in one pass.
+
+    Bit for bit `sgd_update(params, momentum_buf, ordered_sum(grads), ...)`: every element
+    still starts at 0.0, gets grads[0], grads[1], ... added in turn, then the same element-wise
+    update. Fusing keeps the 26 MB float64 sum of a mobilenet_v1 out of memory, and because
+    nothing crosses elements, `workers` threads can each take a contiguous range (numpy
+    releases the GIL inside its loops) without changing a bit.
+    """
+    n = params.size
+    new_params, new_momentum = np.empty(n, np.float32), np.empty(n, np.float32)
+
+    def run(lo: int, hi: int) -> None:
+        for start in range(lo, hi, FUSED_BLOCK):
+            block = slice(start, min(start + FUSED_BLOCK, hi))
+            g = np.zeros(block.stop - block.start, np.float64)
+            for a in grads:
+                g += a[block]
+            if grad_divisor != 1.0:
+                g /= grad_divisor
+            p = params[block].astype(np.float64)
+            if weight_decay:
+                g += weight_decay * decay_mask[block] * p
+            v = momentum * momentum_buf[block].astype(np.float64) + g
+            update = g + momentum * v if nesterov else v
+            new_params[block] = p - lr * update
+            new_momentum[block] = v
+
+    blocks = -(-n // FUSED_BLOCK)
+    workers = max(1, min(workers, blocks))
+    if workers == 1:
+        run(0, n)
+        return new_params, new_momentum
+    per = -(-blocks // workers) * FUSED_BLOCK
+    futures = [_pool(workers).submit(run, lo, min(lo + per, n)) for lo in range(0, n, per)]
+    for f in futures:
+        f.result()
     return new_params, new_momentum

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from agent.nn.graph import Model
-from agent.nn.optim import lr_at, sgd_update
+from agent.nn.optim import lr_at, sum_and_update
 from agent.nn.spec import TrainSpec
 
 BN_MOMENTUM = 0.1  # running = (1 - 0.1) x running + 0.1 x (shard-averaged batch statistic)
@@ -79,11 +79,11 @@ def initial_state(model: Model, spec: TrainSpec) -> TrainState:
 
 
 def apply_step(model: Model, spec: TrainSpec, state: TrainState,
-               results: Iterable[ShardResult]) -> tuple[TrainState, StepMetrics]:
-    """Average every shard's gradient for state.step, update, and return step + 1."""
+               results: Iterable[ShardResult], workers: int = 1) -> tuple[TrainState, StepMetrics]:
+    """Average every shard's gradient for state.step, update, and return step + 1.
+    `workers` threads share the (element-wise) work; the result is the same bit for bit."""
     ordered = _check_results(model, spec, list(results))
     # shard order: the one summation order every placement shares
-    grad = ordered_sum([r.grad_sum for r in ordered], model.n_params)
     stats = ordered_sum([r.stats for r in ordered], model.n_stats)
     loss = 0.0
     correct = count = 0
@@ -92,9 +92,10 @@ def apply_step(model: Model, spec: TrainSpec, state: TrainState,
         correct += r.correct
         count += r.count
     lr = lr_at(spec, state.step)
-    params, momentum = sgd_update(state.params, state.momentum, grad, lr, spec.momentum,
-                                  spec.weight_decay, spec.nesterov, model.decay_mask,
-                                  grad_divisor=count)
+    params, momentum = sum_and_update([r.grad_sum for r in ordered], state.params,
+                                      state.momentum, lr, spec.momentum, spec.weight_decay,
+                                      spec.nesterov, model.decay_mask, grad_divisor=count,
+                                      workers=workers)
     buffers = state.buffers
     if model.n_buffers:
         mean_stats = stats / len(ordered)

@@ -134,6 +134,8 @@ class SchedulerHooks:
         self.ctx = ctx
 
     def job_changed(self, job_id: str) -> None:
+        # the change is committed: step-protocol views cached under the old version go stale
+        self._safely(self._bump)
         self._safely(self._reconcile)
 
     def device_changed(self, device_id: str) -> None:
@@ -143,6 +145,11 @@ class SchedulerHooks:
         from scheduler.tasks.steps import enqueue_apply
 
         self._safely(lambda: enqueue_apply(self.ctx, job_id, step))
+
+    def _bump(self) -> None:
+        from scheduler.notify import bump_version
+
+        bump_version(self.ctx.blobs)
 
     def _reconcile(self) -> None:
         from scheduler.tasks.reconcile import request_reconcile

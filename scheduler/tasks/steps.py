@@ -110,7 +110,8 @@ def run_apply_step(ctx: SchedulerContext, job_id: str, step: int) -> str:
     results = load_results(ctx, job_id, step, info)
     if results is None:
         return Outcome.INCOMPLETE
-    new_state, metrics = engine_apply_step(info.model, info.spec, state, results)
+    new_state, metrics = engine_apply_step(info.model, info.spec, state, results,
+                                           workers=ctx.tuning.apply_threads)
     ctx.blobs.set(keys.state(job_id, step + 1), encode_state(new_state))
     RECENT.remember(job_id, new_state)  # the next step reads it from here, if still stored
     # the message every agent downloads next, encoded here once: the API serves it as stored

@@ -108,3 +108,25 @@ def test_wrongly_typed_fields_are_refused_by_name(change, needle):
     job = {"model": {"arch": "cnn"}, "dataset": "digits", **change}
     with pytest.raises(SpecError, match=needle):
         TrainSpec.from_job_spec(job)
+
+
+@pytest.mark.parametrize("workers", [1, 2, 3])
+@pytest.mark.parametrize(("nesterov", "wd"), [(False, 1e-4), (True, 0.0)])
+def test_fused_sum_and_update_is_bit_identical_to_sum_then_update(workers, nesterov, wd):
+    """apply_step's one-pass sum + update, on any number of threads, changes no bit against
+    the shard-order float64 sum followed by the SGD update (the sum's order itself is pinned
+    by test_step's ordered_sum test)."""
+    from agent.nn.optim import FUSED_BLOCK, sum_and_update
+    from agent.nn.step import ordered_sum
+
+    rng = np.random.default_rng(workers)
+    n = FUSED_BLOCK * 5 + 123  # ragged tail; ranges split unevenly between the threads
+    grads = [(rng.standard_normal(n) * 10.0 ** rng.integers(-8, 8, n)).astype(np.float32)
+             for _ in range(6)]
+    p, v = rng.standard_normal(n).astype(np.float32), rng.standard_normal(n).astype(np.float32)
+    mask = (rng.random(n) > 0.3).astype(np.float32)
+    want_p, want_v = sgd_update(p, v, ordered_sum(grads, n), 0.05, 0.9, wd, nesterov, mask,
+                                grad_divisor=96)
+    got_p, got_v = sum_and_update(grads, p, v, 0.05, 0.9, wd, nesterov, mask, grad_divisor=96,
+                                  workers=workers)
+    assert got_p.tobytes() == want_p.tobytes() and got_v.tobytes() == want_v.tobytes()

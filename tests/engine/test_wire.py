@@ -155,3 +155,21 @@ def test_float32_results_decode_as_views_of_the_message_and_refuse_writes():
     np.testing.assert_array_equal(got.grad_sum, np.arange(1000, dtype=np.float32))
     with pytest.raises(ValueError):
         got.grad_sum[0] = 1.0  # a view of the (immutable) upload: nothing can change it
+
+
+def test_the_checksum_is_zlibs_crc32_whichever_implementation_computes_it():
+    """The control plane computes CRC-32 with zlib-ng where installed, a phone with the
+    standard library: both must produce and accept the same messages."""
+    from agent import wire
+
+    grad = np.arange(1000, dtype=np.float32)
+    body = encode_results("j", 3, [ShardResult(0, grad, 1.0, 1, 2, np.zeros(4, np.float32))])
+    magic, version, hlen, crc = struct.unpack_from("<5sHII", body)
+    assert crc == zlib.crc32(body[15:])  # what a phone's stdlib zlib computes
+    # a message checksummed by the standard library decodes here, and a flipped bit does not
+    assert decode_results(body)[0].grad_sum.tolist() == grad.tolist()
+    assert wire.crc32(body[15:]) == zlib.crc32(body[15:])
+    broken = bytearray(body)
+    broken[-5] ^= 1
+    with pytest.raises(WireError, match="checksum"):
+        decode_results(bytes(broken))

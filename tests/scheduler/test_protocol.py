@@ -197,3 +197,52 @@ def test_concurrent_first_weight_requests_encode_once(app_client: TestClient,
     with ThreadPoolExecutor(6) as pool:
         bodies = list(pool.map(lambda _: fresh.weights(dev, job_id, 0), range(6)))
     assert len(set(bodies)) == 1 and len(calls) == 1
+
+
+def test_a_step_reads_the_store_once_per_device_and_sees_changes_after_a_bump(
+        app_client: TestClient) -> None:
+    """work, weights and shard data of one step cost no query after the device's first
+    request; a committed change announced by the version key is seen at the next request."""
+    from sqlalchemy import event, update
+
+    from api.store.models import ShardAssignment
+    from scheduler.notify import bump_version
+    from scheduler.protocol import StepProtocol
+
+    job_id, [(dev, _), (other, _)] = running_job(app_client)
+    ctx = context.get_context()
+    proto = StepProtocol(ctx.session_factory, ctx.blobs, ctx.settings.data_dir, ctx.clock)
+    engine = ctx.session_factory.kw["bind"]
+    statements: list[str] = []
+
+    def count(conn, cursor, statement, *args) -> None:
+        statements.append(statement)
+
+    event.listen(engine, "before_cursor_execute", count)
+    try:
+        mine = proto.work(dev)["shards"]
+        assert statements, "the first request reads the device's holdings"
+        statements.clear()
+        assert proto.work(dev)["shards"] == mine
+        proto.weights(dev, job_id, 0)
+        proto.shard_data(dev, job_id, mine[0])
+        assert statements == []
+        # one of the other device's shards moves here; the change is announced by a bump
+        theirs = shards_of(job_id, other)[0]
+        with ctx.session_factory.begin() as s:
+            s.execute(update(ShardAssignment).where(ShardAssignment.job_id == job_id,
+                                                    ShardAssignment.shard == theirs)
+                      .values(device_id=dev))
+        bump_version(ctx.blobs)
+        assert proto.work(dev)["shards"] == sorted([*mine, theirs])
+        assert statements, "a new version re-reads the holdings"
+    finally:
+        event.remove(engine, "before_cursor_execute", count)
+    with pytest.raises(protocol_errors().ForeignShard):
+        proto.shard_data(other, job_id, theirs)
+
+
+def protocol_errors() -> Any:
+    from scheduler import protocol
+
+    return protocol
