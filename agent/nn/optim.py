@@ -61,17 +61,26 @@ def sgd_update(params: np.ndarray, momentum_buf: np.ndarray, grad_mean: np.ndarr
     new_params, new_momentum = np.empty(n, np.float32), np.empty(n, np.float32)
     for lo in range(0, n, SGD_BLOCK):
         block = slice(lo, lo + SGD_BLOCK)
-        p = params[block].astype(np.float64)
-        g = grad_mean[block].astype(np.float64)
-        if grad_divisor != 1.0:
-            g /= grad_divisor
-        if weight_decay:
-            g += weight_decay * decay_mask[block] * p
-        v = momentum * momentum_buf[block].astype(np.float64) + g
-        update = g + momentum * v if nesterov else v
-        new_params[block] = p - lr * update
-        new_momentum[block] = v
+        _update_block(block, grad_mean[block].astype(np.float64), params, momentum_buf,
+                      new_params, new_momentum, lr, momentum, weight_decay, nesterov,
+                      decay_mask, grad_divisor)
     return new_params, new_momentum
+
+
+def _update_block(block: slice, g: np.ndarray, params: np.ndarray, momentum_buf: np.ndarray,
+                  new_params: np.ndarray, new_momentum: np.ndarray, lr: float, momentum: float,
+                  weight_decay: float, nesterov: bool, decay_mask: np.ndarray,
+                  grad_divisor: float) -> None:
+    """The update of one block, given its float64 gradient sum `g` (modified in place)."""
+    p = params[block].astype(np.float64)
+    if grad_divisor != 1.0:
+        g /= grad_divisor
+    if weight_decay:
+        g += weight_decay * decay_mask[block] * p
+    v = momentum * momentum_buf[block].astype(np.float64) + g
+    update = g + momentum * v if nesterov else v
+    new_params[block] = p - lr * update
+    new_momentum[block] = v
 
 
 # Elements per block of the fused sum + update: the float64 accumulator (256 KB) and the
@@ -110,15 +119,8 @@ def sum_and_update(grads: list[np.ndarray], params: np.ndarray, momentum_buf: np
             g = np.zeros(block.stop - block.start, np.float64)
             for a in grads:
                 g += a[block]
-            if grad_divisor != 1.0:
-                g /= grad_divisor
-            p = params[block].astype(np.float64)
-            if weight_decay:
-                g += weight_decay * decay_mask[block] * p
-            v = momentum * momentum_buf[block].astype(np.float64) + g
-            update = g + momentum * v if nesterov else v
-            new_params[block] = p - lr * update
-            new_momentum[block] = v
+            _update_block(block, g, params, momentum_buf, new_params, new_momentum, lr,
+                          momentum, weight_decay, nesterov, decay_mask, grad_divisor)
 
     blocks = -(-n // FUSED_BLOCK)
     workers = max(1, min(workers, blocks))
