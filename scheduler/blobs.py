@@ -30,7 +30,9 @@ class BlobStore(Protocol):
 
 
 class MemoryBlobStore:
-    """A dict behind a lock; values are kept as given (no copy), expiry is checked on read."""
+    """A dict behind a lock; expiry is checked on read. Values are kept as given, without a
+    copy: a bytearray (an upload's body) is kept as a read-only view, so its owner must not
+    change it afterwards."""
 
     def __init__(self) -> None:
         self._data: dict[str, tuple[bytes, float | None]] = {}
@@ -60,13 +62,13 @@ class MemoryBlobStore:
 
     def set(self, key: str, value: bytes, ttl: float | None = None) -> None:
         with self._lock:
-            self._data[key] = (bytes(value), self._expiry(ttl))
+            self._data[key] = (_kept(value), self._expiry(ttl))
 
     def set_if_absent(self, key: str, value: bytes, ttl: float | None = None) -> bool:
         with self._lock:
             if self._live(key) is not None:
                 return False
-            self._data[key] = (bytes(value), self._expiry(ttl))
+            self._data[key] = (_kept(value), self._expiry(ttl))
             return True
 
     def delete(self, *keys: str) -> None:
@@ -86,6 +88,10 @@ class MemoryBlobStore:
         """Lose every key (tests: what a Redis restart without persistence does)."""
         with self._lock:
             self._data.clear()
+
+
+def _kept(value: bytes | bytearray | memoryview) -> bytes | memoryview:
+    return value if isinstance(value, bytes) else memoryview(value).cast("B").toreadonly()
 
 
 MGET_GROUP = 8

@@ -22,6 +22,11 @@ def grad(job_id: str, step: int, shard: int) -> str:
     return f"job:{job_id}:grad:{step}:{shard}"
 
 
+def upload_body(job_id: str, step: int, upload_id: str) -> str:
+    """One upload's message as it arrived; the shards it won point into it (gradstore)."""
+    return f"job:{job_id}:body:{step}:{upload_id}"
+
+
 def grad_prefix(job_id: str, step: int) -> str:
     return f"job:{job_id}:grad:{step}:"
 
@@ -60,9 +65,10 @@ def slow_factor(job_id: str, device_id: str) -> str:
 
 
 def step_of_key(key: str) -> int | None:
-    """The step number in a `job:{id}:state:{t}`, `...:weights:{t}` or `...:grad:{t}:{k}` key."""
+    """The step number in a `job:{id}:state:{t}`, `...:weights:{t}`, `...:grad:{t}:{k}` or
+    `...:body:{t}:{upload}` key."""
     parts = key.split(":")
-    if len(parts) >= 4 and parts[2] in ("state", "weights", "grad", "apply"):
+    if len(parts) >= 4 and parts[2] in ("state", "weights", "grad", "body", "apply"):
         try:
             return int(parts[3])
         except ValueError:

@@ -11,6 +11,7 @@ import datetime as dt
 import functools
 import io
 import threading
+import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,11 +23,12 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from agent.nn.data import load_dataset
 from agent.nn.sampler import shard_indices
+from agent.nn.step import ShardResult
 from agent.wire import WireError, decode_results, encode_weights
 from api.store.models import Job, ShardAssignment
 from scheduler import keys
 from scheduler.blobs import BlobStore
-from scheduler.gradstore import pack_result
+from scheduler.gradstore import offset_in, pack_ref, pack_result
 from scheduler.hotstate import decode_state
 from scheduler.jobinfo import JobInfo, job_info
 from scheduler.notify import current_version
@@ -239,17 +241,36 @@ class StepProtocol:
         foreign = sorted({r.shard for r in results} - held)
         if foreign:
             raise ForeignShard(f"shards {foreign} of {job_id} are not assigned to {device_id}")
-        accepted, duplicates = [], []
-        for r in sorted(results, key=lambda r: r.shard):
-            if self.blobs.set_if_absent(keys.grad(job_id, step, r.shard), pack_result(r)):
-                accepted.append(r.shard)
-            else:
-                duplicates.append(r.shard)
+        accepted, duplicates = store_results(self.blobs, job_id, step, body, results)
         if job.step_started_at is not None and accepted:
             took = (self.clock() - job.step_started_at).total_seconds()
             self.blobs.set(keys.latency(job_id, device_id), f"{took:.4f}".encode(), ttl=3600)
         complete = len(uploaded_shards(self.blobs, job_id, step)) >= info.spec.shards
         return accepted, duplicates, complete
+
+
+def store_results(blobs: BlobStore, job_id: str, step: int, body: bytes | bytearray,
+                  results: list[ShardResult]) -> tuple[list[int], list[int]]:
+    """Each shard's result under its key, first upload wins. The body is stored once as it
+    came (before any reference to it), and each shard's key points into it; a body that
+    won no shard is deleted again."""
+    body_key = keys.upload_body(job_id, step, uuid.uuid4().hex)
+    offsets = [(offset_in(r.grad_sum, body), offset_in(r.stats, body)) for r in results]
+    by_ref = any(g is not None and s is not None for g, s in offsets)
+    if by_ref:
+        blobs.set(body_key, body)
+    accepted, duplicates, referenced = [], [], False
+    for r, (g_off, s_off) in sorted(zip(results, offsets), key=lambda x: x[0].shard):
+        ref = g_off is not None and s_off is not None
+        blob = pack_ref(r, body_key, g_off, s_off) if ref else pack_result(r)
+        if blobs.set_if_absent(keys.grad(job_id, step, r.shard), blob):
+            accepted.append(r.shard)
+            referenced = referenced or ref
+        else:
+            duplicates.append(r.shard)
+    if by_ref and not referenced:
+        blobs.delete(body_key)
+    return accepted, duplicates
 
 
 @functools.lru_cache(maxsize=8)

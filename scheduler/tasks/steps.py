@@ -33,7 +33,7 @@ from scheduler import keys, store_ops
 from scheduler.celery_app import app
 from scheduler.checkpoints import WrittenCheckpoint, write_checkpoint
 from scheduler.context import SchedulerContext, get_context
-from scheduler.gradstore import GradBlobError, unpack_result
+from scheduler.gradstore import GradBlobError, body_key_of, unpack
 from scheduler.hotstate import encode_state
 from scheduler.jobinfo import JobInfo, job_info_or_reason
 from scheduler.notify import bump_version
@@ -69,16 +69,35 @@ def step_complete(ctx: SchedulerContext, job_id: str, step: int, shards: int) ->
 
 
 def load_results(ctx: SchedulerContext, job_id: str, step: int, info: JobInfo) -> list[ShardResult] | None:
+    """Every shard's stored result of `step` (views of the stored uploads), or None when one is
+    missing; results that are corrupted or whose upload body is gone are deleted, so their
+    devices see those shards as to do again."""
     shard_keys = [keys.grad(job_id, step, shard) for shard in range(info.spec.shards)]
-    results = []
-    for key, data in zip(shard_keys, ctx.blobs.get_many(shard_keys)):
-        if data is None:
-            return None
+    stored = ctx.blobs.get_many(shard_keys)
+    if any(data is None for data in stored):
+        return None
+    refs: list[str | None] = []
+    broken = []
+    for key, data in zip(shard_keys, stored):
         try:
-            results.append(unpack_result(data, info.model.n_params, info.model.n_stats))
+            refs.append(body_key_of(data))
         except GradBlobError:
-            ctx.blobs.delete(key)  # cannot happen unless corrupted
-            return None
+            refs.append(None)
+            broken.append(key)
+    body_keys = sorted({ref for ref in refs if ref})
+    bodies = dict(zip(body_keys, ctx.blobs.get_many(body_keys)))
+    results = []
+    for key, data, ref in zip(shard_keys, stored, refs):
+        if key in broken:
+            continue
+        try:
+            results.append(unpack(data, info.model.n_params, info.model.n_stats,
+                                  bodies.get(ref) if ref else None))
+        except GradBlobError:
+            broken.append(key)
+    if broken:
+        ctx.blobs.delete(*broken)
+        return None
     return results
 
 

@@ -15,10 +15,8 @@ from agent.wire import decode_results, encode_results
 from api.settings import Settings
 from api.store.db import make_engine, make_session_factory, transaction
 from api.store.models import Device, Event, Job, ShardAssignment
-from scheduler import keys
 from scheduler.blobs import MemoryBlobStore
 from scheduler.context import SchedulerContext, Tuning
-from scheduler.gradstore import pack_result
 from scheduler.jobinfo import job_info
 from scheduler.tasks.recovery import load_state
 
@@ -125,5 +123,8 @@ def shard_result_blobs(ctx: SchedulerContext, job_id: str, step: int) -> dict[in
 
 def upload_all(ctx: SchedulerContext, job_id: str, step: int) -> None:
     """Store every shard's result the way the gradient route does."""
-    for k, blob in shard_result_blobs(ctx, job_id, step).items():
-        ctx.blobs.set_if_absent(keys.grad(job_id, step, k), pack_result(decode_results(blob)[0]))
+    from scheduler.protocol import store_results
+
+    for blob in shard_result_blobs(ctx, job_id, step).values():
+        body = bytearray(blob)
+        store_results(ctx.blobs, job_id, step, body, decode_results(body))

@@ -17,7 +17,6 @@ from agent.wire import decode_results, decode_weights, encode_results
 from api.main import create_app
 from api.settings import Settings
 from scheduler import context, keys
-from scheduler.gradstore import pack_result, unpack_result
 from scheduler.jobinfo import job_info
 from scheduler.tasks.reconcile import run_reconcile, run_reconcile_job
 from scheduler.tasks.steps import run_apply_step
@@ -94,7 +93,10 @@ def test_duplicate_uploads_change_nothing_and_first_upload_wins(app_client: Test
     assert first.json() == {"accepted": [mine[0]], "duplicates": []}
     again = app_client.post(url, content=blobs[mine[0]], headers=hdr)
     assert again.status_code == 200 and again.json() == {"accepted": [], "duplicates": [mine[0]]}
-    assert ctx.blobs.get(keys.grad(job_id, 0, mine[0])) == pack_result(decode_results(blobs[mine[0]])[0])
+    sent = decode_results(blobs[mine[0]])[0]
+    kept = stored_result(ctx, job_id, 0, mine[0])
+    assert kept.shard == sent.shard and kept.grad_sum.tobytes() == sent.grad_sum.tobytes()
+    assert len(ctx.blobs.keys(f"job:{job_id}:body:0:")) == 1  # the duplicate's body is not kept
     theirs = shards_of(job_id, other)[0]
     assert app_client.post(url, content=blobs[theirs], headers=hdr).status_code == 403
     assert app_client.post(url, content=b"garbage", headers=hdr).status_code == 422
@@ -117,11 +119,22 @@ def test_a_multi_shard_upload_is_stored_per_shard(app_client: TestClient) -> Non
     r = app_client.post(f"/v1/jobs/{job_id}/steps/0/gradients",
                         content=encode_results(job_id, 0, results), headers=hdr)
     assert r.json()["accepted"] == mine
-    info = job_info(job_id, job(ctx, job_id).spec, ctx.settings.data_dir)
     for k, r in zip(mine, results):
-        stored = unpack_result(ctx.blobs.get(keys.grad(job_id, 0, k)), info.model.n_params,
-                               info.model.n_stats)
+        stored = stored_result(ctx, job_id, 0, k)
         assert stored.shard == k and np.array_equal(stored.grad_sum, r.grad_sum)
+        assert np.array_equal(stored.stats, r.stats) and stored.loss_sum == r.loss_sum
+    # one message, stored once: every shard's key points into it
+    assert len(ctx.blobs.keys(f"job:{job_id}:body:0:")) == 1
+
+
+def stored_result(ctx: Any, job_id: str, step: int, shard: int) -> Any:
+    from scheduler.gradstore import body_key_of, unpack
+
+    info = job_info(job_id, job(ctx, job_id).spec, ctx.settings.data_dir)
+    data = ctx.blobs.get(keys.grad(job_id, step, shard))
+    ref = body_key_of(data)
+    return unpack(data, info.model.n_params, info.model.n_stats,
+                  ctx.blobs.get(ref) if ref else None)
 
 
 def test_the_long_poll_wakes_when_work_arrives(app_client: TestClient) -> None:

@@ -304,3 +304,19 @@ def test_the_next_step_reads_the_state_this_process_wrote_but_only_while_it_is_s
     assert RECENT.get(job_id, 0) is None  # only the step it is for
     ctx.blobs.delete(keys.state(job_id, 1))  # what a Redis restart does to it
     assert load_state(ctx, job_id, 1) is None  # the restore path runs, as without the cache
+
+
+def test_a_result_whose_upload_body_was_lost_is_recomputed_not_applied(ctx) -> None:
+    """Shard keys point into the stored upload; if that body is gone (evicted, lost with a
+    Redis restart), apply_step must not apply a partial step: it drops the orphaned shard
+    keys so their devices upload again, and applies once they have."""
+    job_id = start(ctx)
+    upload_all(ctx, job_id, 0)
+    bodies = ctx.blobs.keys(f"job:{job_id}:body:0:")
+    assert bodies
+    ctx.blobs.delete(bodies[0])
+    assert run_apply_step(ctx, job_id, 0) == "incomplete"
+    assert job(ctx, job_id).step == 0
+    assert len(ctx.blobs.keys(keys.grad_prefix(job_id, 0))) < job(ctx, job_id).spec["shards"]
+    upload_all(ctx, job_id, 0)  # the devices upload the missing shards again
+    assert run_apply_step(ctx, job_id, 0) == "applied"

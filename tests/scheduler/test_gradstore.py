@@ -1,0 +1,65 @@
+"""Stored shard results: references into the upload as it arrived, or whole results."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from agent.nn.step import ShardResult
+from agent.wire import decode_results, encode_results
+from scheduler.blobs import MemoryBlobStore
+from scheduler.gradstore import (
+    GradBlobError,
+    body_key_of,
+    offset_in,
+    pack_ref,
+    pack_result,
+    unpack,
+)
+
+
+def _results(dtype: str = "float32") -> tuple[bytearray, list[ShardResult]]:
+    rng = np.random.default_rng(0)
+    sent = [ShardResult(k, rng.standard_normal(300).astype(np.float32), 1.5 + k, 2, 4,
+                        rng.standard_normal(6).astype(np.float32)) for k in (2, 5)]
+    body = bytearray(encode_results("j", 0, sent, dtype=dtype))
+    return body, decode_results(body)
+
+
+def test_a_reference_reads_the_shards_arrays_from_the_stored_body_without_a_copy() -> None:
+    body, results = _results()
+    store = MemoryBlobStore()
+    store.set("body", body)
+    kept = store.get("body")
+    for r in results:
+        ref = pack_ref(r, "body", offset_in(r.grad_sum, body), offset_in(r.stats, body))
+        assert body_key_of(ref) == "body" and len(ref) < 128  # small, whatever the model
+        back = unpack(ref, 300, 6, kept)
+        assert (back.shard, back.loss_sum, back.correct, back.count) == (
+            r.shard, r.loss_sum, r.correct, r.count)
+        assert back.grad_sum.tobytes() == r.grad_sum.tobytes()
+        assert back.stats.tobytes() == r.stats.tobytes()
+        assert np.shares_memory(back.grad_sum, np.frombuffer(kept, np.uint8))  # no copy
+        assert not back.grad_sum.flags.writeable  # the store's value is read-only
+
+
+def test_a_widened_float16_result_is_not_in_the_body_and_is_stored_whole() -> None:
+    body, results = _results("float16")
+    assert offset_in(results[0].grad_sum, body) is None  # widened into a new array
+    whole = pack_result(results[0])
+    assert body_key_of(whole) is None
+    assert unpack(whole, 300, 6).grad_sum.tobytes() == results[0].grad_sum.tobytes()
+
+
+def test_a_reference_whose_body_is_gone_or_short_is_refused() -> None:
+    body, results = _results()
+    r = results[1]
+    ref = pack_ref(r, "body", offset_in(r.grad_sum, body), offset_in(r.stats, body))
+    with pytest.raises(GradBlobError, match="gone or too short"):
+        unpack(ref, 300, 6, None)
+    with pytest.raises(GradBlobError, match="gone or too short"):
+        unpack(ref, 300, 6, bytes(body[:100]))
+    with pytest.raises(GradBlobError, match="does not fit"):
+        unpack(ref, 301, 6, body)
+    with pytest.raises(GradBlobError, match="wrong length"):
+        body_key_of(ref[:-1])
