@@ -2,7 +2,8 @@
 
 Waiting agents never poll the database: each API process runs one watcher that reads this key
 every few milliseconds while anyone waits, and wakes its waiters when the value changes; they
-then re-read their assignment once.
+then re-read their assignment once. A bump made in the watcher's own process (embedded mode:
+apply_step runs in the server) also pokes the watcher at once instead of at its next read.
 """
 
 from __future__ import annotations
@@ -10,13 +11,18 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+import weakref
 
 from scheduler import keys
 from scheduler.blobs import BlobStore
 
+_WATCHERS: weakref.WeakSet[VersionWatch] = weakref.WeakSet()
+
 
 def bump_version(blobs: BlobStore) -> None:
     blobs.set(keys.VERSION, f"{time.time_ns()}-{uuid.uuid4().hex[:8]}".encode())
+    for watcher in list(_WATCHERS):
+        watcher.poke()
 
 
 def current_version(blobs: BlobStore) -> bytes:
@@ -32,6 +38,18 @@ class VersionWatch:
         self._changed: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
         self._seen = b""
+        self._loop: asyncio.AbstractEventLoop | None = None
+        _WATCHERS.add(self)
+
+    def poke(self) -> None:
+        """Re-read the key now (from any thread): a bump in this process needs no poll."""
+        loop = self._loop
+        if loop is None or self._waiters == 0 or loop.is_closed():
+            return
+        try:
+            loop.call_soon_threadsafe(self._check)
+        except RuntimeError:  # the loop closed meanwhile
+            pass
 
     def snapshot(self) -> bytes:
         """The version as this watcher last saw it: take it BEFORE reading the assignment, so
@@ -63,7 +81,8 @@ class VersionWatch:
         if self._task is None or self._task.done():
             self._seen = current_version(self.blobs)
             self._changed = asyncio.Event()
-            self._task = asyncio.get_running_loop().create_task(self._run())
+            self._loop = asyncio.get_running_loop()
+            self._task = self._loop.create_task(self._run())
 
     async def _run(self) -> None:
         idle_since = time.monotonic()
@@ -74,13 +93,18 @@ class VersionWatch:
                     return  # nobody waits: stop reading the key until someone does
                 continue
             idle_since = time.monotonic()
-            try:
-                value = current_version(self.blobs)
-            except Exception:  # noqa: BLE001 - a Redis hiccup must not kill the watcher
-                await asyncio.sleep(0.5)
-                continue
-            if value != self._seen:
-                self._seen = value
-                old, self._changed = self._changed, asyncio.Event()
-                if old is not None:
-                    old.set()
+            if not self._check():
+                await asyncio.sleep(0.5)  # a Redis hiccup must not kill the watcher
+
+    def _check(self) -> bool:
+        """Wake the waiters if the key moved; False when it could not be read."""
+        try:
+            value = current_version(self.blobs)
+        except Exception:  # noqa: BLE001
+            return False
+        if value != self._seen:
+            self._seen = value
+            old, self._changed = self._changed, asyncio.Event()
+            if old is not None:
+                old.set()
+        return True

@@ -127,23 +127,23 @@ class StepProtocol:
 
     def view(self, device_id: str) -> DeviceView:
         """The device's holdings and their jobs: from the cache while the version key holds
-        still, else two indexed queries."""
+        still, else one indexed query."""
         version = current_version(self.blobs)  # read BEFORE the rows: a later bump is seen
         cached = self._views.get(device_id)
         if cached is not None and cached.version == version:
             return cached
         held: dict[str, set[int]] = {}
-        with self.session_factory() as session:
+        jobs: dict[str, JobRow] = {}
+        with self.session_factory() as session:  # one indexed query, no ORM objects
             rows = session.execute(
-                select(ShardAssignment.job_id, ShardAssignment.shard)
+                select(ShardAssignment.job_id, ShardAssignment.shard, Job.state, Job.step,
+                       Job.spec, Job.step_started_at)
+                .join(Job, Job.id == ShardAssignment.job_id)
                 .where(ShardAssignment.device_id == device_id).order_by(ShardAssignment.id))
-            for job_id, shard in rows:
+            for job_id, shard, state, step, spec, started in rows:
                 held.setdefault(job_id, set()).add(int(shard))
-            jobs = {}
-            for job_id in held:
-                row = self._job(session, job_id)
-                if row is not None:
-                    jobs[job_id] = row
+                if job_id not in jobs:
+                    jobs[job_id] = JobRow(job_id, state, step, dict(spec or {}), started)
         fresh = DeviceView(version, {j: frozenset(s) for j, s in held.items()}, jobs)
         self._views.put(device_id, fresh)
         return fresh
