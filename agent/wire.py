@@ -47,9 +47,35 @@ class WireError(ValueError):
 
 
 def encode_weights(job_id: str, step: int, params: np.ndarray, buffers: np.ndarray) -> bytes:
-    header = {"kind": "weights", "job": job_id, "step": int(step), "dtype": "float32",
-              "n_params": int(params.size), "n_buffers": int(buffers.size)}
-    return _pack(header, [_f32(params), _f32(buffers)])
+    return _pack(_weights_header(job_id, step, params.size, buffers.size),
+                 [_f32(params), _f32(buffers)])
+
+
+def _weights_header(job_id: str, step: int, n_params: int, n_buffers: int) -> dict[str, Any]:
+    return {"kind": "weights", "job": job_id, "step": int(step), "dtype": "float32",
+            "n_params": int(n_params), "n_buffers": int(n_buffers)}
+
+
+class WeightsMessage:
+    """A weights message whose arrays are filled in place (the control plane's apply_step
+    writes the updated weights straight into it, not into arrays it then copies); `seal()`
+    writes the checksum. Byte for byte what `encode_weights` makes of the same arrays."""
+
+    def __init__(self, job_id: str, step: int, n_params: int, n_buffers: int) -> None:
+        raw = json.dumps(_weights_header(job_id, step, n_params, n_buffers),
+                         separators=(",", ":")).encode()
+        self._start = _PREFIX.size + len(raw)
+        self.data = bytearray(self._start + 4 * (n_params + n_buffers))
+        _PREFIX.pack_into(self.data, 0, MAGIC, VERSION, len(raw), 0)
+        self.data[_PREFIX.size:self._start] = raw
+        flat = np.frombuffer(self.data, dtype="<f4", offset=self._start)
+        self.params, self.buffers = flat[:n_params], flat[n_params:]
+
+    def seal(self) -> bytearray:
+        view = memoryview(self.data)
+        _PREFIX.pack_into(self.data, 0, MAGIC, VERSION, self._start - _PREFIX.size,
+                          crc32(view[_PREFIX.size:]))
+        return self.data
 
 
 def decode_weights(data: bytes, expect_job: str | None = None, expect_step: int | None = None,

@@ -20,6 +20,19 @@ class StateError(ValueError):
     pass
 
 
+class StateBlob:
+    """A state blob whose arrays are filled in place (apply_step writes the new momentum
+    straight into it); byte for byte what `encode_state` makes of the same arrays."""
+
+    def __init__(self, step: int, n_params: int, n_buffers: int) -> None:
+        self.data = bytearray(_HEADER.size + 4 * (2 * n_params + n_buffers))
+        _HEADER.pack_into(self.data, 0, MAGIC, int(step), n_params, n_buffers)
+        flat = np.frombuffer(self.data, dtype="<f4", offset=_HEADER.size)
+        self.params = flat[:n_params]
+        self.momentum = flat[n_params:2 * n_params]
+        self.buffers = flat[2 * n_params:]
+
+
 def encode_state(state: TrainState) -> bytes:
     params = np.ascontiguousarray(state.params, dtype="<f4")
     momentum = np.ascontiguousarray(state.momentum, dtype="<f4")

@@ -29,8 +29,23 @@ def current_version(blobs: BlobStore) -> bytes:
     return blobs.get(keys.VERSION) or b""
 
 
+# How often a watcher reads an in-process store's key: every bump there pokes the watcher
+# (embedded mode runs apply_step and reconcile in the server), so the read is only a safety
+# net, and 200 wakeups a second of the event loop would compete for the GIL with the uploads.
+LOCAL_POLL_S = 0.25
+
+
 class VersionWatch:
     """An asyncio watcher of the version key for one API process (one event loop)."""
+
+    @classmethod
+    def for_store(cls, blobs: BlobStore, interval_s: float) -> VersionWatch:
+        """Polling every `interval_s` for a shared store (Redis: bumps come from workers in
+        other processes); rarely for a store of this process, whose bumps all poke."""
+        from scheduler.blobs import MemoryBlobStore
+
+        local = isinstance(blobs, MemoryBlobStore)
+        return cls(blobs, max(interval_s, LOCAL_POLL_S) if local else interval_s)
 
     def __init__(self, blobs: BlobStore, interval_s: float = 0.005) -> None:
         self.blobs, self.interval_s = blobs, interval_s

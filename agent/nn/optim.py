@@ -101,6 +101,7 @@ def _pool(workers: int) -> ThreadPoolExecutor:
 def sum_and_update(grads: list[np.ndarray], params: np.ndarray, momentum_buf: np.ndarray,
                    lr: float, momentum: float, weight_decay: float, nesterov: bool,
                    decay_mask: np.ndarray, grad_divisor: float = 1.0, workers: int = 1,
+                   out: tuple[np.ndarray, np.ndarray] | None = None,
                    ) -> tuple[np.ndarray, np.ndarray]:
     """`sgd_update` of the float64 sum of `grads` added in list order, in one pass.
 
@@ -108,10 +109,11 @@ def sum_and_update(grads: list[np.ndarray], params: np.ndarray, momentum_buf: np
     still starts at 0.0, gets grads[0], grads[1], ... added in turn, then the same element-wise
     update. Fusing keeps the 26 MB float64 sum of a mobilenet_v1 out of memory, and because
     nothing crosses elements, `workers` threads can each take a contiguous range (numpy
-    releases the GIL inside its loops) without changing a bit.
+    releases the GIL inside its loops) without changing a bit. `out`: float32 arrays to write
+    the new (params, momentum) into (e.g. views of the messages that carry them on).
     """
     n = params.size
-    new_params, new_momentum = np.empty(n, np.float32), np.empty(n, np.float32)
+    new_params, new_momentum = out or (np.empty(n, np.float32), np.empty(n, np.float32))
 
     def run(lo: int, hi: int) -> None:
         for start in range(lo, hi, FUSED_BLOCK):

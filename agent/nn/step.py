@@ -79,9 +79,12 @@ def initial_state(model: Model, spec: TrainSpec) -> TrainState:
 
 
 def apply_step(model: Model, spec: TrainSpec, state: TrainState,
-               results: Iterable[ShardResult], workers: int = 1) -> tuple[TrainState, StepMetrics]:
+               results: Iterable[ShardResult], workers: int = 1,
+               out: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
+               ) -> tuple[TrainState, StepMetrics]:
     """Average every shard's gradient for state.step, update, and return step + 1.
-    `workers` threads share the (element-wise) work; the result is the same bit for bit."""
+    `workers` threads share the (element-wise) work; the result is the same bit for bit.
+    `out`: float32 (params, momentum, buffers) arrays the new state is written into."""
     ordered = _check_results(model, spec, list(results))
     # shard order: the one summation order every placement shares
     stats = ordered_sum([r.stats for r in ordered], model.n_stats)
@@ -95,12 +98,15 @@ def apply_step(model: Model, spec: TrainSpec, state: TrainState,
     params, momentum = sum_and_update([r.grad_sum for r in ordered], state.params,
                                       state.momentum, lr, spec.momentum, spec.weight_decay,
                                       spec.nesterov, model.decay_mask, grad_divisor=count,
-                                      workers=workers)
+                                      workers=workers, out=out[:2] if out else None)
     buffers = state.buffers
     if model.n_buffers:
         mean_stats = stats / len(ordered)
         buffers = ((1.0 - BN_MOMENTUM) * state.buffers.astype(np.float64)
                    + BN_MOMENTUM * mean_stats).astype(np.float32)
+    if out is not None:
+        out[2][:] = buffers
+        buffers = out[2]
     metrics = StepMetrics(state.step, loss / count, correct / count, lr, count)
     return TrainState(state.step + 1, params, momentum, buffers), metrics
 

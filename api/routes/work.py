@@ -197,7 +197,7 @@ def install(app: FastAPI, settings: Settings) -> None:
     app.state.blobs = blobs
     app.state.step_protocol = StepProtocol(app.state.session_factory, blobs, settings.data_dir,
                                            app.state.clock)
-    app.state.version_watch = VersionWatch(blobs, ctx.tuning.long_poll_interval_s)
+    app.state.version_watch = VersionWatch.for_store(blobs, ctx.tuning.long_poll_interval_s)
     app.state.scheduler_hooks = SchedulerHooks(ctx)
     app.include_router(router)
     _allow_big_gradients(app)

@@ -25,7 +25,7 @@ import numpy as np
 from agent.nn.data import load_dataset
 from agent.nn.step import ShardResult, StepMetrics, TrainState, evaluate
 from agent.nn.step import apply_step as engine_apply_step
-from agent.wire import encode_weights
+from agent.wire import WeightsMessage
 from api.metrics import observe_task
 from api.store.db import transaction
 from api.store.models import Job, StepMetric
@@ -34,7 +34,7 @@ from scheduler.celery_app import app
 from scheduler.checkpoints import WrittenCheckpoint, write_checkpoint
 from scheduler.context import SchedulerContext, get_context
 from scheduler.gradstore import GradBlobError, body_key_of, unpack
-from scheduler.hotstate import encode_state
+from scheduler.hotstate import StateBlob
 from scheduler.jobinfo import JobInfo, job_info_or_reason
 from scheduler.notify import bump_version
 from scheduler.tasks import boundary
@@ -129,14 +129,20 @@ def run_apply_step(ctx: SchedulerContext, job_id: str, step: int) -> str:
     results = load_results(ctx, job_id, step, info)
     if results is None:
         return Outcome.INCOMPLETE
+    # the update is written straight into the two blobs it is stored as: the weights message
+    # every agent downloads next (the API serves it as stored) and the state (weights,
+    # momentum, buffers); only the weights are copied, from one into the other
+    n_params, n_buffers = info.model.n_params, info.model.n_buffers
+    message = WeightsMessage(job_id, step + 1, n_params, n_buffers)
+    blob = StateBlob(step + 1, n_params, n_buffers)
     new_state, metrics = engine_apply_step(info.model, info.spec, state, results,
-                                           workers=ctx.tuning.apply_threads)
-    ctx.blobs.set(keys.state(job_id, step + 1), encode_state(new_state))
+                                           workers=ctx.tuning.apply_threads,
+                                           out=(message.params, blob.momentum, message.buffers))
+    blob.params[:] = message.params
+    blob.buffers[:] = message.buffers
+    ctx.blobs.set(keys.state(job_id, step + 1), blob.data)
     RECENT.remember(job_id, new_state)  # the next step reads it from here, if still stored
-    # the message every agent downloads next, encoded here once: the API serves it as stored
-    # instead of reading the whole state (weights + momentum) back to encode it
-    ctx.blobs.set(keys.weights(job_id, step + 1),
-                  encode_weights(job_id, step + 1, new_state.params, new_state.buffers))
+    ctx.blobs.set(keys.weights(job_id, step + 1), message.seal())
     if ctx.tuning.apply_pause_s:
         time.sleep(ctx.tuning.apply_pause_s)  # tests: widen the crash window on purpose
     final = new_state.step >= info.total_steps

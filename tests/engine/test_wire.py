@@ -173,3 +173,14 @@ def test_the_checksum_is_zlibs_crc32_whichever_implementation_computes_it():
     broken[-5] ^= 1
     with pytest.raises(WireError, match="checksum"):
         decode_results(bytes(broken))
+
+
+def test_a_weights_message_filled_in_place_is_byte_for_byte_encode_weights():
+    from agent.wire import WeightsMessage
+
+    msg = WeightsMessage("job-x", 7, PARAMS.size, BUFFERS.size)
+    msg.params[:] = PARAMS
+    msg.buffers[:] = BUFFERS
+    assert bytes(msg.seal()) == encode_weights("job-x", 7, PARAMS, BUFFERS)
+    step, params, buffers = decode_weights(bytes(msg.data), expect_job="job-x", expect_step=7)
+    assert step == 7 and params.tobytes() == PARAMS.tobytes()

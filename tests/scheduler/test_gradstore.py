@@ -63,3 +63,18 @@ def test_a_reference_whose_body_is_gone_or_short_is_refused() -> None:
         unpack(ref, 301, 6, body)
     with pytest.raises(GradBlobError, match="wrong length"):
         body_key_of(ref[:-1])
+
+
+def test_a_state_blob_filled_in_place_is_byte_for_byte_encode_state() -> None:
+    from agent.nn.step import TrainState
+    from scheduler.hotstate import StateBlob, decode_state, encode_state
+
+    rng = np.random.default_rng(1)
+    state = TrainState(4, rng.standard_normal(50).astype(np.float32),
+                       rng.standard_normal(50).astype(np.float32),
+                       rng.standard_normal(7).astype(np.float32))
+    blob = StateBlob(4, 50, 7)
+    blob.params[:], blob.momentum[:], blob.buffers[:] = state.params, state.momentum, state.buffers
+    assert bytes(blob.data) == encode_state(state)
+    back = decode_state(memoryview(blob.data).toreadonly(), expect_step=4)
+    assert back.momentum.tobytes() == state.momentum.tobytes()

@@ -39,3 +39,12 @@ def test_without_a_bump_the_wait_times_out_with_the_old_value() -> None:
 
     since, seen = asyncio.run(wait())
     assert seen == since
+
+
+def test_a_watcher_of_an_in_process_store_polls_rarely_and_of_redis_often() -> None:
+    from scheduler.blobs import RedisBlobStore
+    from scheduler.notify import LOCAL_POLL_S
+
+    assert VersionWatch.for_store(MemoryBlobStore(), 0.005).interval_s == LOCAL_POLL_S
+    redis_store = RedisBlobStore("redis://127.0.0.1:1/0")  # never contacted here
+    assert VersionWatch.for_store(redis_store, 0.005).interval_s == 0.005
