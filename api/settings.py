@@ -41,6 +41,9 @@ class Settings(BaseSettings):
     reconcile_interval_s: float = 2.0
     checkpoint_every_steps: int = 50
     work_long_poll_max_s: float = 30.0
+    # how long a Python thread of the server may hold the GIL while others wait (CPython's
+    # default is 5 ms): the step's data-plane threads wake for every socket read and write
+    gil_switch_interval_s: float = Field(0.001, gt=0, le=0.1)
     # the step's bulk transfers on their own port (api.bulk_listener); `phalanx server` sets these
     bulk_port: int | None = Field(
         default=None, description="port for weights and gradient uploads; unset: API port only")

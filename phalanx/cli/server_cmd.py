@@ -48,6 +48,9 @@ def server(
     else:
         os.environ.pop("PHALANX_BULK_PORT", None)
     settings, _ = _prepare()
+    from api.main import tune_interpreter
+
+    tune_interpreter(settings)  # type: ignore[arg-type]
     common = {"host": host, "port": port, "access_log": access_log, "log_level": "info",
               "loop": "auto", "http": "auto", "timeout_graceful_shutdown": 10}
     if settings.embedded:  # type: ignore[attr-defined]

@@ -1,0 +1,28 @@
+"""Process-wide interpreter settings of a serving process."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+from pydantic import ValidationError
+
+from api.main import tune_interpreter
+from api.settings import Settings
+
+
+def test_the_server_sets_the_gil_switch_interval_from_its_settings(tmp_path) -> None:
+    before = sys.getswitchinterval()
+    try:
+        tune_interpreter(Settings(data_dir=tmp_path))
+        assert sys.getswitchinterval() == pytest.approx(0.001)  # the default, not CPython's 5 ms
+        tune_interpreter(Settings(data_dir=tmp_path, gil_switch_interval_s=0.003))
+        assert sys.getswitchinterval() == pytest.approx(0.003)
+    finally:
+        sys.setswitchinterval(before)
+
+
+def test_a_switch_interval_out_of_range_is_refused(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("PHALANX_GIL_SWITCH_INTERVAL_S", "0")
+    with pytest.raises(ValidationError, match="gil_switch_interval_s"):
+        Settings(data_dir=tmp_path)
