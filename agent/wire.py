@@ -42,6 +42,14 @@ _DTYPES = {"float32": np.dtype("<f4"), "float16": np.dtype("<f2")}
 MAX_HEADER = 1 << 22
 
 
+def new_buffer(size: int) -> memoryview:
+    """`size` writable bytes, not zeroed, for a buffer about to be filled whole (a message being
+    received or written). `bytearray(size)` zero-fills through calloc; measured for 12.9 MB
+    buffers alive eight at a time, as a step's uploads are: 5.2-6.5 ms to allocate and fill
+    against 1.1-1.7 ms from numpy's allocator (docs/benchmarks.md)."""
+    return memoryview(np.empty(size, np.uint8)).cast("B")
+
+
 class WireError(ValueError):
     """A malformed or mismatched message; the text says what is wrong."""
 
@@ -65,16 +73,15 @@ class WeightsMessage:
         raw = json.dumps(_weights_header(job_id, step, n_params, n_buffers),
                          separators=(",", ":")).encode()
         self._start = _PREFIX.size + len(raw)
-        self.data = bytearray(self._start + 4 * (n_params + n_buffers))
+        self.data = new_buffer(self._start + 4 * (n_params + n_buffers))
         _PREFIX.pack_into(self.data, 0, MAGIC, VERSION, len(raw), 0)
         self.data[_PREFIX.size:self._start] = raw
         flat = np.frombuffer(self.data, dtype="<f4", offset=self._start)
         self.params, self.buffers = flat[:n_params], flat[n_params:]
 
-    def seal(self) -> bytearray:
-        view = memoryview(self.data)
+    def seal(self) -> memoryview:
         _PREFIX.pack_into(self.data, 0, MAGIC, VERSION, self._start - _PREFIX.size,
-                          crc32(view[_PREFIX.size:]))
+                          crc32(self.data[_PREFIX.size:]))
         return self.data
 
 

@@ -31,6 +31,7 @@ from urllib.parse import parse_qsl, unquote, urlsplit
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, Field, ValidationError
 
+from agent.wire import new_buffer
 from api.auth import parse_bearer
 from api.deps import check_device
 from api.error_responses import error_response
@@ -76,10 +77,9 @@ def content_length(value: str | None, limit: int) -> int:
     return length
 
 
-def read_exactly(rfile: BinaryIO, length: int) -> bytearray | None:
+def read_exactly(rfile: BinaryIO, length: int) -> memoryview | None:
     """`length` bytes into one buffer (None when the client goes away or stalls first)."""
-    buf = bytearray(length)
-    view, got = memoryview(buf), 0
+    view, got = new_buffer(length), 0
     while got < length:
         try:
             n = rfile.readinto(view[got:])  # type: ignore[attr-defined]
@@ -88,7 +88,7 @@ def read_exactly(rfile: BinaryIO, length: int) -> bytearray | None:
         if not n:
             return None
         got += n
-    return buf
+    return view
 
 
 class BulkListener:

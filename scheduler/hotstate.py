@@ -11,6 +11,7 @@ import struct
 import numpy as np
 
 from agent.nn.step import TrainState
+from agent.wire import new_buffer
 
 MAGIC = b"PHLXS1"
 _HEADER = struct.Struct("<6sQQQ")
@@ -25,7 +26,7 @@ class StateBlob:
     straight into it); byte for byte what `encode_state` makes of the same arrays."""
 
     def __init__(self, step: int, n_params: int, n_buffers: int) -> None:
-        self.data = bytearray(_HEADER.size + 4 * (2 * n_params + n_buffers))
+        self.data = new_buffer(_HEADER.size + 4 * (2 * n_params + n_buffers))
         _HEADER.pack_into(self.data, 0, MAGIC, int(step), n_params, n_buffers)
         flat = np.frombuffer(self.data, dtype="<f4", offset=_HEADER.size)
         self.params = flat[:n_params]

@@ -249,7 +249,7 @@ class StepProtocol:
         return accepted, duplicates, complete
 
 
-def store_results(blobs: BlobStore, job_id: str, step: int, body: bytes | bytearray,
+def store_results(blobs: BlobStore, job_id: str, step: int, body: bytes | memoryview,
                   results: list[ShardResult]) -> tuple[list[int], list[int]]:
     """Each shard's result under its key, first upload wins. The body is stored once as it
     came (before any reference to it), and each shard's key points into it; a body that

@@ -107,7 +107,7 @@ async def upload_gradients(job_id: str, step: int, request: Request, principal: 
 
 
 def accept_upload(state: Any, device_id: str, job_id: str, step: int,
-                  body: bytes | bytearray) -> tuple[int, dict[str, Any]]:
+                  body: bytes | memoryview) -> tuple[int, dict[str, Any]]:
     """One device's upload for step `step` of `job_id` -> (status, answer); blocking."""
     from scheduler.protocol import ProtocolError
 

@@ -184,3 +184,12 @@ def test_a_weights_message_filled_in_place_is_byte_for_byte_encode_weights():
     assert bytes(msg.seal()) == encode_weights("job-x", 7, PARAMS, BUFFERS)
     step, params, buffers = decode_weights(bytes(msg.data), expect_job="job-x", expect_step=7)
     assert step == 7 and params.tobytes() == PARAMS.tobytes()
+
+
+def test_new_buffer_is_writable_bytes_of_the_size_asked():
+    from agent.wire import new_buffer
+
+    buf = new_buffer(1 << 20)
+    assert buf.format == "B" and buf.nbytes == 1 << 20 and not buf.readonly
+    buf[:4] = b"abcd"
+    assert bytes(buf[:4]) == b"abcd"
