@@ -73,11 +73,16 @@ class Services:
         self.db_url = pg_url if (mode == "redis" and pg_url) else f"sqlite:///{root / 'db.sqlite'}"
         upgrade(self.db_url)
         self.env = base_env(root, self.db_url, redis_url if mode == "redis" else None)
+        # the bulk port is chosen free too: the default (port + 1) can be taken by another
+        # process, and then the server serves the data plane on the API port only, which made
+        # one run in four about twice as slow
         self.port = free_port()
+        self.bulk_port = next(p for p in iter(free_port, None) if p != self.port)
         self.url = f"http://127.0.0.1:{self.port}"
 
     def start(self) -> None:
         cmd = [sys.executable, "-m", "phalanx.cli.main", "server", "--port", str(self.port),
+               "--bulk-port", str(self.bulk_port),
                "--workers", os.environ.get("BENCH_API_WORKERS", "1")]
         self._spawn(cmd, "server.log")
         if self.mode == "redis":
@@ -87,6 +92,8 @@ class Services:
         while time.monotonic() < deadline:
             try:
                 if httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200:
+                    log = (self.root / "server.log").read_text(errors="replace")
+                    assert "not available" not in log, "bulk port taken: " + log[-2000:]
                     return
             except httpx.HTTPError:
                 time.sleep(0.2)

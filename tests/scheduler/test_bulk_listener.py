@@ -237,3 +237,56 @@ def test_an_agent_leaving_mid_download_leaves_the_listener_serving(
                   headers=hdr, timeout=30)
     assert r.status_code == 200
     assert "Traceback" not in capfd.readouterr().err
+
+
+def _connected_pair(timeout_s: float) -> tuple[socket.socket, socket.socket]:
+    """A blocking receiving socket with a kernel receive timeout, as the handler sets it up."""
+    import struct
+
+    rx, tx = socket.socketpair()
+    rx.settimeout(None)
+    rx.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO,
+                  struct.pack("ll", int(timeout_s), int(timeout_s % 1 * 1e6)))
+    return rx, tx
+
+
+def test_a_body_is_read_whole_from_the_buffered_reader_and_then_the_socket() -> None:
+    """The request line parsed through the buffered reader leaves part of the body in its
+    buffer; the rest is read from the socket in one MSG_WAITALL call, sent in pieces here."""
+    import threading
+    import time
+
+    from api.bulk_listener import read_exactly
+
+    body = bytes(range(256)) * 40_000  # 10 MB, more than any socket buffer
+    rx, tx = _connected_pair(30)
+
+    def send() -> None:
+        tx.sendall(b"POST /x HTTP/1.1\r\n" + body[:5000])
+        time.sleep(0.05)
+        for i in range(5000, len(body), 1 << 20):
+            tx.sendall(body[i:i + (1 << 20)])
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    rfile = rx.makefile("rb")
+    assert rfile.readline() == b"POST /x HTTP/1.1\r\n"
+    got = read_exactly(rfile, len(body), rx)
+    sender.join()
+    assert got is not None and bytes(got) == body
+    rx.close(), tx.close()
+
+
+def test_a_client_that_stalls_mid_body_frees_the_thread() -> None:
+    from api.bulk_listener import read_exactly
+
+    rx, tx = _connected_pair(0.3)
+    tx.sendall(b"x" * 1000)  # then nothing: the kernel's receive timeout ends the wait
+    assert read_exactly(rx.makefile("rb"), 5000, rx) is None
+    tx.sendall(b"y" * 10)
+    tx.close()  # and a client that leaves mid-body
+    rx2, tx2 = _connected_pair(30)
+    tx2.sendall(b"z" * 100)
+    tx2.close()
+    assert read_exactly(rx2.makefile("rb"), 5000, rx2) is None
+    rx.close(), rx2.close()
