@@ -40,7 +40,18 @@ class EpochRow:
 def run_reference(spec: dict[str, Any], out_dir: Path | None, progress: bool = True,
                   data_dir: str | Path | None = None, backend: str = "numpy",
                   on_epoch: Callable[[EpochRow], None] | None = None) -> dict[str, Any]:
-    """Train `spec` to the end; write checkpoint.npz and metrics.json to out_dir if given."""
+    """Train `spec` to the end; write checkpoint.npz and metrics.json to out_dir if given.
+    numpy's BLAS runs on one thread, as on every phone (agent.runtime.executor.blas_threads):
+    more threads give other bits."""
+    from threadpoolctl import threadpool_limits
+
+    with threadpool_limits(limits=1, user_api="blas"):
+        return _run_reference(spec, out_dir, progress, data_dir, backend, on_epoch)
+
+
+def _run_reference(spec: dict[str, Any], out_dir: Path | None, progress: bool,
+                   data_dir: str | Path | None, backend: str,
+                   on_epoch: Callable[[EpochRow], None] | None) -> dict[str, Any]:
     data = load_dataset(str(spec.get("dataset", "")), data_dir)
     ts = TrainSpec.from_job_spec(spec, n_train=len(data.y_train))
     model = build_model(ts.arch, data.input_shape, data.num_classes, ts.model_options)

@@ -78,6 +78,8 @@ def candidates(clusters: list[dict[str, Any]], backends: list[str],
         for level in (1, 2, 0):  # full, half, single thread
             for label, cores in sets:
                 threads = len(cores) if level == 1 else max(1, len(cores) // 2) if level == 2 else 1
+                if backend == "numpy":
+                    threads = 1  # numpy's BLAS runs on one thread (executor.blas_threads)
                 cfg = ExecConfig(backend, threads, None if label == "all" else cores, label)
                 if cfg not in seen:
                     seen.append(cfg)

@@ -33,11 +33,20 @@ class ExecConfig:
                 "backend": self.backend, "core_set": self.label}
 
 
+def blas_threads(config: ExecConfig) -> int:
+    """numpy's products come out with other bits when OpenBLAS splits them over more threads
+    (measured: the digits cnn's shard gradients differ between 1 and 2 threads), and a step
+    must not depend on which phone computed a shard (invariant 1): numpy's BLAS always runs on
+    one thread, on every phone and in the reference trainer. The chosen thread count is
+    torch's (its own job-wide backend)."""
+    return 1 if config.backend == "numpy" else config.threads
+
+
 class ComputeWorker:
     def __init__(self, config: ExecConfig) -> None:
         self.config = config
         env = dict(os.environ)
-        env.update({var: str(config.threads) for var in THREAD_VARS})
+        env.update({var: str(blas_threads(config)) for var in THREAD_VARS})
         env[THREADS_ENV] = str(config.threads)
         env[BACKEND_ENV] = config.backend
         env.pop(CORES_ENV, None)

@@ -26,9 +26,10 @@ def test_core_sets_follow_the_clusters() -> None:
 
 def test_candidates_try_each_core_set_and_backend_first() -> None:
     got = candidates(S10, ["numpy", "torch"], set(range(8)), limit=6)
+    # numpy's BLAS always runs on one thread (its bits depend on the thread count)
     assert [(c.backend, c.label, c.threads) for c in got] == [
-        ("numpy", "all", 8), ("torch", "all", 8), ("numpy", "big", 4), ("torch", "big", 4),
-        ("numpy", "little", 4), ("torch", "little", 4)]
+        ("numpy", "all", 1), ("torch", "all", 8), ("numpy", "big", 1), ("torch", "big", 4),
+        ("numpy", "little", 1), ("torch", "little", 4)]
     assert got[2].cores == (4, 5, 6, 7)
 
 
@@ -134,3 +135,51 @@ def test_a_job_has_one_backend_numpy_unless_it_asks_for_torch() -> None:
     assert job_backend(None) == "numpy"
     assert job_backend({"placement": {"backend": "torch"}}) == "torch"
     assert job_backend({"placement": {"backend": "numpy"}}) == "numpy"
+
+
+CNN = {"name": "cnn", "model": {"arch": "cnn"}, "dataset": "digits", "global_batch_size": 256,
+       "shards": 16, "epochs": 1, "seed": 0}
+
+
+def test_a_numpy_shard_has_the_same_bits_whatever_thread_count_the_phone_chose(
+        tmp_path: Path) -> None:
+    """Invariant 1 across an execution choice: the digits cnn's shard gradient computed by a
+    worker configured for 1 thread, one for 2, and the reference trainer's way, bit for bit
+    (OpenBLAS on 2 threads alone gives other bits)."""
+    from threadpoolctl import threadpool_limits
+
+    from agent.nn.sampler import select_microbatch
+    from agent.nn.step import compute_shard
+    from agent.runtime.executor import blas_threads
+
+    server = StepServer(CNN)
+    weights = tmp_path / "weights.bin"
+    weights.write_bytes(encode_weights(server.job_id, 0, server.state.params, server.state.buffers))
+    shard = tmp_path / "shard-3.npz"
+    shard.write_bytes(server.shard_blobs[3])
+    a = server.assignment()
+    req = {"op": "step", "job_id": a["job_id"], "step": 0, "spec": a["spec"],
+           "n_train": a["n_train"], "input_shape": a["input_shape"],
+           "num_classes": a["num_classes"], "weights_path": str(weights),
+           "shards": {"3": str(shard)}}
+    grads = []
+    for threads in (1, 2):
+        worker = ComputeWorker(ExecConfig("numpy", threads))
+        try:
+            out = tmp_path / f"result-{threads}.bin"
+            worker.request({**req, "out_path": str(out)})
+        finally:
+            worker.close()
+        grads.append(decode_results(out.read_bytes())[0].grad_sum.tobytes())
+    assert grads[0] == grads[1]
+    assert blas_threads(ExecConfig("numpy", 2)) == 1 and blas_threads(ExecConfig("torch", 2)) == 2
+    import numpy as np
+
+    with np.load(shard, allow_pickle=False) as npz:
+        xs, ys = npz["x"], npz["y"]
+    xb, yb = select_microbatch(xs, ys, server.spec.per_shard_batch, server.spec.seed, 0, 3,
+                               server.spec.steps_per_epoch)
+    with threadpool_limits(limits=1, user_api="blas"):  # as phalanx train --local runs
+        ref = compute_shard(server.model, server.state.params, server.state.buffers, xb, yb,
+                            server.spec, 0, 3, "numpy")
+    assert ref.grad_sum.tobytes() == grads[0]
