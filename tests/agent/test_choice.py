@@ -53,19 +53,23 @@ def test_choose_needs_something() -> None:
         choose([])
 
 
-@pytest.fixture
-def step_request(tmp_path: Path) -> dict:
-    server = StepServer(SPEC)
+def make_request(server: StepServer, tmp_path: Path, shard: int) -> dict:
+    """A step request for the worker, with step 0's weights and the shard's data on disk."""
     weights = tmp_path / "weights.bin"
     weights.write_bytes(encode_weights(server.job_id, 0, server.state.params, server.state.buffers))
-    shard = tmp_path / "shard-0.npz"
-    shard.write_bytes(server.shard_blobs[0])
+    path = tmp_path / f"shard-{shard}.npz"
+    path.write_bytes(server.shard_blobs[shard])
     a = server.assignment()
     assert a is not None
     return {"job_id": a["job_id"], "step": 0, "spec": a["spec"], "n_train": a["n_train"],
             "input_shape": a["input_shape"], "num_classes": a["num_classes"],
-            "weights_path": str(weights), "shards": {"0": str(shard)},
+            "weights_path": str(weights), "shards": {str(shard): str(path)},
             "out_path": str(tmp_path / "result.bin"), "_n_params": server.model.n_params}
+
+
+@pytest.fixture
+def step_request(tmp_path: Path) -> dict:
+    return make_request(StepServer(SPEC), tmp_path, 0)
 
 
 def test_profiling_keeps_the_faster_of_two_configurations(step_request: dict) -> None:
@@ -153,15 +157,8 @@ def test_a_numpy_shard_has_the_same_bits_whatever_thread_count_the_phone_chose(
     from agent.runtime.executor import blas_threads
 
     server = StepServer(CNN)
-    weights = tmp_path / "weights.bin"
-    weights.write_bytes(encode_weights(server.job_id, 0, server.state.params, server.state.buffers))
-    shard = tmp_path / "shard-3.npz"
-    shard.write_bytes(server.shard_blobs[3])
-    a = server.assignment()
-    req = {"op": "step", "job_id": a["job_id"], "step": 0, "spec": a["spec"],
-           "n_train": a["n_train"], "input_shape": a["input_shape"],
-           "num_classes": a["num_classes"], "weights_path": str(weights),
-           "shards": {"3": str(shard)}}
+    req = {**make_request(server, tmp_path, 3), "op": "step"}
+    shard = Path(req["shards"]["3"])
     grads = []
     for threads in (1, 2):
         worker = ComputeWorker(ExecConfig("numpy", threads))
