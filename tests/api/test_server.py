@@ -81,8 +81,9 @@ def test_live_server_concurrent_heartbeats_lose_no_sample(live_server):
 
 
 def test_postgres_server_with_two_workers(pg_url, tmp_path, redis_url):
+    bulk_port = free_port()  # not API port + 1: another process may hold that one
     server = start_server(database_url=pg_url, data_dir=tmp_path / "d", admin_token="phx-adm-x",
-                          redis_url=redis_url, args=["--workers", "2"])
+                          redis_url=redis_url, args=["--workers", "2", "--bulk-port", str(bulk_port)])
     try:
         with server.client() as admin:
             assert admin.get("/readyz").status_code == 200
@@ -97,9 +98,9 @@ def test_postgres_server_with_two_workers(pg_url, tmp_path, redis_url):
         with server.client() as admin:
             history = admin.get(f"/v1/devices/{device['device_id']}/telemetry").json()["items"]
             assert len(history) == 20
-        # both workers listen on the bulk port (API port + 1, shared with SO_REUSEPORT): every
-        # fresh connection, whichever worker takes it, gets the API's answer
-        bulk = server.url.rsplit(":", 1)[0] + f":{int(server.url.rsplit(':', 1)[1]) + 1}"
+        # both workers listen on the bulk port (shared with SO_REUSEPORT): every fresh
+        # connection, whichever worker takes it, gets the API's answer
+        bulk = server.url.rsplit(":", 1)[0] + f":{bulk_port}"
         for _ in range(10):
             r = httpx.get(f"{bulk}/v1/jobs/nope/weights", params={"step": 0}, timeout=10,
                           headers={"Authorization": f"Bearer {device['device_token']}"})
