@@ -8,6 +8,7 @@ there; the math is a function of (spec, seed), so the rewound run ends where it 
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 from sqlalchemy import delete
 
@@ -88,10 +89,13 @@ def ensure_state(ctx: SchedulerContext, job: Job, info: JobInfo) -> TrainState |
     restored = restore_point(ctx, job, info)
     # state first, then the row: a crash in between leaves a harmless extra key
     ctx.blobs.set(keys.state(job.id, restored.step), encode_state(restored))
+    now = ctx.clock()
     if restored.step == job.step:
+        if job.step > 0:  # lost, but a checkpoint of this very step brings it back: no rewind
+            with transaction(ctx.session_factory) as session:
+                _record_restore(session, job, restored, now)
         bump_version(ctx.blobs)  # long polls hold back work until the weights exist
         return restored
-    now = ctx.clock()
     with transaction(ctx.session_factory) as session:
         won = store_ops.guarded_job_update(
             session, job.id, {"step": job.step, "state": ("Running", "Pending")},
@@ -102,13 +106,7 @@ def ensure_state(ctx: SchedulerContext, job: Job, info: JobInfo) -> TrainState |
         session.execute(delete(StepMetric).where(StepMetric.job_id == job.id,
                                                  StepMetric.step >= restored.step))
         store_ops.drop_backups(session, job.id)
-        store_ops.record_event(
-            session, "StateRestored",
-            f"hot state of step {job.step} was lost; resumed from "
-            + (f"checkpoint step {restored.step}" if restored.step else "step 0 (seeded init)"),
-            now=now, job_id=job.id, kind="Warning",
-            data={"lost_step": job.step, "resumed_step": restored.step},
-        )
+        _record_restore(session, job, restored, now)
     drop_step_keys(ctx, job.id, keep_state=restored.step, rewound=True)
     bump_version(ctx.blobs)
     return restored
@@ -126,3 +124,14 @@ def drop_step_keys(ctx: SchedulerContext, job_id: str, keep_state: int, rewound:
             stale.append(key)
     if stale:
         ctx.blobs.delete(*stale)
+
+
+def _record_restore(session: Any, job: Job, restored: TrainState, now: Any) -> None:
+    """The operator's trace of a lost hot state, whether or not the job had to rewind."""
+    store_ops.record_event(
+        session, "StateRestored",
+        f"hot state of step {job.step} was lost; resumed from "
+        + (f"checkpoint step {restored.step}" if restored.step else "step 0 (seeded init)"),
+        now=now, job_id=job.id, kind="Warning",
+        data={"lost_step": job.step, "resumed_step": restored.step},
+    )

@@ -142,6 +142,30 @@ def test_lost_hot_state_resumes_from_the_last_checkpoint(ctx) -> None:
     assert np.array_equal(decode_state(ctx.blobs.get(keys.state(job_id, 5))).params, before.params)
 
 
+def test_hot_state_lost_at_a_checkpointed_step_is_restored_in_place_and_recorded(ctx) -> None:
+    """Lost right at a step that has its checkpoint: nothing to rewind, but the loss and the
+    restore are still an event (an operator must see that Redis lost the job's state)."""
+    job_id = start(ctx)  # its step 0 state is written, not restored: no event
+    assert "StateRestored" not in event_reasons(ctx, job_id)
+    run_to(ctx, job_id, 3)  # checkpoint_every 3: the checkpoint is of the current step
+    before = decode_state(ctx.blobs.get(keys.state(job_id, 3)))
+    ctx.blobs.flush()
+    assert run_reconcile_job(ctx, job_id) == "ok"
+    assert job(ctx, job_id).step == 3
+    restored = [e for e in events(ctx, job_id) if e.reason == "StateRestored"]
+    assert len(restored) == 1 and restored[0].data == {"lost_step": 3, "resumed_step": 3}
+    assert np.array_equal(decode_state(ctx.blobs.get(keys.state(job_id, 3))).params, before.params)
+
+
+def events(ctx, job_id: str) -> list:
+    from api.store.models import Event
+
+    with ctx.session_factory() as s:
+        rows = s.scalars(select(Event).where(Event.job_id == job_id).order_by(Event.id)).all()
+        s.expunge_all()
+        return list(rows)
+
+
 def test_lost_hot_state_without_a_checkpoint_restarts_from_the_seeded_init(ctx) -> None:
     job_id = start(ctx, tiny_spec(checkpoint_every=1000))
     run_to(ctx, job_id, 2)
