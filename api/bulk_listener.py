@@ -78,30 +78,25 @@ def content_length(value: str | None, limit: int) -> int:
     return length
 
 
-def read_exactly(rfile: BinaryIO, length: int, sock: socket.socket | None = None,
-                 ) -> memoryview | None:
+def read_exactly(rfile: BinaryIO, length: int, sock: socket.socket) -> memoryview | None:
     """`length` bytes into one buffer (None when the client goes away or stalls first).
 
-    With `sock` (the connection under `rfile`, in blocking mode), what `rfile` has buffered is
-    taken first and the rest arrives in one `recv_into(..., MSG_WAITALL)`: the kernel fills the
-    buffer as the data comes, and the thread takes the GIL back once, not once per socket
-    buffer's worth (hundreds of times for 12.9 MB, each a wait while other threads run)."""
-    view, got = new_buffer(length), 0
+    What `rfile` has buffered past the headers is taken first; the rest arrives from `sock`
+    (the blocking connection under `rfile`) in one `recv_into(..., MSG_WAITALL)`: the kernel
+    fills the buffer as the data comes, and the thread takes the GIL back once, not once per
+    socket buffer's worth (hundreds of times for 12.9 MB, each a wait while other threads run).
+    """
+    view = new_buffer(length)
+    if not length:
+        return view
     try:
-        if sock is not None and length:
-            first = rfile.read1(length)  # type: ignore[attr-defined]
-            if not first:
-                return None
-            view[:len(first)] = first
-            got = len(first)
-            while got < length:
-                n = sock.recv_into(view[got:], length - got, socket.MSG_WAITALL)
-                if not n:
-                    return None
-                got += n
-            return view
+        first = rfile.read1(length)  # type: ignore[attr-defined]
+        if not first:
+            return None
+        view[:len(first)] = first
+        got = len(first)
         while got < length:
-            n = rfile.readinto(view[got:])  # type: ignore[attr-defined]
+            n = sock.recv_into(view[got:], length - got, socket.MSG_WAITALL)
             if not n:
                 return None
             got += n
@@ -154,7 +149,7 @@ class BulkListener:
 
     # -- one request -------------------------------------------------------------------------
     def handle(self, method: str, target: str, headers: Any, rfile: BinaryIO,
-               sock: socket.socket | None = None) -> Reply | None:
+               sock: socket.socket) -> Reply | None:
         """The answer to one request; None when the client left mid-body (nobody to answer).
         `sock`: the blocking connection under `rfile`, for reading the body in one call."""
         parts = urlsplit(target)
@@ -237,12 +232,12 @@ class _Server(ThreadingHTTPServer):
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive: an agent's next upload reuses the connection
     disable_nagle_algorithm = True  # a small answer after its headers goes out at once
-    timeout = SOCKET_TIMEOUT_S  # a client that stalls mid-request frees its thread
     server: _Server
 
     def setup(self) -> None:
         super().setup()
-        # Blocking socket, with the stall timeout kept by the kernel (SO_RCVTIMEO/SO_SNDTIMEO):
+        # A client that stalls mid-request frees its thread after SOCKET_TIMEOUT_S, kept by the
+        # kernel (SO_RCVTIMEO/SO_SNDTIMEO) on a blocking socket:
         # a 12.9 MB answer is then one send() and a body one MSG_WAITALL recv, where Python's
         # timeout mode (a non-blocking socket polled in a loop) takes the GIL back per piece.
         self.connection.settimeout(None)

@@ -35,7 +35,7 @@ class MemoryBlobStore:
     change it afterwards."""
 
     def __init__(self) -> None:
-        self._data: dict[str, tuple[bytes, float | None]] = {}
+        self._data: dict[str, tuple[bytes | memoryview, float | None]] = {}
         self._lock = threading.Lock()
 
     def _live(self, key: str) -> bytes | None:

@@ -76,21 +76,12 @@ def load_results(ctx: SchedulerContext, job_id: str, step: int, info: JobInfo) -
     stored = ctx.blobs.get_many(shard_keys)
     if any(data is None for data in stored):
         return None
-    refs: list[str | None] = []
-    broken = []
-    for key, data in zip(shard_keys, stored):
-        try:
-            refs.append(body_key_of(data))
-        except GradBlobError:
-            refs.append(None)
-            broken.append(key)
+    refs = [_body_key(data) for data in stored]
     body_keys = sorted({ref for ref in refs if ref})
     bodies = dict(zip(body_keys, ctx.blobs.get_many(body_keys)))
-    results = []
+    results, broken = [], []
     for key, data, ref in zip(shard_keys, stored, refs):
-        if key in broken:
-            continue
-        try:
+        try:  # a malformed reference (ref None) fails here too
             results.append(unpack(data, info.model.n_params, info.model.n_stats,
                                   bodies.get(ref) if ref else None))
         except GradBlobError:
@@ -99,6 +90,13 @@ def load_results(ctx: SchedulerContext, job_id: str, step: int, info: JobInfo) -
         ctx.blobs.delete(*broken)
         return None
     return results
+
+
+def _body_key(data: bytes | memoryview) -> str | None:
+    try:
+        return body_key_of(data)
+    except GradBlobError:
+        return None
 
 
 @dataclass(frozen=True)
