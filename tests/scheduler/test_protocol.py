@@ -18,6 +18,7 @@ from api.main import create_app
 from api.settings import Settings
 from scheduler import context, keys
 from scheduler.jobinfo import job_info
+from scheduler.protocol import ForeignShard
 from scheduler.tasks.reconcile import run_reconcile, run_reconcile_job
 from scheduler.tasks.steps import run_apply_step
 from tests.scheduler.helpers import assignments, job, shard_result_blobs, tiny_spec
@@ -251,11 +252,6 @@ def test_a_step_reads_the_store_once_per_device_and_sees_changes_after_a_bump(
         assert statements, "a new version re-reads the holdings"
     finally:
         event.remove(engine, "before_cursor_execute", count)
-    with pytest.raises(protocol_errors().ForeignShard):
+    with pytest.raises(ForeignShard):
         proto.shard_data(other, job_id, theirs)
 
-
-def protocol_errors() -> Any:
-    from scheduler import protocol
-
-    return protocol
