@@ -254,4 +254,3 @@ def test_a_step_reads_the_store_once_per_device_and_sees_changes_after_a_bump(
         event.remove(engine, "before_cursor_execute", count)
     with pytest.raises(ForeignShard):
         proto.shard_data(other, job_id, theirs)
-
