@@ -23,11 +23,12 @@ import socket
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from agent import __version__
+from agent.sockopts import DEFAULT_SOCKET_BUFFER_BYTES, set_socket_buffers
 
 
 class ClientError(Exception):
@@ -82,19 +83,54 @@ class Response:
             raise TransportError(f"server sent invalid JSON ({len(self.body)} bytes)") from None
 
 
+# a request body: bytes, or a message in consecutive parts sent in order without being joined
+# (agent.wire.encode_results_parts: a model-sized upload is not copied once more to be sent)
+Body = bytes | Sequence[memoryview]
 # (method, url, headers, body, timeout) -> Response; tests of this module may swap it
-Transport = Callable[[str, str, dict[str, str], "bytes | None", float], Response]
+Transport = Callable[[str, str, dict[str, str], "Body | None", float], Response]
 
 
-def urllib_transport(method: str, url: str, headers: dict[str, str], body: bytes | None,
-                     timeout: float) -> Response:
-    req = urllib.request.Request(url, data=body, headers=headers, method=method)
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:  # scheme checked in Client
-            return Response(resp.status, dict(resp.headers.items()), resp.read())
-    except urllib.error.HTTPError as err:
-        with err:
-            return Response(err.code, dict(err.headers.items()), err.read())
+class BufferedHTTPConnection(http.client.HTTPConnection):
+    """A plain-http connection whose socket gets fixed kernel buffers (agent.sockopts)."""
+
+    def __init__(self, *args: Any, socket_buffer_bytes: int = 0, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.socket_buffer_bytes = socket_buffer_bytes
+
+    def connect(self) -> None:
+        super().connect()
+        set_socket_buffers(self.sock, self.socket_buffer_bytes)
+
+
+class _BufferedHTTPHandler(urllib.request.HTTPHandler):
+    """Plain-http connections with fixed kernel buffers (https keeps urllib's own handler)."""
+
+    def __init__(self, socket_buffer_bytes: int) -> None:
+        super().__init__()
+        self.socket_buffer_bytes = socket_buffer_bytes
+
+    def http_open(self, req: urllib.request.Request) -> Any:
+        return self.do_open(BufferedHTTPConnection, req,
+                            socket_buffer_bytes=self.socket_buffer_bytes)
+
+
+def urllib_transport_with(socket_buffer_bytes: int = DEFAULT_SOCKET_BUFFER_BYTES) -> Transport:
+    """The stdlib transport; plain-http connections get `socket_buffer_bytes` kernel buffers
+    each way (0: the kernel's autotuning), as the control plane's bulk listener does."""
+    opener = urllib.request.build_opener(_BufferedHTTPHandler(socket_buffer_bytes))
+
+    def transport(method: str, url: str, headers: dict[str, str], body: Body | None,
+                  timeout: float) -> Response:
+        req = urllib.request.Request(url, data=body, headers=headers, method=method)
+        try:
+            with opener.open(req, timeout=timeout) as resp:  # scheme checked in Client
+                return Response(resp.status, dict(resp.headers.items()), resp.read())
+        except urllib.error.HTTPError as err:
+            with err:
+                return Response(err.code, dict(err.headers.items()), err.read())
+
+    return transport
+
 
 
 def _status_error(status: int, detail: Any, url: str) -> StatusError:
@@ -109,17 +145,18 @@ def _status_error(status: int, detail: Any, url: str) -> StatusError:
 
 class Client:
     def __init__(self, base_url: str, token: str | None = None, *, timeout_s: float = 30.0,
-                 transport: Transport | None = None) -> None:
+                 transport: Transport | None = None,
+                 socket_buffer_bytes: int = DEFAULT_SOCKET_BUFFER_BYTES) -> None:
         scheme = urllib.parse.urlsplit(base_url).scheme
         if scheme not in ("http", "https"):
             raise ValueError(f"server URL must be http(s)://..., got {base_url!r}")
         self.base_url = base_url.rstrip("/")
         self.token = token
         self.timeout_s = timeout_s
-        self.transport = transport or urllib_transport
+        self.transport = transport or urllib_transport_with(socket_buffer_bytes)
 
     # -- plumbing --------------------------------------------------------------------------
-    def _send(self, method: str, path: str, *, json_body: Any = None, body: bytes | None = None,
+    def _send(self, method: str, path: str, *, json_body: Any = None, body: Body | None = None,
               content_type: str = "application/octet-stream", timeout_s: float | None = None,
               base_url: str | None = None) -> Response:
         url = (base_url or self.base_url) + path
@@ -130,6 +167,8 @@ class Client:
             body, content_type = json.dumps(json_body).encode(), "application/json"
         if body is not None:
             headers["Content-Type"] = content_type
+            if not isinstance(body, bytes):  # parts: urllib cannot size them itself
+                headers["Content-Length"] = str(sum(memoryview(p).nbytes for p in body))
         try:
             resp = self.transport(method, url, headers, body, timeout_s or self.timeout_s)
         except TimeoutError as exc:
@@ -166,9 +205,10 @@ class Client:
     def shard_data(self, job_id: str, shard: int) -> bytes:
         return self._send("GET", f"/v1/jobs/{_q(job_id)}/shards/{int(shard)}/data").body
 
-    def upload_gradients(self, job_id: str, step: int, body: bytes,
+    def upload_gradients(self, job_id: str, step: int, body: Body,
                          bulk_url: str | None = None) -> dict[str, Any]:
-        """To the API, or to the bulk listener at `bulk_url` (the assignment names it)."""
+        """To the API, or to the bulk listener at `bulk_url` (the assignment names it); `body`
+        in one piece or in parts (`agent.wire.encode_results_parts`)."""
         path = f"/v1/jobs/{_q(job_id)}/steps/{int(step)}/gradients"
         return self._send("POST", path, body=body, base_url=_base(bulk_url)).json()
 

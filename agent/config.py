@@ -12,9 +12,12 @@ import dataclasses
 import json
 import os
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from agent.sockopts import DEFAULT_SOCKET_BUFFER_BYTES
 
 DEFAULT_PATH = Path("~/.config/phalanx-agent/config.json")
 
@@ -23,13 +26,15 @@ class ConfigError(Exception):
     """The config is missing or unusable; the message says what to do."""
 
 
-def atomic_write(path: Path, data: bytes, mode: int = 0o600) -> None:
+def atomic_write(path: Path, data: bytes | Sequence[memoryview], mode: int = 0o600) -> None:
+    """`data` in one piece, or in parts written one after the other (never joined first)."""
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         os.fchmod(fd, mode)
         with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
+            for part in [data] if isinstance(data, bytes) else data:
+                fh.write(part)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
@@ -69,6 +74,7 @@ class AgentConfig:
     termux_timeout_s: float = 5.0
     request_timeout_s: float = 30.0
     work_wait_s: float = 30.0  # long poll for work (the server holds it at most 30 s)
+    socket_buffer_bytes: int = DEFAULT_SOCKET_BUFFER_BYTES  # kernel buffers each way; 0: autotune
 
     def state_path(self, config_path: Path) -> Path:
         if self.state_dir:

@@ -102,6 +102,14 @@ def decode_weights(data: bytes, expect_job: str | None = None, expect_step: int 
 
 def encode_results(job_id: str, step: int, results: list[ShardResult],
                    dtype: str = "float32") -> bytes:
+    return b"".join(encode_results_parts(job_id, step, results, dtype))
+
+
+def encode_results_parts(job_id: str, step: int, results: list[ShardResult],
+                         dtype: str = "float32") -> list[memoryview]:
+    """The results message as consecutive byte views (prefix and header, then each array as
+    it is in memory), for a writer or a socket that takes them in order: a model-sized
+    message is never copied into one buffer first. `b"".join` of them is `encode_results`."""
     if dtype not in _DTYPES:
         raise WireError(f"dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}")
     if not results:
@@ -123,7 +131,7 @@ def encode_results(job_id: str, step: int, results: list[ShardResult],
                        "correct": int(r.correct), "count": int(r.count)})
     header = {"kind": "results", "job": job_id, "step": int(step), "dtype": dtype,
               "n_params": n_params, "n_stats": n_stats, "shards": shards}
-    return _pack(header, chunks)
+    return _pack_parts(header, chunks)
 
 
 def decode_results(data: bytes, expect_job: str | None = None, expect_step: int | None = None,
@@ -153,6 +161,11 @@ def decode_results(data: bytes, expect_job: str | None = None, expect_step: int 
 
 def _pack(header: dict[str, Any], arrays: list[np.ndarray]) -> bytes:
     """One copy of the arrays, into the message itself (a phone has little memory to spare)."""
+    return b"".join(_pack_parts(header, arrays))
+
+
+def _pack_parts(header: dict[str, Any], arrays: list[np.ndarray]) -> list[memoryview]:
+    """The message's bytes in order, the arrays not copied (views of them)."""
     try:
         raw = json.dumps(header, allow_nan=False, separators=(",", ":")).encode()
     except ValueError:
@@ -161,7 +174,7 @@ def _pack(header: dict[str, Any], arrays: list[np.ndarray]) -> bytes:
     crc = crc32(raw)
     for part in parts:
         crc = crc32(part, crc)
-    return b"".join([_PREFIX.pack(MAGIC, VERSION, len(raw), crc), raw, *parts])
+    return [memoryview(_PREFIX.pack(MAGIC, VERSION, len(raw), crc) + raw), *parts]
 
 
 def _unpack(data: bytes | bytearray | memoryview, kind: str, job: str | None,

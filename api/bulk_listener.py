@@ -32,6 +32,7 @@ from urllib.parse import parse_qsl, unquote, urlsplit
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, Field, ValidationError
 
+from agent.sockopts import set_socket_buffers
 from agent.wire import new_buffer
 from api.auth import parse_bearer
 from api.deps import check_device
@@ -110,9 +111,10 @@ class BulkListener:
 
     def __init__(self, state: Any, host: str, port: int, limit: int, *,
                  reuse_port: bool = False, public_url: str | None = None,
-                 max_bodies: int = MAX_BODIES) -> None:
+                 max_bodies: int = MAX_BODIES, socket_buffer_bytes: int = 0) -> None:
         self.state, self.host, self.requested_port, self.limit = state, host, port, limit
         self.reuse_port, self.public_url = reuse_port, public_url
+        self.socket_buffer_bytes = socket_buffer_bytes
         # a fleet uploads at the same step boundary: bound the bodies held at once, not the
         # connections (a waiting upload holds its socket, not a model-sized buffer)
         self.bodies = threading.BoundedSemaphore(max_bodies)
@@ -226,6 +228,9 @@ class _Server(ThreadingHTTPServer):
         # several uvicorn worker processes each run a listener on the same port
         if self.listener.reuse_port and hasattr(socket, "SO_REUSEPORT"):
             self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        # set on the listening socket, before listen(): accepted connections inherit the sizes,
+        # and the receive window's scale is fixed at the handshake
+        set_socket_buffers(self.socket, self.listener.socket_buffer_bytes)
         super().server_bind()
 
 

@@ -8,6 +8,8 @@ from pathlib import Path
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from agent.sockopts import DEFAULT_SOCKET_BUFFER_BYTES
+
 
 def _default_data_dir() -> Path:
     return Path.home() / ".local" / "share" / "phalanx"
@@ -52,6 +54,11 @@ class Settings(BaseSettings):
         default=None, description="the listener's base URL as agents reach it (proxy, NAT); "
         "default: the host an agent used for the API, on bulk_port, plain http agents only")
     bulk_reuse_port: bool = False  # several worker processes share the port (SO_REUSEPORT)
+    # the kernel's send and receive buffers of each bulk connection (it doubles the figure);
+    # 0: the kernel's autotuning. 256 KiB moved the step's 8 x 12.9 MB each way with ~40% less
+    # CPU than autotuning on loopback (docs/benchmarks.md); raise it, or use 0, for links whose
+    # bandwidth-delay product is larger (10 Gbit/s over more than ~0.4 ms)
+    bulk_socket_buffer_bytes: int = Field(DEFAULT_SOCKET_BUFFER_BYTES, ge=0, le=64 * 1024 * 1024)
 
     @property
     def resolved_database_url(self) -> str:

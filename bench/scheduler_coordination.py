@@ -148,7 +148,7 @@ _GRAD = np.zeros(N_PARAMS, np.float32)
 def one_step(c: Any, device: str, log: Any) -> None:
     from agent.client import Conflict
     from agent.nn.step import ShardResult
-    from agent.wire import encode_results
+    from agent.wire import encode_results_parts
 
     a = c.work(device, 2)
     if a is None:
@@ -163,7 +163,8 @@ def one_step(c: Any, device: str, log: Any) -> None:
     t0 = time.perf_counter()
     stats = np.zeros(a["n_stats"], np.float32)
     m = a["spec"]["global_batch_size"] // a["spec"]["shards"]
-    body = encode_results(job, step, [ShardResult(k, _GRAD, 1.0, 0, m, stats) for k in a["shards"]])
+    body = encode_results_parts(job, step, [ShardResult(k, _GRAD, 1.0, 0, m, stats)
+                                            for k in a["shards"]])
     local = time.perf_counter() - t0
     upload_start = time.time()
     c.upload_gradients(job, step, body, bulk_url=a.get("bulk_url"))

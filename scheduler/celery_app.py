@@ -22,9 +22,11 @@ def celery_config(settings: Settings) -> dict[str, Any]:
     embedded = settings.embedded
     return {
         "broker_url": settings.redis_url or "memory://",
-        # an in-memory queue is polled: the 1 s default would add up to a second per step
+        # embedded: kombu's in-memory queues, woken by each message (scheduler.memory_broker);
+        # the polling interval is only a safety net there
+        "broker_transport": "scheduler.memory_broker:Transport" if embedded else None,
         "broker_transport_options": (
-            {"polling_interval": 0.005} if embedded else {"visibility_timeout": 300}
+            {"polling_interval": 0.5} if embedded else {"visibility_timeout": 300}
         ),
         "broker_connection_retry_on_startup": True,
         "task_serializer": "json",

@@ -1,8 +1,9 @@
 """The step protocol's logic behind `api/routes/work.py` (sync; routes run it in a thread).
 
-Reads are cheap on purpose: a device's holdings and its jobs' rows are read once per value of
-the version key (`DeviceView`), so a step's work, weights and upload requests cost no query after
-the first; what is already uploaded comes from key listings in the blob store.
+Reads are cheap on purpose: every device's holdings and their jobs' rows are read once per value
+of the version key, for all devices at once (`Holdings`), so a step's work, weights and upload
+requests cost no query after the first; what is already uploaded comes from key listings in
+the blob store.
 """
 
 from __future__ import annotations
@@ -109,6 +110,18 @@ class DeviceView:
         return next(iter(self.held), None)
 
 
+@dataclass(frozen=True)
+class Holdings:
+    """Every device's view as of one version value: read in one pass when the key moves, not
+    once per device (every bump wakes every waiting agent, and each would re-read its own)."""
+
+    version: bytes
+    views: dict[str, DeviceView]
+
+    def of(self, device_id: str) -> DeviceView:
+        return self.views.get(device_id) or DeviceView(self.version, {}, {})
+
+
 class StepProtocol:
     def __init__(self, session_factory: sessionmaker[Session], blobs: BlobStore,
                  data_dir: Path, clock: Any) -> None:
@@ -117,7 +130,8 @@ class StepProtocol:
         self._weights = LRU(8)
         self._encoding = threading.Lock()
         self._shards = LRU(256)
-        self._views = LRU(16384)
+        self._holdings: Holdings | None = None
+        self._reading = threading.Lock()
 
     def _job(self, session: Session, job_id: str) -> JobRow | None:
         job = session.get(Job, job_id)
@@ -126,27 +140,33 @@ class StepProtocol:
         return JobRow(job.id, job.state, job.step, dict(job.spec or {}), job.step_started_at)
 
     def view(self, device_id: str) -> DeviceView:
-        """The device's holdings and their jobs: from the cache while the version key holds
-        still, else one indexed query."""
+        """The device's holdings and their jobs: from the snapshot while the version key holds
+        still, else from a new one (two queries, whichever device asks first)."""
         version = current_version(self.blobs)  # read BEFORE the rows: a later bump is seen
-        cached = self._views.get(device_id)
-        if cached is not None and cached.version == version:
-            return cached
-        held: dict[str, set[int]] = {}
-        jobs: dict[str, JobRow] = {}
-        with self.session_factory() as session:  # one indexed query, no ORM objects
-            rows = session.execute(
-                select(ShardAssignment.job_id, ShardAssignment.shard, Job.state, Job.step,
-                       Job.spec, Job.step_started_at)
-                .join(Job, Job.id == ShardAssignment.job_id)
-                .where(ShardAssignment.device_id == device_id).order_by(ShardAssignment.id))
-            for job_id, shard, state, step, spec, started in rows:
-                held.setdefault(job_id, set()).add(int(shard))
-                if job_id not in jobs:
-                    jobs[job_id] = JobRow(job_id, state, step, dict(spec or {}), started)
-        fresh = DeviceView(version, {j: frozenset(s) for j, s in held.items()}, jobs)
-        self._views.put(device_id, fresh)
-        return fresh
+        snapshot = self._holdings
+        if snapshot is None or snapshot.version != version:
+            with self._reading:  # the agents woken by one bump wait for one read
+                snapshot = self._holdings
+                if snapshot is None or snapshot.version != version:
+                    snapshot = self._holdings = self._read_holdings(version)
+        return snapshot.of(device_id)
+
+    def _read_holdings(self, version: bytes) -> Holdings:
+        held: dict[str, dict[str, set[int]]] = {}
+        with self.session_factory() as session:  # no ORM objects: rows only
+            for device, job_id, shard in session.execute(
+                    select(ShardAssignment.device_id, ShardAssignment.job_id, ShardAssignment.shard)
+                    .order_by(ShardAssignment.id)):
+                held.setdefault(device, {}).setdefault(job_id, set()).add(int(shard))
+            job_ids = {j for per_device in held.values() for j in per_device}
+            jobs = {row[0]: JobRow(row[0], row[1], row[2], dict(row[3] or {}), row[4])
+                    for row in session.execute(
+                        select(Job.id, Job.state, Job.step, Job.spec, Job.step_started_at)
+                        .where(Job.id.in_(job_ids)))} if job_ids else {}
+        return Holdings(version, {
+            device: DeviceView(version, {j: frozenset(s) for j, s in per_job.items() if j in jobs},
+                               {j: jobs[j] for j in per_job if j in jobs})
+            for device, per_job in held.items()})
 
     def _job_and_held(self, device_id: str, job_id: str) -> tuple[JobRow | None, frozenset[int]]:
         view = self.view(device_id)

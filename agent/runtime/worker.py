@@ -125,10 +125,11 @@ def handle(engine: Engine, req: dict[str, Any]) -> dict[str, Any]:
     results = [engine.compute(req, k, p) for k, p in sorted(shards.items())]
     compute_s = time.perf_counter() - started
     slept = slowdown.apply(compute_s)
-    from agent.wire import encode_results
+    from agent.wire import encode_results_parts
 
-    body = encode_results(req["job_id"], req["step"], results, dtype=req.get("dtype", "float32"))
-    atomic_write(Path(req["out_path"]), body)
+    parts = encode_results_parts(req["job_id"], req["step"], results,
+                                 dtype=req.get("dtype", "float32"))
+    atomic_write(Path(req["out_path"]), parts)
     return {"ok": True, "samples": int(sum(int(r.count) for r in results)),
             "seconds": compute_s + slept, "compute_s": compute_s}
 

@@ -219,7 +219,8 @@ def _serve_bulk(app: FastAPI, settings: Settings) -> None:
     async def lifespan(a: FastAPI) -> AsyncIterator[Any]:
         listener = BulkListener(a.state, settings.bulk_host, int(settings.bulk_port or 0),
                                 settings.max_upload_bytes, reuse_port=settings.bulk_reuse_port,
-                                public_url=settings.bulk_public_url)
+                                public_url=settings.bulk_public_url,
+                                socket_buffer_bytes=settings.bulk_socket_buffer_bytes)
         a.state.bulk_listener = None
         try:
             listener.start()

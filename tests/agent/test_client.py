@@ -24,29 +24,38 @@ from agent.client import (
 )
 
 
+class Quiet(BaseHTTPRequestHandler):
+    def log_message(self, *args: object) -> None:
+        pass
+
+    def answer(self, code: int, body: bytes) -> None:
+        self.send_response(code)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+def serving(handler: type[BaseHTTPRequestHandler]) -> Iterator[str]:
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+    httpd.server_close()
+
+
 @pytest.fixture
 def answering() -> Iterator[str]:
     """A server answering `/status/<code>` with that code and a JSON detail."""
 
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, *args: object) -> None:
-            pass
-
+    class Handler(Quiet):
         def do_GET(self) -> None:  # noqa: N802
             code = int(self.path.rsplit("/", 1)[-1])
             body = json.dumps({"detail": f"you got {code}"}).encode()
             if code == 299:
                 code, body = 200, b"<html>not json</html>"
-            self.send_response(code)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+            self.answer(code, body)
 
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}"
-    httpd.shutdown()
-    httpd.server_close()
+    yield from serving(Handler)
 
 
 @pytest.mark.parametrize(("code", "error"), [(401, Unauthorized), (409, Conflict),
@@ -113,3 +122,63 @@ def test_ten_thousand_agents_do_not_retry_in_lockstep() -> None:
     # and two agents' schedules do not march together either
     a, b = Backoff(), Backoff()
     assert [a.delay() for _ in range(10)] != [b.delay() for _ in range(10)]
+
+
+@pytest.fixture
+def echoing() -> Iterator[str]:
+    """A server answering a POST with the length and SHA-256 of the body it received."""
+    import hashlib
+
+    class Handler(Quiet):
+        def do_POST(self) -> None:  # noqa: N802
+            body = self.rfile.read(int(self.headers["Content-Length"]))
+            self.answer(200, json.dumps({"length": len(body),
+                                         "sha256": hashlib.sha256(body).hexdigest(),
+                                         "type": self.headers["Content-Type"]}).encode())
+
+    yield from serving(Handler)
+
+
+def test_an_upload_in_parts_arrives_as_the_joined_message(echoing: str) -> None:
+    """The agent sends a results message as its parts (no model-sized join on the phone); the
+    server must receive exactly the bytes of the whole message, with its length announced."""
+    import hashlib
+
+    import numpy as np
+
+    from agent.nn.step import ShardResult
+    from agent.wire import encode_results, encode_results_parts
+
+    rng = np.random.default_rng(3)
+    results = [ShardResult(k, rng.standard_normal(300_000).astype(np.float32), 1.5, 3, 8,
+                           np.ones(7, np.float32)) for k in (2, 5)]
+    whole = encode_results("job-1", 4, results)
+    parts = encode_results_parts("job-1", 4, results)
+    assert len(parts) > 1
+    for bulk in (None, echoing):  # the API port's path and the bulk listener's alike
+        got = Client(echoing, "tok").upload_gradients("job-1", 4, parts, bulk_url=bulk)
+        assert got == {"length": len(whole), "sha256": hashlib.sha256(whole).hexdigest(),
+                       "type": "application/octet-stream"}
+
+
+@pytest.mark.parametrize("size", [100_000, 0])
+def test_connections_use_the_configured_kernel_buffers(echoing: str, size: int) -> None:
+    """`socket_buffer_bytes` fixes both kernel buffers of the agent's plain-http connections
+    (Linux reports twice the figure set); 0 leaves them to the kernel."""
+    from agent.client import BufferedHTTPConnection
+
+    port = int(echoing.rsplit(":", 1)[1])
+    with socket.socket() as fresh:
+        default = (fresh.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF),
+                   fresh.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF))
+    conn = BufferedHTTPConnection("127.0.0.1", port, socket_buffer_bytes=size)
+    conn.connect()
+    try:
+        got = (conn.sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF),
+               conn.sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF))
+    finally:
+        conn.close()
+    if size:
+        assert got == (2 * size, 2 * size)
+    else:  # the kernel's: what a new socket starts with, the send side autotuned on connect
+        assert got[1] == default[1] and got[0] >= default[0]

@@ -193,3 +193,18 @@ def test_new_buffer_is_writable_bytes_of_the_size_asked():
     assert buf.format == "B" and buf.nbytes == 1 << 20 and not buf.readonly
     buf[:4] = b"abcd"
     assert bytes(buf[:4]) == b"abcd"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_results_in_parts_are_the_message_without_copying_float32_arrays(dtype):
+    """The parts an agent writes or sends one after the other join into exactly the message;
+    a float32 gradient goes out as a view of the agent's own array (a phone does not hold the
+    model-sized message twice)."""
+    from agent.wire import encode_results_parts
+
+    sent = _results()
+    parts = encode_results_parts("job-1", 3, sent, dtype)
+    assert b"".join(parts) == encode_results("job-1", 3, sent, dtype)
+    grad_parts = [np.frombuffer(p, np.uint8) for p in parts[1::2]]
+    shared = [np.shares_memory(g, r.grad_sum) for g, r in zip(grad_parts, sent)]
+    assert shared == [dtype == "float32"] * len(sent)

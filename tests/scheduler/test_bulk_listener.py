@@ -290,3 +290,34 @@ def test_a_client_that_stalls_mid_body_frees_the_thread() -> None:
     tx2.close()
     assert read_exactly(rx2.makefile("rb"), 5000, rx2) is None
     rx.close(), rx2.close()
+
+
+@pytest.mark.parametrize("size", [100_000, 0])
+def test_connections_get_the_configured_kernel_buffers(sqlite_url: str, tmp_path: Path,
+                                                       size: int) -> None:
+    """PHALANX_BULK_SOCKET_BUFFER_BYTES fixes both kernel buffers of every bulk connection
+    (Linux reports twice the figure); 0 leaves them to the kernel."""
+    with socket.socket() as fresh:
+        default_rcv = fresh.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
+    with make_client(sqlite_url, tmp_path, bulk_port=0, bulk_socket_buffer_bytes=size) as client:
+        listener = client.app.state.bulk_listener
+        seen: list[tuple[int, int]] = []
+        server = listener._server  # read the sizes of the connection the server accepts
+        original = server.get_request
+
+        def get_request() -> tuple[socket.socket, object]:
+            conn, addr = original()
+            seen.append((conn.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF),
+                         conn.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)))
+            return conn, addr
+
+        server.get_request = get_request
+        with socket.create_connection(("127.0.0.1", listener.port)) as sock:
+            sock.sendall(b"GET /nowhere HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert sock.recv(100).startswith(b"HTTP/1.1 404")
+        got = seen[0]
+    context.reset()
+    if size:
+        assert got == (2 * size, 2 * size)
+    else:
+        assert got[1] == default_rcv and got[0] != 2 * 100_000

@@ -215,8 +215,9 @@ def test_concurrent_first_weight_requests_encode_once(app_client: TestClient,
 
 def test_a_step_reads_the_store_once_per_device_and_sees_changes_after_a_bump(
         app_client: TestClient) -> None:
-    """work, weights and shard data of one step cost no query after the device's first
-    request; a committed change announced by the version key is seen at the next request."""
+    """work, weights and shard data of one step cost no query after the first request; a
+    committed change announced by the version key is seen at the next request, read once
+    for all devices."""
     from sqlalchemy import event, update
 
     from api.store.models import ShardAssignment
@@ -250,6 +251,10 @@ def test_a_step_reads_the_store_once_per_device_and_sees_changes_after_a_bump(
         bump_version(ctx.blobs)
         assert proto.work(dev)["shards"] == sorted([*mine, theirs])
         assert statements, "a new version re-reads the holdings"
+        # ... once for every device: the other agent woken by the same bump reads nothing
+        statements.clear()
+        assert theirs not in proto.work(other)["shards"]
+        assert statements == []
     finally:
         event.remove(engine, "before_cursor_execute", count)
     with pytest.raises(ForeignShard):
