@@ -27,10 +27,9 @@ import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, BinaryIO
-from urllib.parse import parse_qsl, unquote, urlsplit
+from urllib.parse import unquote, urlsplit
 
-from fastapi.exceptions import RequestValidationError
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, Field
 
 from agent.sockopts import set_socket_buffers
 from agent.wire import new_buffer
@@ -41,6 +40,7 @@ from api.errors import ApiError
 from api.limits import BodyTooLarge
 from api.metrics import HTTP_LATENCY, HTTP_REQUESTS, UNMATCHED
 from api.routes.work import WEIGHTS_HEADERS, accept_upload, serve_weights
+from api.schemas.common import parse_query
 
 log = logging.getLogger(__name__)
 MAX_BODIES = 16  # upload bodies read and checked at once per process (memory: 16 x the limit)
@@ -192,11 +192,7 @@ class BulkListener:
         return check_device(principal, None)
 
     def _weights(self, device_id: str, job_id: str, query: str) -> Reply:
-        try:
-            step = _WeightsQuery.model_validate(dict(parse_qsl(query))).step
-        except ValidationError as exc:  # the route's 422, field for field
-            raise RequestValidationError(
-                [{**e, "loc": ("query", *e["loc"])} for e in exc.errors()]) from None
+        step = parse_query(_WeightsQuery, query).step
         status, payload = serve_weights(self.state, device_id, job_id, step)
         if status != 200:
             return Reply(status, payload, {"Retry-After": "1"} if status == 503 else {})

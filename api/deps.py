@@ -31,8 +31,14 @@ def get_clock(request: Request) -> Callable[[], dt.datetime]:
 
 async def get_principal(request: Request) -> Principal:
     """Any valid token. Async so a cache hit costs no thread hop (the heartbeat hot path)."""
-    auth: Authenticator = request.app.state.authenticator
-    token_hash, principal = auth.cached(parse_bearer(request.headers.get("authorization")))
+    return await principal_for(request.app.state.authenticator,
+                               request.headers.get("authorization"))
+
+
+async def principal_for(auth: Authenticator, authorization: str | None) -> Principal:
+    """The principal of an Authorization header (401 unless a valid bearer token), from the
+    cache when it holds the token, else from the database on a worker thread."""
+    token_hash, principal = auth.cached(parse_bearer(authorization))
     if principal is None:
         principal = await run_in_threadpool(auth.lookup, token_hash)
     return principal

@@ -1,6 +1,6 @@
 """How an exception becomes an HTTP error: status, `detail` and extra headers. One mapping for
 the app's exception handlers (`api.main`) and the heartbeat's fast path, which runs outside
-them (`api.heartbeat_endpoint`)."""
+them (`api.fast_path`)."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from sqlalchemy import Engine
 
-from api import heartbeat_endpoint
+from api import fast_path
 from api.auth import Authenticator, ensure_admin_token
 from api.error_responses import HANDLED, error_response
 from api.heartbeat_writer_pg import AsyncPgHeartbeatWriter
@@ -97,7 +97,7 @@ def create_app(settings: Settings | None = None, clock: Callable[[], dt.datetime
                        upload_limit=settings.max_upload_bytes, upload_paths=("/v1/datasets",))
     install_error_handlers(app)
     _include_routers(app)
-    heartbeat_endpoint.install(app, body_limit=settings.max_body_bytes)
+    fast_path.install(app, body_limit=settings.max_body_bytes)
     work.install(app, settings)
     return app
 

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Query, Request, Response
 
 from api import lifecycle
 from api.deps import AdminDep, ClockDep, SessionDep, SettingsDep, UserDep
-from api.heartbeat_endpoint import heartbeat_reply
+from api.fast_path import heartbeat_reply
 from api.schemas.common import EventRead, Page, page_of
 from api.schemas.devices import (
     DeviceRead,
@@ -47,7 +47,7 @@ HEARTBEAT_BODY = {"requestBody": {"required": True, "content": {
 @router.post("/{device_id}/heartbeat", response_model=HeartbeatOut, openapi_extra=HEARTBEAT_BODY)
 async def heartbeat(device_id: str, request: Request):
     """Renew the lease and store the telemetry (device token); answers after the commit, with
-    the device's commands. Served by `api.heartbeat_endpoint.HeartbeatFastPath` ahead of this
+    the device's commands. Served by `api.fast_path.FastPath` ahead of this
     route; this handler runs the same code for anything that reaches the router."""
     reply = await heartbeat_reply(request.app.state, device_id,
                                   request.headers.get("authorization"), await request.body())

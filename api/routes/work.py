@@ -15,10 +15,13 @@ from typing import Any
 
 from fastapi import APIRouter, FastAPI, Query, Request, Response
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import URL
 
 from api import bulk_body
-from api.deps import DeviceDep
+from api.deps import DeviceDep, check_device, principal_for
+from api.schemas.common import parse_query
 from api.schemas.work import UploadOut, WorkOut
 from api.settings import Settings
 
@@ -32,26 +35,47 @@ def _error(exc: Any) -> JSONResponse:
     return JSONResponse({"detail": exc.detail}, status_code=exc.status, headers=headers)
 
 
+MAX_WAIT_S = 30.0
+
+
 @router.get("/devices/{device_id}/work", response_model=WorkOut)
 async def work(device_id: str, request: Request, principal: DeviceDep,
-               wait: float = Query(0.0, ge=0.0, le=30.0)):
-    """Long poll: answers as soon as the device has shards to compute, or after `wait` s."""
-    state = request.app.state
+               wait: float = Query(0.0, ge=0.0, le=MAX_WAIT_S)):
+    """Long poll: answers as soon as the device has shards to compute, or after `wait` s.
+    Served by `api.fast_path.FastPath` ahead of this route, through `work_reply`."""
+    return await long_poll_work(request.app.state, device_id, wait, request.url)
+
+
+class _WorkQuery(BaseModel):
+    wait: float = Field(0.0, ge=0.0, le=MAX_WAIT_S)
+
+
+async def work_reply(state: Any, device_id: str, authorization: str | None,
+                     scope: dict[str, Any]) -> bytes:
+    """The route above without FastAPI: the same token rule (DeviceDep), the same 422 for a
+    bad `wait`, the same answer through the same response model."""
+    check_device(await principal_for(state.authenticator, authorization), device_id)
+    query = parse_query(_WorkQuery, scope["query_string"].decode("latin-1"))
+    answer = await long_poll_work(state, device_id, query.wait, URL(scope=scope))
+    return WorkOut.model_validate(answer).model_dump_json().encode()
+
+
+async def long_poll_work(state: Any, device_id: str, wait: float, url: URL) -> dict[str, Any]:
     deadline = time.monotonic() + min(wait, state.settings.work_long_poll_max_s)
     while True:
         since = state.version_watch.snapshot()
         found = await run_in_threadpool(state.step_protocol.work, device_id)
         remaining = deadline - time.monotonic()
         if found is not None:
-            return {"assignment": {**found, "bulk_url": _bulk_url(request)}}
+            return {"assignment": {**found, "bulk_url": _bulk_url(state, url)}}
         if remaining <= 0:
             return {"assignment": None}
         await state.version_watch.wait_change(since, remaining)
 
 
-def _bulk_url(request: Request) -> str | None:
-    listener = getattr(request.app.state, "bulk_listener", None)
-    return listener.url_for(request.url.scheme, request.url.hostname) if listener else None
+def _bulk_url(state: Any, url: URL) -> str | None:
+    listener = getattr(state, "bulk_listener", None)
+    return listener.url_for(url.scheme, url.hostname) if listener else None
 
 
 @router.get("/jobs/{job_id}/weights")

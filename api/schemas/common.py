@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as dt
 import re
 from typing import Annotated, Any, Generic, TypeVar
+from urllib.parse import parse_qsl
 
 from fastapi.exceptions import RequestValidationError
 from pydantic import AfterValidator, BaseModel, ConfigDict, ValidationError
@@ -62,6 +63,16 @@ def page_of(items: list[Any], limit: int, offset: int) -> dict[str, Any]:
     """Build a page from `limit + 1` fetched rows (the extra row says there is a next page)."""
     more = len(items) > limit
     return {"items": items[:limit], "next_offset": offset + limit if more else None}
+
+
+def parse_query(model: type[M], query_string: str) -> M:
+    """Validate a query string's parameters (the last of a repeated one wins, as in FastAPI);
+    errors look like FastAPI's own (loc "query")."""
+    try:
+        return model.model_validate(dict(parse_qsl(query_string)))
+    except ValidationError as exc:
+        errors = [{**err, "loc": ("query", *err["loc"])} for err in exc.errors(include_url=False)]
+        raise RequestValidationError(errors) from None
 
 
 def parse_body(model: type[M], raw: bytes) -> M:

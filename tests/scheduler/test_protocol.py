@@ -66,6 +66,28 @@ def shards_of(job_id: str, device_id: str) -> list[int]:
     return [s for s, d, _ in assignments(context.get_context(), job_id) if d == device_id]
 
 
+def test_an_assignment_from_the_fast_path_is_the_routes(app_client: TestClient) -> None:
+    """The work long poll is answered ahead of FastAPI (api.fast_path); with shards to do, its
+    answer is byte for byte what the FastAPI route answers."""
+    from fastapi import FastAPI
+
+    app = app_client.app
+    stack = FastAPI.build_middleware_stack(app)  # the app without the fast path in front
+
+    async def routes_only(scope: dict, receive: Any, send: Any) -> None:
+        scope["app"] = app
+        await stack(scope, receive, send)
+
+    job_id, [(dev, hdr), _] = running_job(app_client)
+    fast = app_client.get(f"/v1/devices/{dev}/work", params={"wait": 0}, headers=hdr)
+    routed = TestClient(routes_only).get(f"/v1/devices/{dev}/work", params={"wait": 0},
+                                         headers=hdr)
+    assert fast.status_code == routed.status_code == 200
+    assert fast.json()["assignment"]["shards"] == shards_of(job_id, dev)
+    assert fast.content == routed.content
+    assert fast.headers["content-type"] == routed.headers["content-type"]
+
+
 def test_work_weights_and_data_for_the_devices_own_shards(app_client: TestClient) -> None:
     job_id, [(dev, hdr), (other, _)] = running_job(app_client)
     work = app_client.get(f"/v1/devices/{dev}/work", params={"wait": 0}, headers=hdr).json()

@@ -1,5 +1,6 @@
-"""The heartbeat's ASGI fast path answers exactly as the FastAPI route it stands in front of:
-same bodies, statuses and details for every kind of request, on Postgres and SQLite."""
+"""The ASGI fast path (heartbeat and work long poll) answers exactly as the FastAPI routes it
+stands in front of: same bodies, statuses and details for every kind of request, on Postgres
+and SQLite. (An answer with an assignment: tests/scheduler/test_protocol.py.)"""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from api.heartbeat_endpoint import HeartbeatFastPath
+from api.fast_path import FastPath
 from api.main import create_app
 from api.store.models import TelemetrySample
 from tests.api.conftest import Api, FakeClock, make_settings, sample
@@ -46,10 +47,15 @@ def test_the_fast_path_is_in_front_and_the_route_is_documented(both):
     fast, router = both
     fast.get("/healthz")
     router.get("/healthz")
-    assert HeartbeatFastPath in _chain(fast.app)
-    assert HeartbeatFastPath not in _chain(router.app)
+    assert FastPath in _chain(fast.app)
+    assert FastPath not in _chain(router.app)
     paths = fast.get("/openapi.json").json()["paths"]
     assert "post" in paths["/v1/devices/{device_id}/heartbeat"]
+    assert "get" in paths["/v1/devices/{device_id}/work"]
+    from api.fast_path import ROUTES
+
+    assert {(r.method, r.path) for r in ROUTES} == {
+        ("POST", "/v1/devices/{device_id}/heartbeat"), ("GET", "/v1/devices/{device_id}/work")}
 
 
 def _cases(api: Api, device: dict, other: dict) -> dict[str, Any]:
@@ -115,3 +121,42 @@ def test_fast_path_requests_are_counted_under_the_route_template(both):
     assert any('status="200"' in row for row in line), line
     assert any('status="422"' in row for row in line), line
     assert device["device_id"] not in text
+
+
+WORK_EXPECTED = {"nothing to do": 200, "nothing after a wait": 200, "no token": 401,
+                 "not bearer": 401, "unknown token": 401, "admin token": 403,
+                 "another device's id": 403, "negative wait": 422, "wait too long": 422,
+                 "wait not a number": 422, "bad token and bad wait": 401}
+
+
+def test_every_work_answer_matches_the_route(both):
+    fast, router = both
+    device, other = fast.register("a"), fast.register("b")
+    mine = {"Authorization": f"Bearer {device['device_token']}"}
+    me = device["device_id"]
+    cases = {
+        "nothing to do": (me, mine, "wait=0"),
+        "nothing after a wait": (me, mine, "wait=0.05"),
+        "no token": (me, {}, "wait=0"),
+        "not bearer": (me, {"Authorization": "Basic abc"}, "wait=0"),
+        "unknown token": (me, {"Authorization": "Bearer nope"}, "wait=0"),
+        "admin token": (me, fast.headers(), "wait=0"),
+        "another device's id": (other["device_id"], mine, "wait=0"),
+        "negative wait": (me, mine, "wait=-1"),
+        "wait too long": (me, mine, "wait=31"),
+        "wait not a number": (me, mine, "wait=soon"),
+        "bad token and bad wait": (me, {"Authorization": "Bearer nope"}, "wait=-1"),
+    }
+    seen = {}
+    for name, (device_id, headers, query) in cases.items():
+        answers = []
+        for api in (fast, router):
+            resp = api.client.get(f"/v1/devices/{device_id}/work?{query}", headers=headers)
+            answers.append((resp.status_code, resp.headers["content-type"], resp.json()))
+        assert answers[0] == answers[1], name
+        seen[name] = answers[0][0]
+        if answers[0][0] != 200:
+            assert answers[0][2]["detail"], name
+        else:
+            assert answers[0][2] == {"assignment": None}, name
+    assert seen == WORK_EXPECTED

@@ -1,12 +1,15 @@
-"""The heartbeat, served ahead of FastAPI's router and middleware.
+"""The hot routes, served ahead of FastAPI's router and middleware.
 
-Heartbeats are nearly all the traffic of a large fleet (10,000 phones every 10 s is 1,000
-requests/s), and on these machines FastAPI's per-request layers (exception middlewares, the
-async exit stack, route matching over every route, the request object) cost more Python
-than the heartbeat itself. `HeartbeatFastPath` is a plain ASGI layer that answers
-`POST /v1/devices/{id}/heartbeat` directly and hands every other request to the full stack.
-The FastAPI route stays registered (OpenAPI documents it) and runs the same `heartbeat_reply`,
-so both paths give the same answers, the same errors and the same status codes.
+Two requests are nearly all of a fleet's traffic: the heartbeat (10,000 phones every 10 s is
+1,000 requests/s) and the work long poll (every agent, every step). On these machines
+FastAPI's per-request layers (exception middlewares, the async exit stack, route matching over
+every route, dependency solving, the request object) cost more Python than either request
+itself: measured on the event loop at 8 agents, ~4 ms of CPU per work request, a quarter of
+the server's CPU per step (docs/benchmarks.md). `FastPath` is a plain ASGI layer that answers
+`POST /v1/devices/{id}/heartbeat` and `GET /v1/devices/{id}/work` directly and hands every
+other request to the full stack. The FastAPI routes stay registered (OpenAPI documents them)
+and run the same reply functions, so both paths give the same answers, the same errors and the
+same status codes (tests/api/test_fast_path.py).
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ from __future__ import annotations
 import json
 import logging
 import re
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from starlette.concurrency import run_in_threadpool
@@ -28,9 +33,27 @@ from api.schemas.devices import HeartbeatIn
 from api.store.heartbeats import UnknownToken
 
 log = logging.getLogger(__name__)
-PATH = re.compile(r"/v1/devices/([^/]+)/heartbeat")
-ROUTE_PATH = "/v1/devices/{device_id}/heartbeat"
 JSON_HEADERS = [(b"content-type", b"application/json")]
+
+
+@dataclass(frozen=True)
+class Call:
+    """What a fast route's reply function gets: the app's state, the path's device id, the
+    Authorization header, the body (empty for a GET) and the ASGI scope."""
+
+    state: Any
+    device_id: str
+    authorization: str | None
+    body: bytes
+    scope: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class FastRoute:
+    method: str
+    pattern: re.Pattern[str]
+    path: str  # the route's template: what `api.metrics.RequestMetrics` reads off scope["route"]
+    reply: Callable[[Call], Awaitable[bytes]]  # the answer's JSON, or raises an API error
 
 
 async def heartbeat_reply(state: Any, device_id: str, authorization: str | None,
@@ -51,28 +74,57 @@ async def heartbeat_reply(state: Any, device_id: str, authorization: str | None,
     return json.dumps(reply).encode()
 
 
+async def _heartbeat(call: Call) -> bytes:
+    return await heartbeat_reply(call.state, call.device_id, call.authorization, call.body)
+
+
+async def _work(call: Call) -> bytes:
+    from api.routes.work import work_reply
+
+    return await work_reply(call.state, call.device_id, call.authorization, call.scope)
+
+
+ROUTES = (
+    FastRoute("POST", re.compile(r"/v1/devices/([^/]+)/heartbeat"),
+              "/v1/devices/{device_id}/heartbeat", _heartbeat),
+    FastRoute("GET", re.compile(r"/v1/devices/([^/]+)/work"),
+              "/v1/devices/{device_id}/work", _work),
+)
+
+
 class _Disconnected(Exception):
     pass
 
 
+@dataclass(frozen=True)
 class _Route:
-    """What `api.metrics.RequestMetrics` reads off scope["route"]: the path template."""
-
-    path = ROUTE_PATH
+    path: str
 
 
-class HeartbeatFastPath:
-    def __init__(self, app: Any, state: Any, body_limit: int) -> None:
+class FastPath:
+    def __init__(self, app: Any, state: Any, body_limit: int,
+                 routes: tuple[FastRoute, ...] = ROUTES) -> None:
         self.app, self.state, self.body_limit = app, state, body_limit
+        self.routes = {(r.method, r.pattern): r for r in routes}
+        self._templates = {r.path: _Route(r.path) for r in routes}
+
+    def _match(self, scope: dict[str, Any]) -> tuple[FastRoute, re.Match[str]] | None:
+        if scope["type"] != "http":
+            return None
+        for (method, pattern), route in self.routes.items():
+            if scope["method"] == method:
+                match = pattern.fullmatch(scope["path"])
+                if match is not None:
+                    return route, match
+        return None
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        match = None
-        if scope["type"] == "http" and scope["method"] == "POST":
-            match = PATH.fullmatch(scope["path"])
-        if match is None:
+        found = self._match(scope)
+        if found is None:
             await self.app(scope, receive, send)
             return
-        scope["route"] = _Route
+        route, match = found
+        scope["route"] = self._templates[route.path]
         authorization, length = None, None
         for name, value in scope["headers"]:
             if name == b"authorization":
@@ -83,8 +135,8 @@ class HeartbeatFastPath:
             if length is not None and length.isdigit() and int(length) > self.body_limit:
                 raise BodyTooLarge(self.body_limit)
             raw = await self._read_body(receive)
-            status, payload, headers = 200, await heartbeat_reply(
-                self.state, match.group(1), authorization, raw), []
+            status, payload, headers = 200, await route.reply(
+                Call(self.state, match.group(1), authorization, raw, scope)), []
         except _Disconnected:  # nobody to answer; nothing was queued
             return
         except Exception as exc:
@@ -118,4 +170,4 @@ class HeartbeatFastPath:
 def install(app: Any, body_limit: int) -> None:
     """Put the fast path in front of the app's middleware stack, whenever Starlette builds it."""
     build = app.build_middleware_stack
-    app.build_middleware_stack = lambda: HeartbeatFastPath(build(), app.state, body_limit)
+    app.build_middleware_stack = lambda: FastPath(build(), app.state, body_limit)
