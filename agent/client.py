@@ -1,4 +1,5 @@
-"""The agent's HTTP client: stdlib urllib, sync, one small exception tree (after httpx).
+"""The agent's HTTP client: stdlib, sync, connections kept alive (agent.transport), one small
+exception tree (after httpx).
 
     ClientError
     ├── TransportError          the request may not have reached the server: retry with backoff
@@ -8,7 +9,7 @@
         ├── Conflict            409: e.g. a step that is no longer current
         └── ServerError         5xx: retry with backoff
 
-Low-level errors (URLError, socket errors, HTTPException, bad JSON) are translated in `_send`
+Low-level errors (socket errors, timeouts, HTTPException, bad JSON) are translated in `_send`
 only. `Backoff` is full-jitter exponential backoff (AWS architecture blog): a delay drawn
 uniformly from [0, min(cap, base * 2**attempt)], so a fleet reconnecting after a control-plane
 restart spreads out instead of retrying in lockstep.
@@ -19,16 +20,13 @@ from __future__ import annotations
 import http.client
 import json
 import random
-import socket
-import urllib.error
 import urllib.parse
-import urllib.request
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from agent import __version__
-from agent.sockopts import DEFAULT_SOCKET_BUFFER_BYTES, set_socket_buffers
+from agent.sockopts import DEFAULT_SOCKET_BUFFER_BYTES
+from agent.transport import Body, KeepAliveTransport, Transport
 
 
 class ClientError(Exception):
@@ -83,56 +81,6 @@ class Response:
             raise TransportError(f"server sent invalid JSON ({len(self.body)} bytes)") from None
 
 
-# a request body: bytes, or a message in consecutive parts sent in order without being joined
-# (agent.wire.encode_results_parts: a model-sized upload is not copied once more to be sent)
-Body = bytes | Sequence[memoryview]
-# (method, url, headers, body, timeout) -> Response; tests of this module may swap it
-Transport = Callable[[str, str, dict[str, str], "Body | None", float], Response]
-
-
-class BufferedHTTPConnection(http.client.HTTPConnection):
-    """A plain-http connection whose socket gets fixed kernel buffers (agent.sockopts)."""
-
-    def __init__(self, *args: Any, socket_buffer_bytes: int = 0, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.socket_buffer_bytes = socket_buffer_bytes
-
-    def connect(self) -> None:
-        super().connect()
-        set_socket_buffers(self.sock, self.socket_buffer_bytes)
-
-
-class _BufferedHTTPHandler(urllib.request.HTTPHandler):
-    """Plain-http connections with fixed kernel buffers (https keeps urllib's own handler)."""
-
-    def __init__(self, socket_buffer_bytes: int) -> None:
-        super().__init__()
-        self.socket_buffer_bytes = socket_buffer_bytes
-
-    def http_open(self, req: urllib.request.Request) -> Any:
-        return self.do_open(BufferedHTTPConnection, req,
-                            socket_buffer_bytes=self.socket_buffer_bytes)
-
-
-def urllib_transport_with(socket_buffer_bytes: int = DEFAULT_SOCKET_BUFFER_BYTES) -> Transport:
-    """The stdlib transport; plain-http connections get `socket_buffer_bytes` kernel buffers
-    each way (0: the kernel's autotuning), as the control plane's bulk listener does."""
-    opener = urllib.request.build_opener(_BufferedHTTPHandler(socket_buffer_bytes))
-
-    def transport(method: str, url: str, headers: dict[str, str], body: Body | None,
-                  timeout: float) -> Response:
-        req = urllib.request.Request(url, data=body, headers=headers, method=method)
-        try:
-            with opener.open(req, timeout=timeout) as resp:  # scheme checked in Client
-                return Response(resp.status, dict(resp.headers.items()), resp.read())
-        except urllib.error.HTTPError as err:
-            with err:
-                return Response(err.code, dict(err.headers.items()), err.read())
-
-    return transport
-
-
-
 def _status_error(status: int, detail: Any, url: str) -> StatusError:
     if status == 401:
         return Unauthorized(status, detail, url)
@@ -153,7 +101,7 @@ class Client:
         self.base_url = base_url.rstrip("/")
         self.token = token
         self.timeout_s = timeout_s
-        self.transport = transport or urllib_transport_with(socket_buffer_bytes)
+        self.transport = transport or KeepAliveTransport(socket_buffer_bytes)
 
     # -- plumbing --------------------------------------------------------------------------
     def _send(self, method: str, path: str, *, json_body: Any = None, body: Body | None = None,
@@ -167,16 +115,11 @@ class Client:
             body, content_type = json.dumps(json_body).encode(), "application/json"
         if body is not None:
             headers["Content-Type"] = content_type
-            if not isinstance(body, bytes):  # parts: urllib cannot size them itself
-                headers["Content-Length"] = str(sum(memoryview(p).nbytes for p in body))
         try:
-            resp = self.transport(method, url, headers, body, timeout_s or self.timeout_s)
+            resp = Response(*self.transport(method, url, headers, body,
+                                            timeout_s or self.timeout_s))
         except TimeoutError as exc:
             raise RequestTimeout(f"{method} {url} timed out") from exc
-        except urllib.error.URLError as exc:
-            if isinstance(exc.reason, (TimeoutError, socket.timeout)):
-                raise RequestTimeout(f"{method} {url} timed out") from exc
-            raise TransportError(f"{method} {url}: {exc.reason}") from exc
         except (OSError, http.client.HTTPException, ValueError) as exc:
             raise TransportError(f"{method} {url}: {exc!r}") from exc
         if resp.status >= 400:

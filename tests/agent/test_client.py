@@ -165,7 +165,7 @@ def test_an_upload_in_parts_arrives_as_the_joined_message(echoing: str) -> None:
 def test_connections_use_the_configured_kernel_buffers(echoing: str, size: int) -> None:
     """`socket_buffer_bytes` fixes both kernel buffers of the agent's plain-http connections
     (Linux reports twice the figure set); 0 leaves them to the kernel."""
-    from agent.client import BufferedHTTPConnection
+    from agent.transport import BufferedHTTPConnection
 
     port = int(echoing.rsplit(":", 1)[1])
     with socket.socket() as fresh:
@@ -182,3 +182,38 @@ def test_connections_use_the_configured_kernel_buffers(echoing: str, size: int) 
         assert got == (2 * size, 2 * size)
     else:  # the kernel's: what a new socket starts with, the send side autotuned on connect
         assert got[1] == default[1] and got[0] >= default[0]
+
+
+def _counting_server(close_after_answer: bool) -> tuple[type[BaseHTTPRequestHandler], list[int]]:
+    """An HTTP/1.1 server that counts the connections it accepts; with `close_after_answer`
+    it hangs up after each answer without saying so (as a keep-alive timeout does)."""
+    connections: list[int] = []
+
+    class Handler(Quiet):
+        protocol_version = "HTTP/1.1"
+
+        def setup(self) -> None:
+            super().setup()
+            connections.append(1)
+
+        def do_GET(self) -> None:  # noqa: N802
+            self.answer(200, json.dumps({"connection": len(connections)}).encode())
+            self.close_connection = close_after_answer
+
+    return Handler, connections
+
+
+def test_requests_reuse_one_kept_alive_connection() -> None:
+    handler, connections = _counting_server(close_after_answer=False)
+    for url in serving(handler):
+        client = Client(url, "tok")
+        answers = [client._send("GET", f"/n/{i}").json() for i in range(5)]
+    assert answers == [{"connection": 1}] * 5 and len(connections) == 1
+
+
+def test_a_connection_the_server_closed_while_idle_is_replaced_transparently() -> None:
+    handler, connections = _counting_server(close_after_answer=True)
+    for url in serving(handler):
+        client = Client(url, "tok")
+        answers = [client._send("GET", f"/n/{i}").json() for i in range(3)]
+    assert answers == [{"connection": 1}, {"connection": 2}, {"connection": 3}]

@@ -1,0 +1,126 @@
+"""The agent's HTTP transport: connections kept alive between requests (stdlib http.client).
+
+An agent makes three requests a step (work, weights, upload) for as long as it runs; opening a
+connection for each, as urllib does, costs a handshake (a TLS one over https), and on the
+control plane a new thread of the bulk listener, every time. Here each thread of the agent
+keeps one connection per server (scheme, host, port) and reuses it while the server keeps it
+open. A request on a reused connection that fails before any answer arrives (the server closed
+it while idle) is sent once more on a new connection; every request the agent makes may be
+repeated (uploads are idempotent: first result wins, repeats come back as duplicates).
+Proxies from the environment (http_proxy) are not used: agents talk to their control plane.
+"""
+
+from __future__ import annotations
+
+import http.client
+import ssl
+import threading
+import urllib.parse
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from agent.sockopts import set_socket_buffers
+
+# a request body: bytes, or a message in consecutive parts sent in order without being joined
+# (agent.wire.encode_results_parts: a model-sized upload is not copied once more to be sent)
+Body = bytes | Sequence[memoryview]
+
+
+# an answer: (status, headers, body)
+Answer = tuple[int, dict[str, str], bytes]
+
+
+# (method, url, headers, body, timeout) -> answer; tests of the client may swap it
+Transport = Callable[[str, str, dict[str, str], "Body | None", float], Answer]
+_STALE = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError,
+          ConnectionAbortedError)
+
+
+class BufferedHTTPConnection(http.client.HTTPConnection):
+    """A plain-http connection whose socket gets fixed kernel buffers (agent.sockopts)."""
+
+    def __init__(self, *args: Any, socket_buffer_bytes: int = 0, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.socket_buffer_bytes = socket_buffer_bytes
+
+    def connect(self) -> None:
+        super().connect()
+        set_socket_buffers(self.sock, self.socket_buffer_bytes)
+
+
+class BufferedHTTPSConnection(http.client.HTTPSConnection):
+    def __init__(self, *args: Any, socket_buffer_bytes: int = 0, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.socket_buffer_bytes = socket_buffer_bytes
+
+    def connect(self) -> None:
+        super().connect()
+        set_socket_buffers(self.sock, self.socket_buffer_bytes)
+
+
+class KeepAliveTransport:
+    """A `Transport`: each thread's connections, kept per (scheme, host, port)."""
+
+    def __init__(self, socket_buffer_bytes: int = 0,
+                 ssl_context: ssl.SSLContext | None = None) -> None:
+        self.socket_buffer_bytes = socket_buffer_bytes
+        self.ssl_context = ssl_context
+        self._local = threading.local()  # connections are not shared between threads
+        self.opened = 0  # connections opened so far (tests, diagnostics)
+
+    def __call__(self, method: str, url: str, headers: dict[str, str], body: Body | None,
+                 timeout: float) -> Answer:
+        parts = urllib.parse.urlsplit(url)
+        key = (parts.scheme, parts.hostname or "", parts.port)
+        target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        if body is not None and not isinstance(body, bytes):  # parts: sized by the caller
+            headers = {**headers, "Content-Length": str(sum(memoryview(p).nbytes for p in body))}
+        while True:
+            conn, reused = self._connection(key, timeout)
+            try:
+                conn.request(method, target, body=body, headers=headers)
+                resp = conn.getresponse()
+                answer = (resp.status, dict(resp.headers.items()), resp.read())
+            except _STALE:
+                self._drop(key)
+                if reused:
+                    continue  # closed by the server while idle: once more, on a new connection
+                raise
+            except BaseException:
+                self._drop(key)  # a timeout or an error mid-answer: the connection is unusable
+                raise
+            if resp.will_close:
+                self._drop(key)
+            return answer
+
+    def _connection(self, key: tuple[str, str, int | None],
+                    timeout: float) -> tuple[http.client.HTTPConnection, bool]:
+        conns: dict[Any, http.client.HTTPConnection] = self._local.__dict__.setdefault("c", {})
+        conn = conns.get(key)
+        if conn is not None:
+            conn.timeout = timeout
+            if conn.sock is not None:
+                conn.sock.settimeout(timeout)
+            return conn, True
+        scheme, host, port = key
+        make: Callable[..., http.client.HTTPConnection]
+        if scheme == "https":
+            make = BufferedHTTPSConnection
+            extra: dict[str, Any] = {"context": self.ssl_context or ssl.create_default_context()}
+        else:
+            make, extra = BufferedHTTPConnection, {}
+        conn = make(host, port, timeout=timeout, socket_buffer_bytes=self.socket_buffer_bytes,
+                    **extra)
+        conns[key] = conn
+        self.opened += 1
+        return conn, False
+
+    def _drop(self, key: tuple[str, str, int | None]) -> None:
+        conn = self._local.__dict__.get("c", {}).pop(key, None)
+        if conn is not None:
+            conn.close()
+
+    def close(self) -> None:
+        """Close this thread's connections."""
+        for key in list(self._local.__dict__.get("c", {})):
+            self._drop(key)
