@@ -36,26 +36,26 @@ _STALE = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError,
           ConnectionAbortedError)
 
 
-class BufferedHTTPConnection(http.client.HTTPConnection):
-    """A plain-http connection whose socket gets fixed kernel buffers (agent.sockopts)."""
+class _Buffered:
+    """Fixed kernel buffers (agent.sockopts) on the socket a connection opens."""
+
+    sock: Any
 
     def __init__(self, *args: Any, socket_buffer_bytes: int = 0, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+        super().__init__(*args, **kwargs)  # type: ignore[call-arg]
         self.socket_buffer_bytes = socket_buffer_bytes
 
     def connect(self) -> None:
-        super().connect()
+        super().connect()  # type: ignore[misc]
         set_socket_buffers(self.sock, self.socket_buffer_bytes)
 
 
-class BufferedHTTPSConnection(http.client.HTTPSConnection):
-    def __init__(self, *args: Any, socket_buffer_bytes: int = 0, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.socket_buffer_bytes = socket_buffer_bytes
+class BufferedHTTPConnection(_Buffered, http.client.HTTPConnection):
+    pass
 
-    def connect(self) -> None:
-        super().connect()
-        set_socket_buffers(self.sock, self.socket_buffer_bytes)
+
+class BufferedHTTPSConnection(_Buffered, http.client.HTTPSConnection):
+    pass
 
 
 class KeepAliveTransport:
