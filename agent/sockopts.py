@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import socket
 
-# 256 KiB each way (the kernel doubles it): on loopback, 8 concurrent 12.9 MB transfers took
-# ~40% less CPU on both ends than with the kernel's autotuning (docs/benchmarks.md); a phone's
-# link (Wi-Fi, USB Ethernet) needs far less than this to keep its pipe full
+# 256 KiB each way (the kernel doubles it): 8 concurrent 12.9 MB transfers each way over loopback
+# took 0.89-0.91x the CPU of the kernel's autotuning, the weights direction ~0.83x, and ~20% less
+# wall time (bench/socket_buffers.py; 64 KiB and 1 MiB did worse); a phone's link (Wi-Fi, USB
+# Ethernet) needs far less than this to keep its pipe full
 DEFAULT_SOCKET_BUFFER_BYTES = 256 * 1024
 
 

@@ -55,8 +55,8 @@ class Settings(BaseSettings):
         "default: the host an agent used for the API, on bulk_port, plain http agents only")
     bulk_reuse_port: bool = False  # several worker processes share the port (SO_REUSEPORT)
     # the kernel's send and receive buffers of each bulk connection (it doubles the figure);
-    # 0: the kernel's autotuning. 256 KiB moved the step's 8 x 12.9 MB each way with ~40% less
-    # CPU than autotuning on loopback (docs/benchmarks.md); raise it, or use 0, for links whose
+    # 0: the kernel's autotuning. 256 KiB moved a step's 8 x 12.9 MB each way on loopback with
+    # ~0.9x the CPU of autotuning (bench/socket_buffers.py); raise it, or use 0, for links whose
     # bandwidth-delay product is larger (10 Gbit/s over more than ~0.4 ms)
     bulk_socket_buffer_bytes: int = Field(DEFAULT_SOCKET_BUFFER_BYTES, ge=0, le=64 * 1024 * 1024)
 
