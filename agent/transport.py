@@ -24,12 +24,8 @@ from agent.sockopts import set_socket_buffers
 # a request body: bytes, or a message in consecutive parts sent in order without being joined
 # (agent.wire.encode_results_parts: a model-sized upload is not copied once more to be sent)
 Body = bytes | Sequence[memoryview]
-
-
 # an answer: (status, headers, body)
 Answer = tuple[int, dict[str, str], bytes]
-
-
 # (method, url, headers, body, timeout) -> answer; tests of the client may swap it
 Transport = Callable[[str, str, dict[str, str], "Body | None", float], Answer]
 _STALE = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError,
@@ -61,12 +57,9 @@ class BufferedHTTPSConnection(_Buffered, http.client.HTTPSConnection):
 class KeepAliveTransport:
     """A `Transport`: each thread's connections, kept per (scheme, host, port)."""
 
-    def __init__(self, socket_buffer_bytes: int = 0,
-                 ssl_context: ssl.SSLContext | None = None) -> None:
+    def __init__(self, socket_buffer_bytes: int = 0) -> None:
         self.socket_buffer_bytes = socket_buffer_bytes
-        self.ssl_context = ssl_context
         self._local = threading.local()  # connections are not shared between threads
-        self.opened = 0  # connections opened so far (tests, diagnostics)
 
     def __call__(self, method: str, url: str, headers: dict[str, str], body: Body | None,
                  timeout: float) -> Answer:
@@ -106,21 +99,15 @@ class KeepAliveTransport:
         make: Callable[..., http.client.HTTPConnection]
         if scheme == "https":
             make = BufferedHTTPSConnection
-            extra: dict[str, Any] = {"context": self.ssl_context or ssl.create_default_context()}
+            extra: dict[str, Any] = {"context": ssl.create_default_context()}
         else:
             make, extra = BufferedHTTPConnection, {}
         conn = make(host, port, timeout=timeout, socket_buffer_bytes=self.socket_buffer_bytes,
                     **extra)
         conns[key] = conn
-        self.opened += 1
         return conn, False
 
     def _drop(self, key: tuple[str, str, int | None]) -> None:
         conn = self._local.__dict__.get("c", {}).pop(key, None)
         if conn is not None:
             conn.close()
-
-    def close(self) -> None:
-        """Close this thread's connections."""
-        for key in list(self._local.__dict__.get("c", {})):
-            self._drop(key)

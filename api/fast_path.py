@@ -96,24 +96,17 @@ class _Disconnected(Exception):
     pass
 
 
-@dataclass(frozen=True)
-class _Route:
-    path: str
-
-
 class FastPath:
     def __init__(self, app: Any, state: Any, body_limit: int,
                  routes: tuple[FastRoute, ...] = ROUTES) -> None:
-        self.app, self.state, self.body_limit = app, state, body_limit
-        self.routes = {(r.method, r.pattern): r for r in routes}
-        self._templates = {r.path: _Route(r.path) for r in routes}
+        self.app, self.state, self.body_limit, self.routes = app, state, body_limit, routes
 
     def _match(self, scope: dict[str, Any]) -> tuple[FastRoute, re.Match[str]] | None:
         if scope["type"] != "http":
             return None
-        for (method, pattern), route in self.routes.items():
-            if scope["method"] == method:
-                match = pattern.fullmatch(scope["path"])
+        for route in self.routes:
+            if scope["method"] == route.method:
+                match = route.pattern.fullmatch(scope["path"])
                 if match is not None:
                     return route, match
         return None
@@ -124,7 +117,7 @@ class FastPath:
             await self.app(scope, receive, send)
             return
         route, match = found
-        scope["route"] = self._templates[route.path]
+        scope["route"] = route  # api.metrics counts it under route.path, the template
         authorization, length = None, None
         for name, value in scope["headers"]:
             if name == b"authorization":

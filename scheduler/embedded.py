@@ -1,9 +1,10 @@
 """Embedded mode: Celery worker and beat as threads inside `phalanx server` (no Redis).
 
 Same tasks, same code path as production: tasks go through Celery's in-memory transport
-(woken by each message, see scheduler.memory_broker) to one worker consuming both queues with a small thread
-pool, so a long placement pass on `control` never holds up a step on `steps`. (One worker:
-Celery keeps the selected queues on the app, so two workers in one process would share them.)
+(woken by each message, see scheduler.memory_broker) to one worker consuming both queues with
+a small thread pool, so a long placement pass on `control` never holds up a step on `steps`.
+(One worker: Celery keeps the selected queues on the app, so two workers in one process would
+share them.)
 """
 
 from __future__ import annotations

@@ -96,13 +96,9 @@ class LRU:
 
 @dataclass(frozen=True)
 class DeviceView:
-    """What one device holds, as of one value of the version key: its shards per job and
-    those jobs' rows. Every change to assignments or to a job's state or step is committed
-    before the version key is bumped (scheduler.notify), so a view read under version v stays
-    right until the key moves on; the step's requests (work, weights, upload) then cost no
-    query."""
+    """What one device holds, as of one value of the version key (its `Holdings`): its shards
+    per job and those jobs' rows."""
 
-    version: bytes
     held: dict[str, frozenset[int]]
     jobs: dict[str, JobRow]
 
@@ -113,13 +109,16 @@ class DeviceView:
 @dataclass(frozen=True)
 class Holdings:
     """Every device's view as of one version value: read in one pass when the key moves, not
-    once per device (every bump wakes every waiting agent, and each would re-read its own)."""
+    once per device (every bump wakes every waiting agent, and each would re-read its own).
+    Every change to assignments or to a job's state or step is committed before the version
+    key is bumped (scheduler.notify), so holdings read under version v stay right until the key
+    moves on; the step's requests (work, weights, upload) then cost no query."""
 
     version: bytes
     views: dict[str, DeviceView]
 
     def of(self, device_id: str) -> DeviceView:
-        return self.views.get(device_id) or DeviceView(self.version, {}, {})
+        return self.views.get(device_id) or DeviceView({}, {})
 
 
 class StepProtocol:
@@ -163,10 +162,12 @@ class StepProtocol:
                     for row in session.execute(
                         select(Job.id, Job.state, Job.step, Job.spec, Job.step_started_at)
                         .where(Job.id.in_(job_ids)))} if job_ids else {}
-        return Holdings(version, {
-            device: DeviceView(version, {j: frozenset(s) for j, s in per_job.items() if j in jobs},
-                               {j: jobs[j] for j in per_job if j in jobs})
-            for device, per_job in held.items()})
+        views = {}
+        for device, per_job in held.items():
+            live = [j for j in per_job if j in jobs]  # a job deleted meanwhile holds nothing
+            views[device] = DeviceView({j: frozenset(per_job[j]) for j in live},
+                                       {j: jobs[j] for j in live})
+        return Holdings(version, views)
 
     def _job_and_held(self, device_id: str, job_id: str) -> tuple[JobRow | None, frozenset[int]]:
         view = self.view(device_id)
