@@ -7,7 +7,8 @@ JSON only (never pickle); task arguments are ids, never objects. Two queues: `co
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 from celery import Celery
 from kombu import Exchange, Queue
@@ -71,3 +72,34 @@ def configure(settings: Settings) -> Celery:
 
 
 app = make_celery(get_settings())
+
+
+@dataclass(frozen=True)
+class BrokerProblem:
+    """Why tasks cannot be sent now. `transport`: the broker's transport module does not import
+    (a broken install; waiting will not help); `unreachable`: the broker does not answer."""
+
+    kind: Literal["transport", "unreachable"]
+    detail: str
+
+
+def broker_problem(celery: Celery, timeout_s: float = 2.0) -> BrokerProblem | None:
+    """Load the broker's transport and open one connection; None when both work. Embedded mode's
+    in-memory broker always works."""
+    if celery.conf.broker_url.startswith("memory://"):
+        return None
+    try:
+        # kombu imports the transport module here, lazily, for the URL's scheme
+        conn = celery.connection_for_write(connect_timeout=timeout_s)
+    except ImportError as exc:
+        return BrokerProblem("transport", f"the broker's transport cannot load ({exc}): "
+                             "reinstall phalanx with its dependencies (celery[redis])")
+    try:
+        try:
+            conn.ensure_connection(max_retries=1, interval_start=0, timeout=timeout_s)
+        except Exception as exc:  # noqa: BLE001 - any failure to connect is the answer
+            return BrokerProblem("unreachable", f"the broker at {conn.as_uri()} does not answer "
+                                 f"({type(exc).__name__}: {exc})")
+        return None
+    finally:
+        conn.release()

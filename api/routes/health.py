@@ -7,6 +7,8 @@ from fastapi.responses import JSONResponse
 from sqlalchemy import text
 from starlette.concurrency import run_in_threadpool
 
+from scheduler.celery_app import broker_problem
+
 router = APIRouter(tags=["health"])
 
 
@@ -33,12 +35,18 @@ def _check(request: Request) -> dict[str, str]:
             client.close()
         except Exception as exc:
             problems["redis"] = f"redis unreachable: {type(exc).__name__}: {exc}"[:500]
+        # the broker apart from the blob store: its transport is a separate import that a
+        # broken install lacks while redis-py itself works
+        problem = broker_problem(request.app.state.celery, timeout_s=1.0)
+        if problem is not None:
+            problems["broker"] = problem.detail[:500]
     return problems
 
 
 @router.get("/readyz")
 async def readyz(request: Request) -> JSONResponse:
-    """The database (and Redis, when configured) answer; 503 with the reason otherwise."""
+    """The database (and Redis and the task broker, when configured) answer; 503 with the
+    reason otherwise."""
     problems = await run_in_threadpool(_check, request)
     if problems:
         return JSONResponse({"detail": "; ".join(problems.values()), "checks": problems},

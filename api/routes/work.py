@@ -215,7 +215,7 @@ def install(app: FastAPI, settings: Settings) -> None:
     from scheduler.notify import VersionWatch
     from scheduler.protocol import StepProtocol
 
-    celery_app.configure(settings)
+    app.state.celery = celery_app.configure(settings)
     blobs = blob_store_from_settings(settings)
     ctx = context.configure(settings, app.state.session_factory, blobs, app.state.clock)
     app.state.blobs = blobs

@@ -2,7 +2,26 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import typer
+from tenacity import Retrying, retry_if_result, stop_after_delay, wait_exponential
+
+if TYPE_CHECKING:  # celery is imported by the command itself: `phalanx --help` stays quick
+    from celery import Celery
+
+    from scheduler.celery_app import BrokerProblem
+
+
+def _wait_for_broker(celery: Celery, wait_s: float) -> BrokerProblem | None:
+    """The broker's problem that remains after `wait_s` s of retries; a transport that does not
+    import is answered at once (waiting cannot install a package)."""
+    from scheduler.celery_app import broker_problem
+
+    retrying = Retrying(stop=stop_after_delay(wait_s), wait=wait_exponential(0.2, max=5),
+                        retry=retry_if_result(lambda p: p is not None and p.kind == "unreachable"),
+                        retry_error_callback=lambda state: state.outcome.result())
+    return retrying(broker_problem, celery)
 
 
 def register(app: typer.Typer) -> None:
@@ -15,6 +34,9 @@ def register(app: typer.Typer) -> None:
                                    help="comma-separated queues to consume"),
         concurrency: int = typer.Option(4, "--concurrency", "-c", help="worker threads"),
         loglevel: str = typer.Option("INFO", "--loglevel", "-l"),
+        broker_wait: float = typer.Option(
+            30.0, "--broker-wait", min=0.0,
+            help="seconds to wait at start for the broker to answer before giving up"),
     ) -> None:
         """Run scheduler tasks (reconcile, placement, apply_step) from the Redis broker."""
         from api.settings import get_settings
@@ -26,6 +48,12 @@ def register(app: typer.Typer) -> None:
                        "the scheduler itself; a separate worker needs Redis.", err=True)
             raise typer.Exit(2)
         celery = configure(settings)
+        problem = _wait_for_broker(celery, broker_wait)
+        if problem is not None:
+            # one line and a non-zero exit (the supervisor restarts us), not Celery's
+            # traceback-and-retry loop
+            typer.echo(f"phalanx worker: {problem.detail}", err=True)
+            raise typer.Exit(1)
         # threads, not prefork: one process that a SIGKILL stops whole, and numpy releases the GIL
         argv = ["worker", "-Q", queues, "--pool", "threads", "--concurrency", str(concurrency),
                 "--loglevel", loglevel, "--without-gossip", "--without-mingle"]

@@ -40,11 +40,32 @@ def wait_for(what: str, probe: Callable[[], Any], timeout: float = DEADLINE_S,
     raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}; last={last!r}\n{extra}")
 
 
-def _clean_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PHALANX_")}
-    env.update(PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1",
-               OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
+def _clean_env(source_tree: bool = True) -> dict[str, str]:
+    """The environment without PHALANX_ settings; `source_tree`: the repository's code on the
+    path (an installed phalanx is used when it is False)."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("PHALANX_") and k != "PYTHONPATH"}
+    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
+               MKL_NUM_THREADS="1")
+    if source_tree:
+        env["PYTHONPATH"] = str(REPO_ROOT)
     return env
+
+
+@dataclass(frozen=True)
+class Install:
+    """Which phalanx runs: the repository's code (the default), or a plain `pip install .`
+    in another environment, run from outside the repository so its source is not imported."""
+
+    python: str = sys.executable
+    cwd: Path = REPO_ROOT
+
+    @property
+    def source_tree(self) -> bool:
+        return self.cwd == REPO_ROOT
+
+    def env(self) -> dict[str, str]:
+        return _clean_env(self.source_tree)
 
 
 @dataclass
@@ -106,71 +127,85 @@ class Worker:
 
 class Cluster:
     def __init__(self, root: Path, database_url: str, admin_token: str,
-                 redis_url: str | None = None, server_env: dict[str, str] | None = None) -> None:
+                 redis_url: str | None = None, server_env: dict[str, str] | None = None,
+                 install: Install | None = None) -> None:
         self.root, self.database_url, self.redis_url = root, database_url, redis_url
         self.admin_token = admin_token
+        self.install = install or Install()
         self.data_dir = root / "data"
         self.server_env = {"PHALANX_RECONCILE_INTERVAL_S": "0.5", "PHALANX_LEASE_GRACE_S": "10",
                            "PHALANX_HEARTBEAT_INTERVAL_S": "1",
                            "PHALANX_SCHED_APPLY_CLAIM_TTL_S": "3", **(server_env or {})}
-        self.server: LiveServer | None = None
+        self.server: LiveServer | None = None  # the first replica
+        self.replicas: list[LiveServer] = []
         self.agents: list[Agent] = []
         self.workers: list[Worker] = []
 
     # -- processes ---------------------------------------------------------------------------
-    def start_server(self) -> LiveServer:
-        self.server = start_server(database_url=self.database_url, data_dir=self.data_dir,
-                                   admin_token=self.admin_token, redis_url=self.redis_url,
-                                   extra_env=self.server_env)
-        return self.server
+    def start_server(self, port: int | None = None, args: list[str] | None = None) -> LiveServer:
+        """Start an API replica (the first one becomes `self.server`)."""
+        replica = start_server(database_url=self.database_url, data_dir=self.data_dir,
+                               admin_token=self.admin_token, redis_url=self.redis_url,
+                               extra_env=self.server_env, port=port, args=args,
+                               python=self.install.python, cwd=self.install.cwd)
+        self.replicas.append(replica)
+        self.server = self.server or replica
+        return replica
 
     def restart_server(self) -> LiveServer:
         """SIGKILL the API process and start a new one on the same port (agents keep the URL)."""
         assert self.server is not None
         port = int(self.server.url.rsplit(":", 1)[1])
         self.server.stop(kill=True)
-        self.server = start_server(database_url=self.database_url, data_dir=self.data_dir,
-                                   admin_token=self.admin_token, redis_url=self.redis_url,
-                                   extra_env=self.server_env, port=port)
-        return self.server
+        self.replicas.remove(self.server)
+        self.server = None
+        return self.start_server(port)
 
-    def start_worker(self, extra_env: dict[str, str] | None = None, beat: bool = True) -> Worker:
+    def start_worker(self, extra_env: dict[str, str] | None = None, beat: bool = True,
+                     argv: list[str] | None = None, ready_line: str = "ready") -> Worker:
+        """`phalanx worker` (or `argv`: a command of the installed phalanx, such as the
+        deployment's beat) with the cluster's settings; returns once it logged "ready"."""
         assert self.redis_url, "a separate worker needs Redis"
-        env = _clean_env()
+        env = self.install.env()
         env.update(PHALANX_DATABASE_URL=self.database_url, PHALANX_REDIS_URL=self.redis_url,
                    PHALANX_DATA_DIR=str(self.data_dir), PHALANX_ADMIN_TOKEN=self.admin_token,
                    **self.server_env, **(extra_env or {}))
         log_path = self.root / f"worker-{len(self.workers)}.log"
-        cmd = [sys.executable, "-m", "phalanx.cli.main", "worker", "--concurrency", "2",
+        cmd = [self.install.python, "-m", "phalanx.cli.main", "worker", "--concurrency", "2",
                *(["--beat"] if beat else [])]
+        if argv is not None:
+            cmd = [self.install.python, "-m", *argv]
         with log_path.open("ab") as fh:
-            proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT,
+            proc = subprocess.Popen(cmd, cwd=self.install.cwd, env=env, stdout=fh, stderr=subprocess.STDOUT,
                                     start_new_session=True)
         worker = Worker(proc, log_path)
         self.workers.append(worker)
-        wait_for("the worker to connect", lambda: proc.poll() is not None or "ready" in worker.log(),
+        wait_for("the worker to connect", lambda: proc.poll() is not None or ready_line in worker.log(),
                  timeout=60, on_fail=worker.log)
         assert proc.poll() is None, worker.log()
         return worker
 
-    def start_agent(self, name: str, extra_env: dict[str, str] | None = None) -> Agent:
-        assert self.server is not None
+    def start_agent(self, name: str, extra_env: dict[str, str] | None = None,
+                    server: LiveServer | None = None) -> Agent:
+        """Enroll a phone on `server` (default: the first replica) and run its agent."""
+        server = server or self.server
+        assert server is not None
         home = self.root / "agents" / name
         (home / "sysfs").mkdir(parents=True, exist_ok=True)
         agent = Agent(name, home)
-        agent.env = {**_clean_env(), "PHALANX_SYSFS_ROOT": str(home / "sysfs"),
+        agent.env = {**self.install.env(), "PHALANX_SYSFS_ROOT": str(home / "sysfs"),
                      "HOME": str(home), **(extra_env or {})}
         token = self.enrollment_token()
-        subprocess.run([sys.executable, "-m", "agent", "enroll", "--server", self.server.url,
+        subprocess.run([self.install.python, "-m", "agent", "enroll", "--server", server.url,
                         "--token", token, "--name", name, "--config", str(agent.config)],
-                       cwd=REPO_ROOT, env=agent.env, check=True, capture_output=True, timeout=60)
+                       cwd=self.install.cwd, env=agent.env, check=True, capture_output=True, timeout=60)
         agent.device_id = json.loads(agent.config.read_text())["device_id"]
         core = {sorted(os.sched_getaffinity(0))[len(self.agents) % len(os.sched_getaffinity(0))]}
         with agent.log_path.open("ab") as fh:
             # one core per phone: fewer execution candidates to profile, less contention
             agent.process = subprocess.Popen(
-                [sys.executable, "-m", "agent", "run", "--config", str(agent.config)],
-                cwd=REPO_ROOT, env=agent.env, stdout=fh, stderr=subprocess.STDOUT,
+                [self.install.python, "-m", "agent", "run", "--config", str(agent.config)],
+                cwd=self.install.cwd, env=agent.env, stdout=fh, stderr=subprocess.STDOUT,
                 preexec_fn=lambda: os.sched_setaffinity(0, core))
         self.agents.append(agent)
         return agent
@@ -189,8 +224,8 @@ class Cluster:
                 proc.wait(timeout=10)
         for worker in self.workers:
             worker.stop()
-        if self.server is not None:
-            self.server.stop(kill=True)  # its graceful shutdown is not under test here
+        for replica in self.replicas:
+            replica.stop(kill=True)  # its graceful shutdown is not under test here
 
     # -- API ---------------------------------------------------------------------------------
     def client(self) -> httpx.Client:
@@ -229,7 +264,7 @@ class Cluster:
             return body["items"] if isinstance(body, dict) and "items" in body else body
 
     def diagnostics(self) -> str:
-        parts = [f"--- server\n{self.server.log()[-4000:]}" if self.server else ""]
+        parts = [f"--- server {r.url}\n{r.log()[-4000:]}" for r in self.replicas]
         parts += [f"--- worker {i}\n{w.log()[-3000:]}" for i, w in enumerate(self.workers)]
         parts += [f"--- agent {a.name}\n{a.log()[-2000:]}" for a in self.agents]
         return "\n".join(parts)

@@ -64,7 +64,12 @@ def start_server(
     port: int | None = None,
     args: list[str] | None = None,
     timeout_s: float = 60.0,
+    python: str = sys.executable,
+    cwd: Path = REPO_ROOT,
 ) -> LiveServer:
+    """`python -m phalanx.cli.main server` run in `cwd`: the repository's code by default, or
+    an installed phalanx when `python` is another environment's and `cwd` lies outside the
+    repository."""
     port = port or free_port()
     data_dir.mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith("PHALANX_")}
@@ -78,10 +83,10 @@ def start_server(
         env["PHALANX_REDIS_URL"] = redis_url
     env.update(extra_env or {})
     log_path = data_dir / f"server-{port}.log"
-    cmd = [sys.executable, "-m", "phalanx.cli.main", "server", "--host", "127.0.0.1",
+    cmd = [python, "-m", "phalanx.cli.main", "server", "--host", "127.0.0.1",
            "--port", str(port), *(args or [])]
     with log_path.open("ab") as log:
-        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT)
     server = LiveServer(f"http://127.0.0.1:{port}", admin_token, proc, log_path, env)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
