@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from agent import __version__
-from agent.sockopts import DEFAULT_SOCKET_BUFFER_BYTES
 from agent.transport import Body, KeepAliveTransport, Transport
+from wire.sockopts import DEFAULT_SOCKET_BUFFER_BYTES
 
 
 class ClientError(Exception):
@@ -151,7 +151,7 @@ class Client:
     def upload_gradients(self, job_id: str, step: int, body: Body,
                          bulk_url: str | None = None) -> dict[str, Any]:
         """To the API, or to the bulk listener at `bulk_url` (the assignment names it); `body`
-        in one piece or in parts (`agent.wire.encode_results_parts`)."""
+        in one piece or in parts (`wire.messages.encode_results_parts`)."""
         path = f"/v1/jobs/{_q(job_id)}/steps/{int(step)}/gradients"
         return self._send("POST", path, body=body, base_url=_base(bulk_url)).json()
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agent.sockopts import DEFAULT_SOCKET_BUFFER_BYTES
+from wire.sockopts import DEFAULT_SOCKET_BUFFER_BYTES
 
 DEFAULT_PATH = Path("~/.config/phalanx-agent/config.json")
 

@@ -19,10 +19,10 @@ import urllib.parse
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from agent.sockopts import set_socket_buffers
+from wire.sockopts import set_socket_buffers
 
 # a request body: bytes, or a message in consecutive parts sent in order without being joined
-# (agent.wire.encode_results_parts: a model-sized upload is not copied once more to be sent)
+# (wire.messages.encode_results_parts: a model-sized upload is not copied once more to be sent)
 Body = bytes | Sequence[memoryview]
 # an answer: (status, headers, body)
 Answer = tuple[int, dict[str, str], bytes]
@@ -33,7 +33,7 @@ _STALE = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError,
 
 
 class _Buffered:
-    """Fixed kernel buffers (agent.sockopts) on the socket a connection opens."""
+    """Fixed kernel buffers (wire.sockopts) on the socket a connection opens."""
 
     sock: Any
 

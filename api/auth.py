@@ -9,44 +9,19 @@ hot heartbeat path costs no database round trip, while a revoked token stops wor
 from __future__ import annotations
 
 import datetime as dt
-import hashlib
 import hmac
-import secrets
 import threading
 import time
-from dataclasses import dataclass
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from api.errors import Unauthorized
 from api.store.models import ApiToken, utcnow
+from api.store.tokens import Principal, hash_token, new_secret
 
 TOKEN_CACHE_TTL_S = 5.0
 TOKEN_CACHE_MAX = 100_000
-PREFIXES = {"admin": "phx-adm-", "user": "phx-usr-", "device": "phx-dev-", "enrollment": "phx-enr-"}
-
-
-def hash_token(secret: str) -> str:
-    return hashlib.sha256(secret.encode("utf-8")).hexdigest()
-
-
-def new_secret(kind: str) -> str:
-    return PREFIXES[kind] + secrets.token_urlsafe(32)
-
-
-@dataclass(frozen=True)
-class Principal:
-    kind: str  # admin | user | device
-    token_id: str | None = None
-    device_id: str | None = None
-    name: str | None = None
-
-    @property
-    def is_admin(self) -> bool:
-        return self.kind == "admin"
-
-
 class TokenCache:
     """hash -> (Principal, deadline). Misses are not cached: a new token works at once."""
 

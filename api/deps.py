@@ -10,9 +10,10 @@ from fastapi import Depends, Request
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
-from api.auth import Authenticator, Principal, parse_bearer
+from api.auth import Authenticator, parse_bearer
 from api.errors import Forbidden
 from api.settings import Settings
+from api.store.tokens import Principal
 
 
 def get_session(request: Request) -> Iterator[Session]:

@@ -30,6 +30,7 @@ from api.errors import Unauthorized
 from api.limits import BodyTooLarge
 from api.schemas.common import parse_body
 from api.schemas.devices import HeartbeatIn
+from api.steps.handlers import work_reply
 from api.store.heartbeats import UnknownToken
 
 log = logging.getLogger(__name__)
@@ -79,8 +80,6 @@ async def _heartbeat(call: Call) -> bytes:
 
 
 async def _work(call: Call) -> bytes:
-    from api.routes.work import work_reply
-
     return await work_reply(call.state, call.device_id, call.authorization, call.scope)
 
 

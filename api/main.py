@@ -13,12 +13,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from sqlalchemy import Engine
 
-from api import fast_path
+from api import fast_path, metrics
 from api.auth import Authenticator, ensure_admin_token
 from api.error_responses import HANDLED, error_response
 from api.heartbeat_writer_pg import AsyncPgHeartbeatWriter
 from api.heartbeats import HeartbeatWriter
 from api.limits import BodySizeLimit
+from api.routes import agent_dist, datasets, devices, health, jobs, tokens, work
 from api.settings import Settings
 from api.store.db import make_engine, make_session_factory
 from api.store.models import utcnow
@@ -46,9 +47,6 @@ def install_error_handlers(app: FastAPI) -> None:
 
 
 def _include_routers(app: FastAPI) -> None:
-    from api import metrics
-    from api.routes import agent_dist, datasets, devices, health, jobs, tokens
-
     for module in (health, tokens, devices, jobs, datasets, agent_dist):
         app.include_router(module.router)
     if hasattr(metrics, "router"):
@@ -70,8 +68,6 @@ def _heartbeat_writer(app: FastAPI, settings: Settings, engine: Engine, clock: C
 def create_app(settings: Settings | None = None, clock: Callable[[], dt.datetime] | None = None,
                start_scheduler: bool = False) -> FastAPI:
     """Build the control plane. `start_scheduler` (embedded mode) is honoured by work.install."""
-    from api.routes import work
-
     settings = settings or Settings()
     clock = clock or utcnow
     engine = make_engine(settings.resolved_database_url)

@@ -5,7 +5,7 @@ Three sources, one page:
 - HTTP requests (counts and latency by route *template*): per process. With several uvicorn
   workers set `PROMETHEUS_MULTIPROC_DIR` (an empty, per-container directory) and prometheus-client
   keeps the counters in shared files that any worker aggregates at scrape time.
-- Scheduler task durations (`observe_task`): shared through Redis, or this process's memory when
+- Scheduler task durations (`api.metrics_tasks.observe_task`): shared through Redis, or this process's memory when
   embedded (`api.metrics_tasks`), so a Celery worker in another pod still shows up here.
 - Fleet, job and queue gauges: read from Postgres / Redis at scrape time (`api.metrics_store`).
 """
@@ -57,11 +57,9 @@ HTTP_REQUESTS = Counter("phalanx_http_requests", "HTTP requests by route templat
 HTTP_LATENCY = Histogram("phalanx_http_request_duration_seconds",
                          "HTTP request latency by route template", ["method", "route"],
                          buckets=REQUEST_BUCKETS, registry=REQUESTS)
-
-
-def observe_task(name: str, seconds: float, ok: bool) -> None:
-    """Record one scheduler task run (reconcile, apply_step). Never raises."""
-    metrics_tasks.record(name, seconds, ok)
+SHARD_RESULTS = Counter("phalanx_shard_results", "Shard results uploaded by devices: accepted "
+                        "(the first of its shard and step) or duplicate (dropped: first wins)",
+                        ["outcome"], registry=REQUESTS)
 
 
 def multiprocess_dir() -> str | None:

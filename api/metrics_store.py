@@ -20,9 +20,8 @@ from sqlalchemy import func, or_, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from api.store.models import Device, Event, Job, ShardAssignment, StepMetric, TelemetrySample
+from api.store.states import DEVICE_STATES, JOB_STATES
 
-DEVICE_STATES = ("Ready", "NotReady", "Cordoned", "Draining")
-JOB_STATES = ("Pending", "Running", "Succeeded", "Failed", "Cancelled")
 PAUSE_REASONS = ("thermal", "battery", "busy")
 # finished jobs keep their gauges this long, so the Job dashboard still shows how they ended
 FINISHED_JOB_WINDOW = dt.timedelta(hours=6)

@@ -19,6 +19,8 @@ from typing import Protocol
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
+from api.settings import get_settings
+
 log = logging.getLogger(__name__)
 
 TASK_BUCKETS: tuple[float, ...] = (
@@ -149,12 +151,10 @@ def use_redis_url(redis_url: str | None) -> None:
 def active_store() -> TaskStatsStore:
     if _active_url:
         return stats_store(_active_url[0])
-    from api.settings import get_settings
-
     return stats_store(get_settings().redis_url)
 
 
-def record(name: str, seconds: float, ok: bool) -> None:
+def observe_task(name: str, seconds: float, ok: bool) -> None:
     """Add one run; metrics never fail the task they measure."""
     try:
         active_store().add(name, float(seconds), bool(ok), time.time())

@@ -8,7 +8,7 @@ from pathlib import Path
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from agent.sockopts import DEFAULT_SOCKET_BUFFER_BYTES
+from wire.sockopts import DEFAULT_SOCKET_BUFFER_BYTES
 
 
 def _default_data_dir() -> Path:
@@ -46,7 +46,7 @@ class Settings(BaseSettings):
     # how long a Python thread of the server may hold the GIL while others wait (CPython's
     # default is 5 ms): the step's data-plane threads wake for every socket read and write
     gil_switch_interval_s: float = Field(0.001, gt=0, le=0.1)
-    # the step's bulk transfers on their own port (api.bulk_listener); `phalanx server` sets these
+    # the step's bulk transfers on their own port (api.steps.bulk_listener); `phalanx server` sets these
     bulk_port: int | None = Field(
         default=None, description="port for weights and gradient uploads; unset: API port only")
     bulk_host: str = "127.0.0.1"

@@ -24,9 +24,9 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from agent.nn.base import Builder, Ctx, to_nhwc  # noqa: E402
-from agent.nn.conv import Conv2d  # noqa: E402
-from agent.nn.models import build_model  # noqa: E402
+from engine.base import Builder, Ctx, to_nhwc  # noqa: E402
+from engine.conv import Conv2d  # noqa: E402
+from engine.models import build_model  # noqa: E402
 
 
 def best(fns: dict[str, Callable[[], object]], reps: int) -> dict[str, float]:
@@ -71,7 +71,7 @@ def conv_case(torch) -> dict[str, Callable[[], object]]:
 
 
 def model_case(arch: str, shape, width: float) -> dict[str, Callable[[], object]]:
-    from agent.nn import torch_backend
+    from engine import torch_backend
 
     model = build_model(arch, shape, 10, {"width": width})
     params, buffers = model.init(0)

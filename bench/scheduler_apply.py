@@ -20,10 +20,10 @@ from pathlib import Path
 
 import numpy as np
 
-from agent.nn.step import ShardResult
 from api.settings import Settings
 from api.store.db import make_engine, make_session_factory, transaction, upgrade
 from api.store.models import Device, Job
+from engine.step import ShardResult
 from scheduler import keys
 from scheduler.blobs import MemoryBlobStore
 from scheduler.context import SchedulerContext, Tuning
@@ -71,7 +71,7 @@ def results_for(job_id: str, step: int, grads: list[np.ndarray], n_stats: int, m
 
 def time_update(info, n: int) -> float:
     """The engine's SGD update alone (fixed per step, whatever the number of shards)."""
-    from agent.nn.optim import sgd_update
+    from engine.optim import sgd_update
 
     p = np.zeros(n, np.float32)
     best = float("inf")

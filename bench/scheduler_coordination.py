@@ -147,8 +147,8 @@ _GRAD = np.zeros(N_PARAMS, np.float32)
 
 def one_step(c: Any, device: str, log: Any) -> None:
     from agent.client import Conflict
-    from agent.nn.step import ShardResult
-    from agent.wire import encode_results_parts
+    from engine.step import ShardResult
+    from wire.messages import encode_results_parts
 
     a = c.work(device, 2)
     if a is None:

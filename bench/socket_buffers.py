@@ -4,7 +4,7 @@
         [--sizes 0,65536,262144,524288,1048576] [--repeats 5]
 
 Set up as the control plane and its agents are: a "server" process listening with the buffer
-size set on its listening socket (as `api.bulk_listener` does) and a "client" process whose
+size set on its listening socket (as `api.steps.bulk_listener` does) and a "client" process whose
 connections set it right after connecting (as the agent's `agent.transport` does). `--streams`
 connections each carry `--mb` MB per round, `--rounds` times, each round ended by a one-byte
 answer: first client -> server (a step's uploads), then server -> client (its weights answers).
@@ -30,7 +30,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from agent.sockopts import set_socket_buffers  # noqa: E402
+from wire.sockopts import set_socket_buffers  # noqa: E402
 
 
 def cpu_s() -> float:

@@ -17,12 +17,12 @@ from typing import Any
 
 import numpy as np
 
-from agent.nn.checkpoint import save_npz, state_to_arrays
-from agent.nn.data import load_dataset
-from agent.nn.models import build_model
-from agent.nn.sampler import select_microbatch, shard_indices
-from agent.nn.spec import TrainSpec
-from agent.nn.step import apply_step, compute_shard, evaluate, initial_state
+from engine.checkpoint import save_npz, state_to_arrays
+from engine.data import load_dataset
+from engine.models import build_model
+from engine.sampler import select_microbatch, shard_indices
+from engine.spec import TrainSpec
+from engine.step import apply_step, compute_shard, evaluate, initial_state
 
 
 @dataclass(frozen=True)
@@ -105,7 +105,7 @@ def _epoch_row(model, state, data, epoch, losses, accs, ts, spe, t0) -> EpochRow
     if len(data.y_val):
         ev = evaluate(model, state.params, state.buffers, data.x_val, data.y_val)
         val_loss, val_acc = ev.loss, ev.accuracy
-    from agent.nn.optim import lr_at
+    from engine.optim import lr_at
 
     return EpochRow(epoch + 1, state.step, float(np.mean(losses)), float(np.mean(accs)),
                     val_loss, val_acc, lr_at(ts, state.step - 1),

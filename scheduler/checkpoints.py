@@ -1,4 +1,4 @@
-"""Checkpoints: `<data_dir>/artifacts/<job>/step-<t>.npz` (named arrays, agent.nn.checkpoint)."""
+"""Checkpoints: `<data_dir>/artifacts/<job>/step-<t>.npz` (named arrays, engine.checkpoint)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from pathlib import Path
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from agent.nn.checkpoint import load_npz, save_npz, state_from_arrays, state_to_arrays
-from agent.nn.graph import Model
-from agent.nn.step import TrainState
 from api.store.models import Checkpoint
+from engine.checkpoint import load_npz, save_npz, state_from_arrays, state_to_arrays
+from engine.graph import Model
+from engine.step import TrainState
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from sqlalchemy.orm import Session, sessionmaker
 
 from api.settings import Settings, get_settings
+from api.store.db import make_engine, make_session_factory
 from api.store.models import utcnow
 from scheduler.blobs import BlobStore, blob_store_from_settings
 
@@ -58,8 +59,6 @@ def configure(
     clock: Callable[[], dt.datetime] | None = None,
 ) -> SchedulerContext:
     global _context
-    from api.store.db import make_engine, make_session_factory
-
     with _lock:
         if session_factory is None:
             session_factory = make_session_factory(make_engine(settings.resolved_database_url))

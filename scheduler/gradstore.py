@@ -19,7 +19,7 @@ import struct
 
 import numpy as np
 
-from agent.nn.step import ShardResult
+from engine.step import ShardResult
 
 MAGIC = b"PHLXG1"
 REF_MAGIC = b"PHLXR1"

@@ -10,8 +10,8 @@ import struct
 
 import numpy as np
 
-from agent.nn.step import TrainState
-from agent.wire import new_buffer
+from engine.step import TrainState
+from wire.messages import new_buffer
 
 MAGIC = b"PHLXS1"
 _HEADER = struct.Struct("<6sQQQ")

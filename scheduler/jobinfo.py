@@ -8,10 +8,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from agent.nn.data import DatasetError, dataset_info
-from agent.nn.graph import Model
-from agent.nn.models import build_model
-from agent.nn.spec import TrainSpec
+from engine.data import DatasetError, dataset_info
+from engine.graph import Model
+from engine.models import build_model
+from engine.spec import TrainSpec
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ def state(job_id: str, step: int) -> str:
 
 
 def weights(job_id: str, step: int) -> str:
-    """The weights message (agent.wire) of step t, encoded once by the apply_step that made t."""
+    """The weights message (wire.messages) of step t, encoded once by the apply_step that made t."""
     return f"job:{job_id}:weights:{step}"
 
 

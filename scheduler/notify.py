@@ -14,7 +14,7 @@ import uuid
 import weakref
 
 from scheduler import keys
-from scheduler.blobs import BlobStore
+from scheduler.blobs import BlobStore, MemoryBlobStore
 
 _WATCHERS: weakref.WeakSet[VersionWatch] = weakref.WeakSet()
 
@@ -42,8 +42,6 @@ class VersionWatch:
     def for_store(cls, blobs: BlobStore, interval_s: float) -> VersionWatch:
         """Polling every `interval_s` for a shared store (Redis: bumps come from workers in
         other processes); rarely for a store of this process, whose bumps all poke."""
-        from scheduler.blobs import MemoryBlobStore
-
         local = isinstance(blobs, MemoryBlobStore)
         return cls(blobs, max(interval_s, LOCAL_POLL_S) if local else interval_s)
 

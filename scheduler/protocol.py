@@ -22,11 +22,10 @@ import numpy as np
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from agent.nn.data import load_dataset
-from agent.nn.sampler import shard_indices
-from agent.nn.step import ShardResult
-from agent.wire import WireError, decode_results, encode_weights
 from api.store.models import Job, ShardAssignment
+from engine.data import load_dataset
+from engine.sampler import shard_indices
+from engine.step import ShardResult
 from scheduler import keys
 from scheduler.blobs import BlobStore
 from scheduler.gradstore import offset_in, pack_ref, pack_result
@@ -34,6 +33,7 @@ from scheduler.hotstate import decode_state
 from scheduler.jobinfo import JobInfo, job_info
 from scheduler.notify import current_version
 from scheduler.tasks.stragglers import uploaded_shards
+from wire.messages import WireError, decode_results, encode_weights
 
 
 class ProtocolError(Exception):

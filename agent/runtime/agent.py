@@ -84,7 +84,7 @@ class AgentRuntime:
 
     def capabilities(self) -> dict[str, Any]:
         try:
-            from agent.nn.models import ARCHS as archs
+            from engine.models import ARCHS as archs
         except ImportError:  # engine unusable here: say what we were built for
             archs = ARCHS
         return {"backends": self.backends, "archs": list(archs)}

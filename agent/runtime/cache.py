@@ -30,7 +30,7 @@ def _valid_npz(path: Path) -> bool:
 
 
 def _valid_weights(path: Path, job: str, step: int) -> bool:
-    from agent.wire import WireError, decode_weights
+    from wire.messages import WireError, decode_weights
 
     try:
         decode_weights(path.read_bytes(), expect_job=job, expect_step=step)

@@ -68,9 +68,6 @@ class HeartbeatLoop:
                 drain = True
             elif kind == "profile" and isinstance(cmd.get("arch"), str):
                 self.state.request_profile(cmd["arch"])
-            elif kind == "stop":
-                why = cmd.get("reason") or "the control plane told this agent to stop"
-                self.state.stop_for_good(str(why))
         self.state.draining = drain  # lifted when the server no longer asks for it
 
     def run(self, stop: threading.Event) -> None:

@@ -45,7 +45,7 @@ def _fill_dataset_facts(req: dict[str, Any]) -> None:
     """Older servers may leave the dataset facts out: built-in datasets are known here too."""
     if all(req.get(k) is not None for k in ("n_train", "input_shape", "num_classes")):
         return
-    from agent.nn.data import dataset_info
+    from engine.data import dataset_info
 
     info = dataset_info(req["spec"]["dataset"])
     req.setdefault("n_train", None)
@@ -66,8 +66,8 @@ class Engine:
         self._shards: dict[str, tuple[Any, Any]] = {}
 
     def prepare(self, req: dict[str, Any]) -> None:
-        from agent.nn.models import build_model
-        from agent.nn.spec import TrainSpec
+        from engine.models import build_model
+        from engine.spec import TrainSpec
 
         _fill_dataset_facts(req)
         key = json.dumps([req["job_id"], req["spec"], req["input_shape"], req["num_classes"]],
@@ -78,7 +78,7 @@ class Engine:
                                       int(req["num_classes"]), spec.model_options)
             self._spec, self._model_key, self._shards = spec, key, {}
         if self._weights is None or self._weights[0] != req["weights_path"]:
-            from agent.wire import decode_weights
+            from wire.messages import decode_weights
 
             with open(req["weights_path"], "rb") as fh:
                 _, params, buffers = decode_weights(fh.read(), expect_job=req["job_id"],
@@ -94,8 +94,8 @@ class Engine:
         return self._shards[path]
 
     def compute(self, req: dict[str, Any], shard: int, path: str) -> Any:
-        from agent.nn.sampler import select_microbatch
-        from agent.nn.step import compute_shard
+        from engine.sampler import select_microbatch
+        from engine.step import compute_shard
 
         spec = self._spec
         x, y = self.shard(path)
@@ -125,7 +125,7 @@ def handle(engine: Engine, req: dict[str, Any]) -> dict[str, Any]:
     results = [engine.compute(req, k, p) for k, p in sorted(shards.items())]
     compute_s = time.perf_counter() - started
     slept = slowdown.apply(compute_s)
-    from agent.wire import encode_results_parts
+    from wire.messages import encode_results_parts
 
     parts = encode_results_parts(req["job_id"], req["step"], results,
                                  dtype=req.get("dtype", "float32"))

@@ -6,7 +6,6 @@ import datetime as dt
 
 from fastapi import APIRouter, Query, Request, Response
 
-from api import lifecycle
 from api.deps import AdminDep, ClockDep, SessionDep, SettingsDep, UserDep
 from api.fast_path import heartbeat_reply
 from api.schemas.common import EventRead, Page, page_of
@@ -18,7 +17,7 @@ from api.schemas.devices import (
     HeartbeatOut,
     TelemetrySampleRead,
 )
-from api.store import devices, events
+from api.store import devices, events, lifecycle
 
 router = APIRouter(prefix="/v1/devices", tags=["devices"])
 Limit = Query(100, ge=1, le=1000)

@@ -8,6 +8,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from api.schemas.common import Labels, ReadModel, RequestModel
+from api.store.states import DeviceState
 
 MAX_SAMPLES_PER_HEARTBEAT = 1000
 
@@ -37,7 +38,7 @@ class DeviceRegistered(BaseModel):
     device_token: str = Field(description="the secret; shown only here, stored hashed")
     name: str
     labels: dict[str, str]
-    state: str
+    state: DeviceState
     heartbeat_interval_s: float
     lease_grace_s: float
 
@@ -45,7 +46,7 @@ class DeviceRegistered(BaseModel):
 class DeviceRead(ReadModel):
     id: str
     name: str
-    state: str
+    state: DeviceState
     cordoned: bool
     draining: bool
     labels: dict[str, str]
@@ -99,7 +100,7 @@ class Lease(BaseModel):
 
 class HeartbeatOut(BaseModel):
     device_id: str
-    state: str
+    state: DeviceState
     lease: Lease
     heartbeat_interval_s: float
     commands: list[dict[str, Any]]

@@ -8,10 +8,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, ValidationInfo, field_validator, model_validator
 
 from api.schemas.common import Labels, ReadModel, RequestModel
+from api.store.states import JobState
 
 ARCHS = ("logreg", "mlp", "cnn", "mobilenet_v1", "resnet")
-JOB_STATES = ("Pending", "Running", "Succeeded", "Failed", "Cancelled")
-FINISHED_STATES = ("Succeeded", "Failed", "Cancelled")
 
 
 class ModelSpec(RequestModel):
@@ -91,7 +90,7 @@ class JobCreate(RequestModel):
 class JobRead(ReadModel):
     id: str
     name: str
-    state: str
+    state: JobState
     reason: str | None
     priority: int
     step: int

@@ -21,7 +21,7 @@ class Assignment(BaseModel):
     n_train: int
     input_shape: list[int]
     num_classes: int
-    bulk_url: str | None = None  # where to POST gradients (api.bulk_listener); else the API
+    bulk_url: str | None = None  # where to POST gradients (api.steps.bulk_listener); else the API
 
 
 class WorkOut(BaseModel):

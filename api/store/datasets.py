@@ -12,13 +12,12 @@ from sqlalchemy.orm import Session
 
 from api.errors import Conflict, Invalid
 from api.store.models import Dataset
+from engine.data import NAME_RE, DatasetError, validate_npz
 
 BUILTIN = ("digits",)
 
 
 def check_name(name: str) -> None:
-    from agent.nn.data import NAME_RE
-
     if not NAME_RE.match(name):
         raise Invalid("name", "dataset name: 1-64 of A-Z a-z 0-9 _ . -, starting alphanumeric")
     if name in BUILTIN or name.startswith("synthetic"):
@@ -26,8 +25,6 @@ def check_name(name: str) -> None:
 
 
 def validate_upload(data: bytes, max_bytes: int) -> Any:
-    from agent.nn.data import DatasetError, validate_npz
-
     try:
         return validate_npz(data, max_bytes)
     except DatasetError as exc:

@@ -10,8 +10,8 @@ from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
 from api.errors import Invalid
-from api.lifecycle import READY, STATES, get_device
 from api.store import events, tokens
+from api.store.lifecycle import READY, STATES, get_device
 from api.store.models import Device, TelemetrySample
 
 

@@ -15,9 +15,9 @@ from sqlalchemy import bindparam, insert, select, update
 from sqlalchemy.orm import Session
 
 from api.errors import Forbidden, Unauthorized
-from api.lifecycle import NOT_READY, derive_state, leased_state_sql
 from api.schemas.devices import HeartbeatIn
 from api.store.events import event_row
+from api.store.lifecycle import NOT_READY, derive_state, leased_state_sql
 from api.store.models import ApiToken, Device, Event, TelemetrySample
 
 DEVICES = Device.__table__

@@ -11,16 +11,16 @@ from typing import Any
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
-from api.auth import Principal
 from api.errors import Conflict, Forbidden, Invalid, NotFound
-from api.schemas.jobs import FINISHED_STATES, JOB_STATES
 from api.store import events
 from api.store.models import Checkpoint, Job, ShardAssignment, StepMetric
+from api.store.states import FINISHED_STATES, JOB_STATES
+from api.store.tokens import Principal
+from engine.data import DatasetError, dataset_info
+from engine.sampler import total_steps
 
 
 def dataset_facts(name: str, data_dir: Path) -> Any:
-    from agent.nn.data import DatasetError, dataset_info
-
     try:
         return dataset_info(name, data_dir)
     except DatasetError as exc:
@@ -29,8 +29,6 @@ def dataset_facts(name: str, data_dir: Path) -> Any:
 
 def plan_total_steps(spec: dict[str, Any], data_dir: Path) -> int:
     """The cross-checks that need the dataset: shards fit, and at least one step per epoch."""
-    from agent.nn.sampler import total_steps
-
     info = dataset_facts(spec["dataset"], data_dir)
     if spec["shards"] > info.n_train:
         raise Invalid("shards", f"shards ({spec['shards']}) must be <= the {info.n_train} "

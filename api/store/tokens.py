@@ -3,15 +3,39 @@
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
+import secrets
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
-from api.auth import hash_token, new_secret
 from api.errors import Forbidden, NotFound, Unauthorized
 from api.store.models import ApiToken, EnrollmentToken
+
+PREFIXES = {"admin": "phx-adm-", "user": "phx-usr-", "device": "phx-dev-", "enrollment": "phx-enr-"}
+
+
+def hash_token(secret: str) -> str:
+    return hashlib.sha256(secret.encode("utf-8")).hexdigest()
+
+
+def new_secret(kind: str) -> str:
+    return PREFIXES[kind] + secrets.token_urlsafe(32)
+
+
+@dataclass(frozen=True)
+class Principal:
+    kind: str  # admin | user | device
+    token_id: str | None = None
+    device_id: str | None = None
+    name: str | None = None
+
+    @property
+    def is_admin(self) -> bool:
+        return self.kind == "admin"
 
 
 def create_enrollment_token(session: Session, *, expires_at: dt.datetime, max_uses: int | None,

@@ -59,7 +59,7 @@ def register(app: typer.Typer) -> None:
         """Train a job spec. The last output line is the final metrics as JSON."""
         from rich.console import Console
 
-        from agent.nn.data import DatasetError
+        from engine.data import DatasetError
         from phalanx.train_local import run_reference
 
         if not local:

@@ -1,7 +1,7 @@
 """`phalanx sim --compute`: light phones that take real work over the step protocol.
 
 Each phone long-polls `GET /v1/devices/{id}/work`, fetches the step's weights and its shards'
-data, computes the gradient sums with the engine (`agent.nn`, the same functions the agent's
+data, computes the gradient sums with the engine (`engine`, the same functions the agent's
 compute worker calls), sleeps for the extra time its profile's speed asks for, and uploads the
 result (docs/contracts.md, "Step protocol"). The fleet shares decoded weights, shard arrays and
 built models between phones: bytes still cross the wire once per phone, but decoding and model
@@ -14,16 +14,18 @@ import asyncio
 import io
 import json
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from agent.nn.models import build_model
-from agent.nn.sampler import select_microbatch
-from agent.nn.spec import TrainSpec
-from agent.nn.step import compute_shard
-from agent.wire import WireError, decode_weights, encode_results
-from phalanx.sim.fleet import LightPhone
+from engine.models import build_model
+from engine.sampler import select_microbatch
+from engine.spec import TrainSpec
+from engine.step import compute_shard
+from wire.messages import WireError, decode_weights, encode_results
+
+if TYPE_CHECKING:  # the fleet calls take_work; a phone is only its argument here
+    from phalanx.sim.fleet import LightPhone
 
 WAIT_S = 10
 

@@ -24,6 +24,7 @@ from typing import Any
 import httpx
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_fixed
 
+from phalanx.sim.compute import take_work
 from phalanx.sim.model import PhoneModel
 from phalanx.sim.profiles import fleet_mix
 
@@ -320,11 +321,6 @@ class Fleet:
 def run_fleet(opts: FleetOptions, progress: Callable[[FleetStats], None] | None = None
               ) -> dict[str, Any]:
     async def main() -> dict[str, Any]:
-        work = None
-        if opts.compute:
-            from phalanx.sim.compute import take_work
-
-            work = take_work
-        return await Fleet(opts).run(progress, work)
+        return await Fleet(opts).run(progress, take_work if opts.compute else None)
 
     return asyncio.run(main())

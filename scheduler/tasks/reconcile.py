@@ -20,8 +20,10 @@ import time
 
 from sqlalchemy.exc import IntegrityError
 
-from api.metrics import observe_task
+from api.metrics_tasks import observe_task
 from api.store.db import transaction
+from api.store.devices import prune_telemetry
+from api.store.lifecycle import mark_stale_devices
 from api.store.models import Job
 from scheduler import keys, locks, store_ops
 from scheduler.celery_app import app
@@ -85,8 +87,6 @@ def enqueue_reconcile_job(ctx: SchedulerContext, job_id: str) -> None:
 
 
 def mark_stale(ctx: SchedulerContext, now: dt.datetime) -> int:
-    from api.lifecycle import mark_stale_devices  # the control plane owns node lifecycle
-
     with transaction(ctx.session_factory) as session:
         changed = mark_stale_devices(session, now, ctx.settings.lease_grace_s)
     return len(changed) if isinstance(changed, (list, tuple, set)) else int(changed or 0)
@@ -94,8 +94,6 @@ def mark_stale(ctx: SchedulerContext, now: dt.datetime) -> int:
 
 def prune_history(ctx: SchedulerContext, now: dt.datetime) -> int:
     """Drop telemetry samples past the retention window; the latest stays on the device row."""
-    from api.store.devices import prune_telemetry
-
     if not ctx.blobs.set_if_absent(keys.TELEMETRY_PRUNED, b"1", ttl=PRUNE_EVERY_S):
         return 0
     cutoff = now - dt.timedelta(seconds=ctx.settings.telemetry_retention_s)

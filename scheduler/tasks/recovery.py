@@ -12,9 +12,9 @@ from typing import Any
 
 from sqlalchemy import delete
 
-from agent.nn.step import TrainState, initial_state
 from api.store.db import transaction
 from api.store.models import Job, StepMetric
+from engine.step import TrainState, initial_state
 from scheduler import keys, store_ops
 from scheduler.checkpoints import latest_checkpoint, read_checkpoint
 from scheduler.context import SchedulerContext

@@ -22,13 +22,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from agent.nn.data import load_dataset
-from agent.nn.step import ShardResult, StepMetrics, TrainState, evaluate
-from agent.nn.step import apply_step as engine_apply_step
-from agent.wire import WeightsMessage
-from api.metrics import observe_task
+from api.metrics_tasks import observe_task
 from api.store.db import transaction
 from api.store.models import Job, StepMetric
+from engine.data import load_dataset
+from engine.step import ShardResult, StepMetrics, TrainState, evaluate
+from engine.step import apply_step as engine_apply_step
 from scheduler import keys, store_ops
 from scheduler.celery_app import app
 from scheduler.checkpoints import WrittenCheckpoint, write_checkpoint
@@ -39,6 +38,7 @@ from scheduler.jobinfo import JobInfo, job_info_or_reason
 from scheduler.notify import bump_version
 from scheduler.tasks import boundary
 from scheduler.tasks.recovery import RECENT, drop_step_keys, ensure_state
+from wire.messages import WeightsMessage
 
 log = logging.getLogger(__name__)
 

@@ -27,6 +27,14 @@ def rooted(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
+def cool_phone(rooted: Path) -> Path:
+    """A rooted phone whose CPU reads 40 C, below every job's limit in these tests."""
+    for zone in ("thermal_zone0", "thermal_zone1"):
+        phone.set_value(rooted, f"/sys/class/thermal/{zone}/temp", 40000)
+    return rooted
+
+
+@pytest.fixture
 def unrooted(tmp_path: Path) -> Path:
     return phone.build_tree(tmp_path / "unrooted", "unrooted")
 

@@ -81,7 +81,9 @@ def fake_termux(bin_dir: Path, payload: dict | str | None, *, hang: bool = False
     bin_dir.mkdir(parents=True, exist_ok=True)
     script = bin_dir / "termux-battery-status"
     if hang:
-        body = "sleep 600\n"  # a child process holding stdout, like the real one's am call
+        # a child process holding stdout, like the real one's am call; both pids go to `calls`
+        calls = bin_dir / "calls"
+        body = f"echo $$ >> '{calls}'\nsleep 600 &\necho $! >> '{calls}'\nwait\n"
     else:
         text = payload if isinstance(payload, str) else json.dumps(payload)
         data = bin_dir / "battery.json"

@@ -4,12 +4,10 @@ and training a job end to end."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,53 +15,24 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.agent import phone
+from tests.agent import live, phone
 from tests.agent.helpers import REPO, agent_process
+from tests.agent.live import ADMIN_TOKEN, SERVER_ENV, live_server
 from tests.support.databases import migrated_sqlite
 from tests.support.server import LiveServer, start_server
-
-ADMIN_TOKEN = "phx-admin-agent-tests-" + "0" * 20
-SERVER_ENV = {"PHALANX_LEASE_GRACE_S": "3", "PHALANX_HEARTBEAT_INTERVAL_S": "0.5",
-              "PHALANX_RECONCILE_INTERVAL_S": "0.5"}
+from tests.support.waiting import wait_for
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    """One server for the module (each test enrolls its own phone): starting one costs seconds."""
-    root = tmp_path_factory.mktemp("server")
-    srv = start_server(database_url=migrated_sqlite(root / "phalanx.sqlite"),
-                       data_dir=root / "data", admin_token=ADMIN_TOKEN, extra_env=SERVER_ENV)
-    yield srv
-    srv.stop()
-
-
-def wait_for(what: str, probe, timeout: float = 60.0, on_fail=lambda: "") -> Any:
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        last = probe()
-        if last:
-            return last
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}; last={last!r}\n{on_fail()}")
+    yield from live_server(tmp_path_factory.mktemp("server"))
 
 
 def enroll(server: LiveServer, home: Path, root: Path, *labels: str) -> str:
-    with server.client() as c:
-        token = c.post("/v1/enrollment-tokens", json={}).json()["token"]
-    config = home / "config.json"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PHALANX_")}
-    env.update(PYTHONPATH=str(REPO), PHALANX_SYSFS_ROOT=str(root))
-    args = [sys.executable, "-m", "agent", "enroll", "--server", server.url, "--token", token,
-            "--name", "s10-a", "--config", str(config)]
-    for label in labels:
-        args += ["--label", label]
-    out = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    data = json.loads(config.read_text())  # short long polls: a stopped agent leaves no
-    data |= {"work_wait_s": 2.0, "backends": ["numpy"]}  # poll for the server to sit out
-    config.write_text(json.dumps(data))
-    return json.loads(out.stdout)["device_id"]
+    """The enrolled phone's device id; its config is `home`/config.json."""
+    p = live.enroll(server, home.parent, root, *labels)
+    p.config.parent.rename(home)
+    return p.device_id
 
 
 def device(server: LiveServer, device_id: str) -> dict[str, Any]:
@@ -71,16 +40,9 @@ def device(server: LiveServer, device_id: str) -> dict[str, Any]:
         return c.get(f"/v1/devices/{device_id}").json()
 
 
-@pytest.fixture
-def phone_root(rooted: Path) -> Path:
-    for zone in ("thermal_zone0", "thermal_zone1"):
-        phone.set_value(rooted, f"/sys/class/thermal/{zone}/temp", 40000)
-    return rooted
-
-
-def test_enroll_heartbeat_kill_restart(server: LiveServer, tmp_path: Path, phone_root: Path) -> None:
+def test_enroll_heartbeat_kill_restart(server: LiveServer, tmp_path: Path, cool_phone: Path) -> None:
     home = tmp_path / "phone"
-    device_id = enroll(server, home, phone_root, "rack=a")
+    device_id = enroll(server, home, cool_phone, "rack=a")
     config = home / "config.json"
     assert os.stat(config).st_mode & 0o777 == 0o600
     dev = device(server, device_id)
@@ -89,7 +51,7 @@ def test_enroll_heartbeat_kill_restart(server: LiveServer, tmp_path: Path, phone
     assert [c["cores"] for c in dev["spec"]["clusters"]] == [[0, 1, 2, 3], [4, 5, 6], [7]]
 
     log = tmp_path / "agent.log"
-    proc = agent_process(config, phone_root, log)
+    proc = agent_process(config, cool_phone, log)
     try:
         ready = wait_for("Ready with telemetry", lambda: (
             (d := device(server, device_id))["state"] == "Ready"
@@ -100,7 +62,7 @@ def test_enroll_heartbeat_kill_restart(server: LiveServer, tmp_path: Path, phone
         proc.wait(timeout=10)
         wait_for("NotReady after the kill",
                  lambda: device(server, device_id)["state"] == "NotReady", on_fail=server.log)
-        proc = agent_process(config, phone_root, log)
+        proc = agent_process(config, cool_phone, log)
         wait_for("Ready after the restart",
                  lambda: device(server, device_id)["state"] == "Ready", on_fail=log.read_text)
     finally:
@@ -109,18 +71,18 @@ def test_enroll_heartbeat_kill_restart(server: LiveServer, tmp_path: Path, phone
     assert proc.returncode == 0, log.read_text()
 
 
-def test_a_hot_phone_says_why_it_pauses(server: LiveServer, tmp_path: Path, phone_root: Path) -> None:
-    phone.set_value(phone_root, "/sys/class/thermal/thermal_zone1/temp", 52000)
+def test_a_hot_phone_says_why_it_pauses(server: LiveServer, tmp_path: Path, cool_phone: Path) -> None:
+    phone.set_value(cool_phone, "/sys/class/thermal/thermal_zone1/temp", 52000)
     home = tmp_path / "phone"
-    device_id = enroll(server, home, phone_root)
+    device_id = enroll(server, home, cool_phone)
     log = tmp_path / "agent.log"
-    proc = agent_process(home / "config.json", phone_root, log)
+    proc = agent_process(home / "config.json", cool_phone, log)
     try:
         dev = wait_for("the thermal pause on the device", lambda: (
             (d := device(server, device_id))["pause_reason"] == "thermal" and d),
             on_fail=log.read_text)
         assert dev["latest_telemetry"]["cpu_temp_c"] == 52.0
-        phone.set_value(phone_root, "/sys/class/thermal/thermal_zone1/temp", 40000)
+        phone.set_value(cool_phone, "/sys/class/thermal/thermal_zone1/temp", 40000)
         wait_for("the pause lifted", lambda: device(server, device_id)["pause_reason"] is None,
                  on_fail=log.read_text)
     finally:
@@ -129,12 +91,12 @@ def test_a_hot_phone_says_why_it_pauses(server: LiveServer, tmp_path: Path, phon
 
 
 def test_a_deleted_device_stops_its_agent_with_a_clear_message(
-    server: LiveServer, tmp_path: Path, phone_root: Path
+    server: LiveServer, tmp_path: Path, cool_phone: Path
 ) -> None:
     home = tmp_path / "phone"
-    device_id = enroll(server, home, phone_root)
+    device_id = enroll(server, home, cool_phone)
     log = tmp_path / "agent.log"
-    proc = agent_process(home / "config.json", phone_root, log)
+    proc = agent_process(home / "config.json", cool_phone, log)
     try:
         wait_for("Ready", lambda: device(server, device_id)["state"] == "Ready",
                  on_fail=log.read_text)
@@ -149,11 +111,11 @@ def test_a_deleted_device_stops_its_agent_with_a_clear_message(
     assert "enroll again" in text and "Traceback" not in text
 
 
-def test_a_real_job_trains_on_the_agent(server: LiveServer, tmp_path: Path, phone_root: Path) -> None:
+def test_a_real_job_trains_on_the_agent(server: LiveServer, tmp_path: Path, cool_phone: Path) -> None:
     home = tmp_path / "phone"
-    device_id = enroll(server, home, phone_root)
+    device_id = enroll(server, home, cool_phone)
     log = tmp_path / "agent.log"
-    proc = agent_process(home / "config.json", phone_root, log)
+    proc = agent_process(home / "config.json", cool_phone, log)
     spec = {"name": "digits-logreg", "model": {"arch": "logreg"}, "dataset": "digits",
             "global_batch_size": 256, "shards": 4, "epochs": 1, "seed": 0,
             "placement": {"min_devices": 1, "max_devices": 1}}  # 5 steps
@@ -195,12 +157,12 @@ def test_enrolling_with_a_bad_token_is_refused_clearly(server: LiveServer, tmp_p
 
 
 def test_a_revoked_device_token_stops_the_agent(
-    server: LiveServer, tmp_path: Path, phone_root: Path
+    server: LiveServer, tmp_path: Path, cool_phone: Path
 ) -> None:
     home = tmp_path / "phone"
-    device_id = enroll(server, home, phone_root)
+    device_id = enroll(server, home, cool_phone)
     log = tmp_path / "agent.log"
-    proc = agent_process(home / "config.json", phone_root, log)
+    proc = agent_process(home / "config.json", cool_phone, log)
     try:
         wait_for("Ready", lambda: device(server, device_id)["state"] == "Ready",
                  on_fail=log.read_text)
@@ -217,7 +179,7 @@ def test_a_revoked_device_token_stops_the_agent(
     assert "revoked" in text and "phalanx-agent enroll" in text
 
 
-def test_an_unreachable_bulk_port_falls_back_to_the_api(tmp_path: Path, phone_root: Path) -> None:
+def test_an_unreachable_bulk_port_falls_back_to_the_api(tmp_path: Path, cool_phone: Path) -> None:
     """The assignment names an upload URL nothing listens on (a firewall, a missing port
     mapping): the agent says so once, uploads through the API port, and the job finishes."""
     from tests.support.server import free_port
@@ -229,8 +191,8 @@ def test_an_unreachable_bulk_port_falls_back_to_the_api(tmp_path: Path, phone_ro
                            **SERVER_ENV, "PHALANX_BULK_PUBLIC_URL": f"http://127.0.0.1:{free_port()}"})
     home, log = tmp_path / "phone", tmp_path / "agent.log"
     try:
-        device_id = enroll(srv, home, phone_root)
-        proc = agent_process(home / "config.json", phone_root, log)
+        device_id = enroll(srv, home, cool_phone)
+        proc = agent_process(home / "config.json", cool_phone, log)
         try:
             wait_for("Ready", lambda: device(srv, device_id)["state"] == "Ready",
                      on_fail=log.read_text)

@@ -146,8 +146,8 @@ def test_an_upload_in_parts_arrives_as_the_joined_message(echoing: str) -> None:
 
     import numpy as np
 
-    from agent.nn.step import ShardResult
-    from agent.wire import encode_results, encode_results_parts
+    from engine.step import ShardResult
+    from wire.messages import encode_results, encode_results_parts
 
     rng = np.random.default_rng(3)
     results = [ShardResult(k, rng.standard_normal(300_000).astype(np.float32), 1.5, 3, 8,

@@ -30,7 +30,8 @@ def test_install_sh_and_the_agent_archive_are_served_without_a_token(live_server
     with tarfile.open(fileobj=io.BytesIO(tarball.content)) as tar:
         names = tar.getnames()
     assert "phalanx-agent-0.1.0/pyproject.toml" in names
-    assert "phalanx-agent-0.1.0/cli.py" in names and "phalanx-agent-0.1.0/nn/step.py" in names
+    for name in ("agent/cli.py", "agent/install.sh", "engine/step.py", "wire/messages.py"):
+        assert f"phalanx-agent-0.1.0/{name}" in names
     assert not any("__pycache__" in n or n.endswith(".pyc") for n in names)
 
 
@@ -49,17 +50,29 @@ def test_the_served_archive_pip_installs_and_runs(live_server, tmp_path: Path) -
                          timeout=60, cwd=tmp_path, env={"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"})
     assert run.returncode == 0, run.stderr
     assert "enroll" in run.stdout
+    # the engine and the wire format the agent runs come from the archive too
+    where = subprocess.run(
+        [sys.executable, "-c", "import agent.runtime.worker, engine.step, wire.messages; "
+         "print(engine.step.__file__); print(wire.messages.__file__)"],
+        capture_output=True, text=True, timeout=60, cwd=tmp_path,
+        env={"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"})
+    assert where.returncode == 0, where.stderr
+    assert all(line.startswith(str(target)) for line in where.stdout.split()), where.stdout
 
 
 def test_the_archive_is_the_same_bytes_for_the_same_sources(tmp_path: Path) -> None:
-    root = tmp_path / "agent"
-    shutil.copytree(REPO / "agent", root, ignore=shutil.ignore_patterns("__pycache__"))
-    first = build_archive(root, "9.9.9")
+    roots = {}
+    for name in ("agent", "engine", "wire"):
+        roots[name] = tmp_path / name
+        shutil.copytree(REPO / name, roots[name], ignore=shutil.ignore_patterns("__pycache__"))
+    root = roots["agent"]
+    first = build_archive(roots, "9.9.9")
     (root / "__pycache__").mkdir(exist_ok=True)
     (root / "__pycache__" / "x.pyc").write_bytes(b"junk")
-    assert build_archive(root, "9.9.9") == first
-    (root / "cli.py").write_text((root / "cli.py").read_text() + "\n# changed\n")
-    assert build_archive(root, "9.9.9") != first
+    assert build_archive(roots, "9.9.9") == first
+    step = roots["engine"] / "step.py"
+    step.write_text(step.read_text() + "\n# changed\n")
+    assert build_archive(roots, "9.9.9") != first
 
 
 def test_install_sh_away_from_a_checkout_installs_from_the_server(tmp_path: Path) -> None:
@@ -71,3 +84,20 @@ def test_install_sh_away_from_a_checkout_installs_from_the_server(tmp_path: Path
                          env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "pip install --no-deps --upgrade http://10.0.0.2:8000/agent.tar.gz" in calls.read_text()
+
+
+def test_pip_install_of_the_agent_folder_brings_the_engine_and_the_wire_format(
+        tmp_path: Path) -> None:
+    """`pip install ./agent` in a checkout (install.sh's local source) maps its sibling
+    folders `engine` and `wire` into the same install."""
+    checkout = tmp_path / "checkout"
+    for name in ("agent", "engine", "wire"):
+        shutil.copytree(REPO / name, checkout / name, ignore=shutil.ignore_patterns("__pycache__"))
+    target = tmp_path / "site"
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-index",
+         "--disable-pip-version-check", "--quiet", "--target", str(target), "./agent"],
+        capture_output=True, text=True, timeout=300, cwd=checkout)
+    assert done.returncode == 0, done.stderr
+    assert {"agent", "engine", "wire"} <= {p.name for p in target.iterdir()}
+    assert (target / "engine" / "step.py").is_file() and (target / "wire" / "messages.py").is_file()

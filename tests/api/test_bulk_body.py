@@ -1,4 +1,4 @@
-"""api.bulk_body: gradient uploads reach the app as one body message, everything else as sent.
+"""api.steps.bulk_body: gradient uploads reach the app as one body message, everything else as sent.
 
 Driven as ASGI, the way uvicorn drives it: the server's `receive` hands the body over in pieces.
 """
@@ -8,8 +8,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from api.bulk_body import WholeBodyReader
-from api.routes.work import is_gradient_upload
+from api.steps.bulk_body import WholeBodyReader
+from api.steps.handlers import is_gradient_upload
 
 UPLOAD = "/v1/jobs/j1/steps/3/gradients"
 

@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import datetime as dt
+import sqlite3
+import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
+import psycopg
 import pytest
 
-from api.lifecycle import mark_stale_devices
+from api.store.db import libpq_url
 from api.store.devices import prune_telemetry
+from api.store.lifecycle import mark_stale_devices
 from api.store.models import Device, Event, TelemetrySample
 from tests.api.conftest import sample
 
@@ -154,7 +160,49 @@ def test_many_concurrent_heartbeats_lose_no_sample(api):
     for device in devices:
         history = api.get(f"/v1/devices/{device['device_id']}/telemetry").json()["items"]
         assert len(history) == per_device * samples
-    assert api.app.state.heartbeats.batches <= len(jobs)
+
+
+@contextmanager
+def writes_blocked(url: str) -> Iterator[None]:
+    """Another connection holds the tables heartbeats write to, as a slow commit would."""
+    if url.startswith("sqlite"):
+        conn = sqlite3.connect(url.removeprefix("sqlite:///"), isolation_level=None)
+        conn.execute("BEGIN EXCLUSIVE")
+        try:
+            yield
+        finally:
+            conn.rollback()
+            conn.close()
+        return
+    with psycopg.connect(libpq_url(url)) as conn:
+        conn.execute("LOCK TABLE devices, telemetry_samples IN EXCLUSIVE MODE")
+        yield
+        conn.rollback()
+
+
+def waiting(writer: object) -> int:
+    """Heartbeats queued behind the commit in flight (SQLite's writer thread, or the Postgres
+    writer's pending list)."""
+    queued = getattr(writer, "_queue", None)
+    return queued.qsize() if queued is not None else len(writer._pending)  # type: ignore[attr-defined]
+
+
+def test_heartbeats_that_arrive_during_a_commit_share_the_next_one(api):
+    devices = [api.register(f"g{i}") for i in range(12)]
+    writer = api.app.state.heartbeats
+    with ThreadPoolExecutor(max_workers=12) as pool:
+        with writes_blocked(api.settings.resolved_database_url):
+            before = writer.batches
+            replies = [pool.submit(api.heartbeat, d, {"telemetry": [sample(5000.0)]})
+                       for d in devices]
+            deadline = time.monotonic() + 60
+            while waiting(writer) < 6 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert waiting(writer) >= 6, "heartbeats did not queue behind the blocked commit"
+        assert [r.result().status_code for r in replies] == [200] * 12
+    # the six or more that waited were committed together: fewer transactions than heartbeats
+    assert writer.batches - before <= 12 - 6 + 2
+    assert api.count(TelemetrySample) == 12
 
 
 def test_prune_telemetry_drops_old_history_but_keeps_the_latest_on_the_device(api):

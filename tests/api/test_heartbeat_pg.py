@@ -10,12 +10,12 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from api.auth import hash_token
 from api.heartbeat_writer_pg import PLANNER_OPTIONS
 from api.schemas.devices import HeartbeatIn
 from api.store import heartbeats_pg
 from api.store.db import libpq_url
 from api.store.models import TelemetrySample
+from api.store.tokens import hash_token
 from tests.api.conftest import Api, api_on, sample
 
 

@@ -8,10 +8,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
+from api.main import create_app
 from api.metrics_store import integrate_power
-from tests.api.conftest import sample
+from tests.api.conftest import make_settings, sample
 from tests.support.server import start_server
 
 ADMIN = "phx-admin-metrics-" + "2" * 20
@@ -124,3 +126,18 @@ def test_request_counts_add_up_across_two_worker_processes(pg_url: str, redis_ur
             assert total(samples, "phalanx_http_requests_total", route="/healthz") == before + 200
     finally:
         server.stop()
+
+
+def test_metrics_still_answer_when_a_source_fails_and_say_which(sqlite_url, tmp_path) -> None:
+    """Redis down: the queue depths and task histograms cannot be read; the page still comes,
+    with the store's gauges, and `phalanx_metrics_source_up` names what is missing."""
+    app = create_app(make_settings(sqlite_url, tmp_path / "d", redis_url="redis://127.0.0.1:1/0"))
+    with TestClient(app) as client:
+        resp = client.get("/metrics")
+    app.state.engine.dispose()
+    assert resp.status_code == 200
+    samples = scrape(resp.text)
+    assert value(samples, "phalanx_metrics_source_up", source="store") == 1
+    assert value(samples, "phalanx_metrics_source_up", source="queues") == 0
+    assert value(samples, "phalanx_metrics_source_up", source="tasks") == 0
+    assert value(samples, "phalanx_devices_registered") == 0  # the store's gauges are there

@@ -25,8 +25,9 @@ from tests.deploy.tools import (
     queries,
     start_prometheus,
 )
-from tests.e2e.cluster import Cluster, wait_for
+from tests.e2e.cluster import Cluster
 from tests.support.databases import DEFAULT_REDIS_URL, PostgresTemplate, flushed_redis
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 ADMIN = "phx-admin-test-" + "0" * 24

@@ -26,8 +26,9 @@ import pytest
 import yaml
 
 from api.store.db import libpq_url
-from tests.e2e.cluster import Cluster, Install, reference_metrics, rel_diff, wait_for
+from tests.e2e.cluster import Cluster, Install, reference_metrics, rel_diff
 from tests.support.server import REPO_ROOT, free_port, start_server
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 

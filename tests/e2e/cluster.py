@@ -22,22 +22,7 @@ from typing import Any
 import httpx
 
 from tests.support.server import REPO_ROOT, LiveServer, start_server
-
-DEADLINE_S = 120.0
-
-
-def wait_for(what: str, probe: Callable[[], Any], timeout: float = DEADLINE_S,
-             every: float = 0.1, on_fail: Callable[[], str] | None = None) -> Any:
-    """Poll `probe` until it returns something truthy; fail saying `what` did not happen."""
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = probe()
-        if last:
-            return last
-        time.sleep(every)
-    extra = on_fail() if on_fail else ""
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}; last={last!r}\n{extra}")
+from tests.support.waiting import DEADLINE_S, wait_for
 
 
 def _clean_env(source_tree: bool = True) -> dict[str, str]:

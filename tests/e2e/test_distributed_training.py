@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 import redis
 
-from tests.e2e.cluster import Cluster, reference_metrics, rel_diff, wait_for
+from tests.e2e.cluster import Cluster, reference_metrics, rel_diff
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 

@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from agent.nn.base import Builder, Ctx, Layer
+from engine.base import Builder, Ctx, Layer
 
 
 class Bound:

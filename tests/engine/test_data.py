@@ -8,7 +8,7 @@ import zipfile
 import numpy as np
 import pytest
 
-from agent.nn.data import (
+from engine.data import (
     DatasetError,
     dataset_info,
     list_datasets,

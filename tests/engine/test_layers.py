@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from agent.nn.base import to_nchw, to_nhwc
-from agent.nn.conv import Conv2d, DepthwiseConv2d
-from agent.nn.graph import Residual
-from agent.nn.layers import (
+from engine.base import to_nchw, to_nhwc
+from engine.conv import Conv2d, DepthwiseConv2d
+from engine.graph import Residual
+from engine.layers import (
     AvgPool,
     Dense,
     Dropout,
@@ -19,8 +19,9 @@ from agent.nn.layers import (
     ReLU6,
     softmax_cross_entropy,
 )
-from agent.nn.norm import BatchNorm
+from engine.norm import BatchNorm
 from tests.engine.helpers import Bound, numeric_grad, sample_idx
+from tests.support.optional import require
 
 CASES = {
     "dense": (lambda: Dense(5, "fc"), (7,)),
@@ -84,7 +85,7 @@ def test_backward_matches_finite_differences(case):
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_backward_matches_torch_autograd(case):
-    torch = pytest.importorskip("torch")
+    torch = require("torch")
     make, shape = CASES[case]
     bound = Bound(make(), shape)
     x = _input(shape)
@@ -106,7 +107,7 @@ def test_backward_matches_torch_autograd(case):
 
 @pytest.mark.parametrize("training", [True, False])
 def test_batchnorm_reports_the_same_statistics_in_both_backends(training):
-    torch = pytest.importorskip("torch")
+    torch = require("torch")
     bound = Bound(BatchNorm("bn"), (3, 4, 4))
     x = _input((3, 4, 4))
     ctx = bound.ctx(training)
@@ -125,7 +126,7 @@ def test_batchnorm_reports_the_same_statistics_in_both_backends(training):
 
 
 def test_max_pool_gives_a_tied_window_gradient_to_its_first_element_like_torch():
-    torch = pytest.importorskip("torch")
+    torch = require("torch")
     x = np.zeros((1, 1, 2, 2))
     bound = Bound(MaxPool(2), (1, 2, 2))
     _, dx, _ = _numpy_loss_and_grads(bound, x, np.ones((1, 1, 1, 1)))
@@ -174,7 +175,7 @@ def test_cache_sized_chunks_change_nothing_but_speed(case, monkeypatch):
     x = _input(shape, n=5)
     r = np.random.default_rng(2).standard_normal((5, *bound.out_shape))
     whole = _numpy_loss_and_grads(bound, x, r)
-    monkeypatch.setattr("agent.nn.conv.CHUNK_FLOATS", 1)  # one image per chunk
+    monkeypatch.setattr("engine.conv.CHUNK_FLOATS", 1)  # one image per chunk
     split = _numpy_loss_and_grads(bound, x, r)
     assert split[0] == pytest.approx(whole[0], rel=1e-12)
     np.testing.assert_allclose(split[1], whole[1], rtol=1e-12, atol=1e-12)

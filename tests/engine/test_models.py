@@ -5,10 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from agent.nn.models import ARCHS, build_model
-from agent.nn.spec import TrainSpec
-from agent.nn.step import compute_shard
+from engine.models import ARCHS, build_model
+from engine.spec import TrainSpec
+from engine.step import compute_shard
 from tests.engine.helpers import numeric_grad, sample_idx
+from tests.support.optional import require
 
 SMALL = {"width": 0.25, "hidden": 16, "dropout": 0.3, "blocks": 1}
 
@@ -57,7 +58,7 @@ def test_unknown_arch_is_refused_by_name():
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_numpy_gradients_equal_torch_autograd(arch):
-    pytest.importorskip("torch")
+    require("torch")
     model = build_model(arch, (3, 8, 8), 5, SMALL)
     params, buffers = model.init(1)
     x, y = _batch((3, 8, 8))
@@ -66,7 +67,7 @@ def test_numpy_gradients_equal_torch_autograd(arch):
     for dtype, rtol in ((np.float64, 1e-9), (np.float32, 1e-4)):
         p = params.astype(dtype)
         a = model.loss_and_grad(p, buffers, x.astype(dtype), y, 3, 4, 5)
-        from agent.nn import torch_backend
+        from engine import torch_backend
 
         b = torch_backend.loss_and_grad(model, p, buffers, x.astype(dtype), y, 3, 4, 5)
         scale = np.abs(b.grad_sum).max()

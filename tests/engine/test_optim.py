@@ -7,8 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from agent.nn.optim import lr_at, sgd_update
-from agent.nn.spec import SpecError, TrainSpec
+from engine.optim import lr_at, sgd_update
+from engine.spec import SpecError, TrainSpec
 
 
 def _spec(**opt) -> TrainSpec:
@@ -58,7 +58,7 @@ def test_sgd_momentum_weight_decay_and_nesterov_by_hand():
 @pytest.mark.parametrize("nesterov", [False, True])
 def test_blocked_sgd_is_bit_identical_to_the_whole_vector_formula(nesterov):
     # 2.5 blocks: full blocks and a ragged tail; the sum and count as apply_step passes them
-    from agent.nn.optim import SGD_BLOCK
+    from engine.optim import SGD_BLOCK
 
     rng = np.random.default_rng(0)
     n = SGD_BLOCK * 5 // 2
@@ -116,8 +116,8 @@ def test_fused_sum_and_update_is_bit_identical_to_sum_then_update(workers, neste
     """apply_step's one-pass sum + update, on any number of threads, changes no bit against
     the shard-order float64 sum followed by the SGD update (the sum's order itself is pinned
     by test_step's ordered_sum test)."""
-    from agent.nn.optim import FUSED_BLOCK, sum_and_update
-    from agent.nn.step import ordered_sum
+    from engine.optim import FUSED_BLOCK, sum_and_update
+    from engine.step import ordered_sum
 
     rng = np.random.default_rng(workers)
     n = FUSED_BLOCK * 5 + 123  # ragged tail; ranges split unevenly between the threads

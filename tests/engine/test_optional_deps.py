@@ -17,11 +17,11 @@ def test_the_engine_trains_without_torch_and_says_so_when_torch_is_asked_for():
         import sys
         sys.modules["torch"] = None  # as on a phone without python-torch
         import numpy as np
-        from agent.nn import torch_backend
-        from agent.nn.models import build_model
-        from agent.nn.spec import TrainSpec
-        from agent.nn.step import compute_shard
-        from agent.wire import encode_results
+        from engine import torch_backend
+        from engine.models import build_model
+        from engine.spec import TrainSpec
+        from engine.step import compute_shard
+        from wire.messages import encode_results
         assert not torch_backend.available()
         m = build_model("cnn", (1, 8, 8), 10, {})
         p, b = m.init(0)

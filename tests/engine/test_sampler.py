@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from agent.nn.sampler import microbatch, shard_indices, steps_per_epoch, total_steps
+from engine.sampler import microbatch, shard_indices, steps_per_epoch, total_steps
 
 
 def test_shards_are_disjoint_cover_the_data_and_differ_in_size_by_at_most_one():

@@ -7,11 +7,11 @@ import random
 import numpy as np
 import pytest
 
-from agent.nn.data import load_dataset
-from agent.nn.models import build_model
-from agent.nn.sampler import select_microbatch, shard_indices
-from agent.nn.spec import TrainSpec
-from agent.nn.step import (
+from engine.data import load_dataset
+from engine.models import build_model
+from engine.sampler import select_microbatch, shard_indices
+from engine.spec import TrainSpec
+from engine.step import (
     BN_MOMENTUM,
     SUM_BLOCK,
     apply_step,
@@ -19,7 +19,8 @@ from agent.nn.step import (
     initial_state,
     ordered_sum,
 )
-from agent.wire import decode_results, encode_results
+from tests.support.optional import require
+from wire.messages import decode_results, encode_results
 
 JOB = {"model": {"arch": "resnet", "width": 0.5}, "dataset": "digits", "global_batch_size": 64,
        "shards": 8, "epochs": 2, "seed": 4,
@@ -73,7 +74,7 @@ def test_one_group_three_groups_and_shuffled_order_give_the_same_step(setup):
 
 
 def test_devices_mixing_numpy_and_torch_give_the_same_step(setup):
-    pytest.importorskip("torch")
+    require("torch")
     model, spec, shards, state = setup
     reference, _ = apply_step(model, spec, state, _results(model, spec, state, shards))
     mixed = (_results(model, spec, state, shards, {0, 1, 2, 3})

@@ -10,10 +10,11 @@ import typer
 import yaml
 from typer.testing import CliRunner
 
-from agent.nn.checkpoint import load_npz, state_from_arrays
-from agent.nn.models import build_model
+from engine.checkpoint import load_npz, state_from_arrays
+from engine.models import build_model
 from phalanx.cli import train_cmd
 from phalanx.train_local import run_reference
+from tests.support.optional import require
 
 DESIGN_SPEC = {
     "name": "digits-cnn", "model": {"arch": "cnn"}, "dataset": "digits",
@@ -62,7 +63,7 @@ def test_two_runs_with_one_seed_are_bit_identical_and_another_seed_differs(tmp_p
 
 
 def test_the_torch_backend_ends_at_the_same_loss():
-    pytest.importorskip("torch")
+    require("torch")
     spec = {**SMALL, "model": {"arch": "resnet", "width": 0.25}, "epochs": 1}
     a = run_reference(spec, None, progress=False)
     b = run_reference(spec, None, progress=False, backend="torch")

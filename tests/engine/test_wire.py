@@ -9,8 +9,8 @@ import zlib
 import numpy as np
 import pytest
 
-from agent.nn.step import ShardResult
-from agent.wire import (
+from engine.step import ShardResult
+from wire.messages import (
     MAGIC,
     WireError,
     decode_results,
@@ -139,7 +139,7 @@ def test_non_finite_results_are_refused_on_both_sides():
 ])
 @pytest.mark.parametrize("dtype", ["float32", "float16", "float64"])
 def test_all_finite_agrees_with_the_element_wise_check(values, finite, dtype):
-    from agent.wire import all_finite
+    from wire.messages import all_finite
 
     with np.errstate(over="ignore"):
         a = np.array(values, dtype=np.float64).astype(dtype)
@@ -160,7 +160,7 @@ def test_float32_results_decode_as_views_of_the_message_and_refuse_writes():
 def test_the_checksum_is_zlibs_crc32_whichever_implementation_computes_it():
     """The control plane computes CRC-32 with zlib-ng where installed, a phone with the
     standard library: both must produce and accept the same messages."""
-    from agent import wire
+    from wire import messages as wire
 
     grad = np.arange(1000, dtype=np.float32)
     body = encode_results("j", 3, [ShardResult(0, grad, 1.0, 1, 2, np.zeros(4, np.float32))])
@@ -176,7 +176,7 @@ def test_the_checksum_is_zlibs_crc32_whichever_implementation_computes_it():
 
 
 def test_a_weights_message_filled_in_place_is_byte_for_byte_encode_weights():
-    from agent.wire import WeightsMessage
+    from wire.messages import WeightsMessage
 
     msg = WeightsMessage("job-x", 7, PARAMS.size, BUFFERS.size)
     msg.params[:] = PARAMS
@@ -187,7 +187,7 @@ def test_a_weights_message_filled_in_place_is_byte_for_byte_encode_weights():
 
 
 def test_new_buffer_is_writable_bytes_of_the_size_asked():
-    from agent.wire import new_buffer
+    from wire.messages import new_buffer
 
     buf = new_buffer(1 << 20)
     assert buf.format == "B" and buf.nbytes == 1 << 20 and not buf.readonly
@@ -200,7 +200,7 @@ def test_results_in_parts_are_the_message_without_copying_float32_arrays(dtype):
     """The parts an agent writes or sends one after the other join into exactly the message;
     a float32 gradient goes out as a view of the agent's own array (a phone does not hold the
     model-sized message twice)."""
-    from agent.wire import encode_results_parts
+    from wire.messages import encode_results_parts
 
     sent = _results()
     parts = encode_results_parts("job-1", 3, sent, dtype)

@@ -3,22 +3,24 @@
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from sqlalchemy import select
 
-from agent.nn.data import load_dataset
-from agent.nn.sampler import select_microbatch, shard_indices
-from agent.nn.step import compute_shard
-from agent.wire import decode_results, encode_results
 from api.settings import Settings
 from api.store.db import make_engine, make_session_factory, transaction
 from api.store.models import Device, Event, Job, ShardAssignment
-from scheduler.blobs import MemoryBlobStore
+from engine.data import load_dataset
+from engine.sampler import select_microbatch, shard_indices
+from engine.step import compute_shard
+from scheduler.blobs import BlobStore, MemoryBlobStore
 from scheduler.context import SchedulerContext, Tuning
 from scheduler.jobinfo import job_info
+from scheduler.protocol import store_results
 from scheduler.tasks.recovery import load_state
+from wire.messages import decode_results, encode_results
 
 NOW = dt.datetime(2026, 12, 2, 12, 0, tzinfo=dt.timezone.utc)
 TINY = "synthetic:1x4x4:3:64"  # 64 samples of 1x4x4, 3 classes: steps take milliseconds
@@ -50,10 +52,12 @@ def tiny_spec(**over: Any) -> dict[str, Any]:
     return spec
 
 
-def make_ctx(db_url: str, tmp_path: Path, clock: Clock | None = None, **tuning: Any) -> SchedulerContext:
+def make_ctx(db_url: str, tmp_path: Path, clock: Clock | None = None,
+             blobs: BlobStore | None = None, **tuning: Any) -> SchedulerContext:
+    """A scheduler context on `db_url`, with the hot state in `blobs` (default: in memory)."""
     settings = Settings(database_url=db_url, data_dir=tmp_path / "data")
     factory = make_session_factory(make_engine(db_url))
-    return SchedulerContext(settings, factory, MemoryBlobStore(), clock or Clock(),
+    return SchedulerContext(settings, factory, blobs or MemoryBlobStore(), clock or Clock(),
                             Tuning(**tuning))
 
 
@@ -121,10 +125,12 @@ def shard_result_blobs(ctx: SchedulerContext, job_id: str, step: int) -> dict[in
     return out
 
 
-def upload_all(ctx: SchedulerContext, job_id: str, step: int) -> None:
-    """Store every shard's result the way the gradient route does."""
-    from scheduler.protocol import store_results
-
-    for blob in shard_result_blobs(ctx, job_id, step).values():
-        body = bytearray(blob)
-        store_results(ctx.blobs, job_id, step, body, decode_results(body))
+def upload_all(ctx: SchedulerContext, job_id: str, step: int,
+               shards: Iterable[int] | None = None, blobs: dict[int, bytes] | None = None) -> None:
+    """Store each shard's result (every shard, or `shards`; from `blobs` when given, computed
+    now otherwise) the way the gradient route does."""
+    blobs = blobs if blobs is not None else shard_result_blobs(ctx, job_id, step)
+    for shard, blob in blobs.items():
+        if shards is None or shard in shards:
+            body = bytearray(blob)
+            store_results(ctx.blobs, job_id, step, body, decode_results(body))

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from agent.nn.step import TrainState
+from engine.step import TrainState
 from scheduler.blobs import MGET_GROUP, BlobStore, MemoryBlobStore, RedisBlobStore
 from scheduler.hotstate import StateError, decode_state, encode_state
 from scheduler.locks import acquire, release

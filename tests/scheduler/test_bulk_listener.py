@@ -1,4 +1,4 @@
-"""The bulk listener (api.bulk_listener): a real port on a real app, spoken to over real
+"""The bulk listener (api.steps.bulk_listener): a real port on a real app, spoken to over real
 sockets. It must answer exactly what the API routes answer (weights and gradient uploads),
 refuse what they refuse (before reading a body it would refuse), lose nothing on a client that
 goes away, and be named in the work assignment only when it runs."""
@@ -179,7 +179,7 @@ def test_no_listener_no_bulk_url_and_a_taken_port_is_skipped(sqlite_url: str, tm
 
 
 def test_over_https_only_an_operator_set_url_is_advertised(sqlite_url: str, tmp_path: Path) -> None:
-    from api.bulk_listener import BulkListener
+    from api.steps.bulk_listener import BulkListener
 
     plain = BulkListener(None, "127.0.0.1", 0, LIMIT)
     plain.port = 9001
@@ -256,7 +256,7 @@ def test_a_body_is_read_whole_from_the_buffered_reader_and_then_the_socket() -> 
     import threading
     import time
 
-    from api.bulk_listener import read_exactly
+    from api.steps.bulk_listener import read_exactly
 
     body = bytes(range(256)) * 40_000  # 10 MB, more than any socket buffer
     rx, tx = _connected_pair(30)
@@ -278,7 +278,7 @@ def test_a_body_is_read_whole_from_the_buffered_reader_and_then_the_socket() -> 
 
 
 def test_a_client_that_stalls_mid_body_frees_the_thread() -> None:
-    from api.bulk_listener import read_exactly
+    from api.steps.bulk_listener import read_exactly
 
     rx, tx = _connected_pair(0.3)
     tx.sendall(b"x" * 1000)  # then nothing: the kernel's receive timeout ends the wait

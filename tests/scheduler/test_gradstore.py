@@ -5,8 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from agent.nn.step import ShardResult
-from agent.wire import decode_results, encode_results
+from engine.step import ShardResult
 from scheduler.blobs import MemoryBlobStore
 from scheduler.gradstore import (
     GradBlobError,
@@ -16,6 +15,7 @@ from scheduler.gradstore import (
     pack_result,
     unpack,
 )
+from wire.messages import decode_results, encode_results
 
 
 def _results(dtype: str = "float32") -> tuple[bytearray, list[ShardResult]]:
@@ -66,7 +66,7 @@ def test_a_reference_whose_body_is_gone_or_short_is_refused() -> None:
 
 
 def test_a_state_blob_filled_in_place_is_byte_for_byte_encode_state() -> None:
-    from agent.nn.step import TrainState
+    from engine.step import TrainState
     from scheduler.hotstate import StateBlob, decode_state, encode_state
 
     rng = np.random.default_rng(1)

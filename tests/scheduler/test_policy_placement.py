@@ -85,6 +85,18 @@ def test_gang_admission(case: str) -> None:
         assert "min_devices 3" in plan.reason
 
 
+def test_never_more_devices_than_shards() -> None:
+    """A device without a shard does nothing: 3 shards take 3 phones, whatever max_devices."""
+    req = PlacementRequest(job_id="few", arch="cnn", shards=3, min_devices=1, max_devices=8)
+    plan = place_gang(req, [phone(i) for i in range(6)])
+    assert plan.admitted and len(plan.devices) == 3
+    assert sorted(plan.shards) == [0, 1, 2] and len(set(plan.shards.values())) == 3
+    holders = [d for d in (phone(i) for i in range(6)) if d.id in plan.devices]
+    joiners = [d for d in (phone(i) for i in range(6)) if d.id not in plan.devices]
+    joined = rebalance(req, holders, joiners, dict(plan.shards))
+    assert len(joined.devices) == 3 and set(joined.shards.values()) == set(plan.devices)
+
+
 def test_the_fastest_phones_are_picked_and_get_more_shards() -> None:
     devices = [phone(1, 50), phone(2, 400), phone(3, 400), phone(4, 200), phone(5, 400)]
     plan = place_gang(REQ, devices)

@@ -3,6 +3,7 @@ wins, stale steps are 409, foreign shards 403, malformed bodies 422, long polls 
 
 from __future__ import annotations
 
+import io
 import threading
 import time
 from collections.abc import Iterator
@@ -13,15 +14,17 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
-from agent.wire import decode_results, decode_weights, encode_results
 from api.main import create_app
 from api.settings import Settings
+from engine.data import load_dataset
+from engine.sampler import shard_indices
 from scheduler import context, keys
 from scheduler.jobinfo import job_info
 from scheduler.protocol import ForeignShard
 from scheduler.tasks.reconcile import run_reconcile, run_reconcile_job
 from scheduler.tasks.steps import run_apply_step
 from tests.scheduler.helpers import assignments, job, shard_result_blobs, tiny_spec
+from wire.messages import decode_results, decode_weights, encode_results
 
 ADMIN = "phx-admin-test-" + "1" * 24
 
@@ -101,7 +104,16 @@ def test_work_weights_and_data_for_the_devices_own_shards(app_client: TestClient
     assert app_client.get(f"/v1/jobs/{job_id}/weights", params={"step": 3},
                           headers=hdr).status_code == 409
     mine, theirs = shards_of(job_id, dev)[0], shards_of(job_id, other)[0]
-    assert app_client.get(f"/v1/jobs/{job_id}/shards/{mine}/data", headers=hdr).status_code == 200
+    data = app_client.get(f"/v1/jobs/{job_id}/shards/{mine}/data", headers=hdr)
+    assert data.status_code == 200
+    # the shard's samples in its seeded order, as the engine's sampler and dataset give them
+    spec = tiny_spec()
+    dataset = load_dataset(spec["dataset"], None)
+    order = shard_indices(len(dataset.y_train), spec["shards"], spec["seed"])[mine]
+    with np.load(io.BytesIO(data.content), allow_pickle=False) as arrays:
+        assert arrays["x"].dtype == np.float32 and arrays["y"].dtype == np.int64
+        np.testing.assert_array_equal(arrays["x"], dataset.x_train[order])
+        np.testing.assert_array_equal(arrays["y"], dataset.y_train[order])
     assert app_client.get(f"/v1/jobs/{job_id}/shards/{theirs}/data", headers=hdr).status_code == 403
     assert app_client.get(f"/v1/devices/{other}/work", headers=hdr).status_code == 403
 
@@ -190,10 +202,10 @@ def test_a_device_with_nothing_to_do_gets_null_after_the_wait(app_client: TestCl
 
 def test_weights_are_the_message_apply_step_stored_or_encoded_from_a_restored_state(
         app_client: TestClient) -> None:
-    from agent.wire import encode_weights
     from scheduler.hotstate import decode_state
     from scheduler.protocol import StepProtocol
     from tests.scheduler.helpers import upload_all
+    from wire.messages import encode_weights
 
     job_id, [(dev, hdr), _] = running_job(app_client)
     ctx = context.get_context()
@@ -281,3 +293,32 @@ def test_a_step_reads_the_store_once_per_device_and_sees_changes_after_a_bump(
         event.remove(engine, "before_cursor_execute", count)
     with pytest.raises(ForeignShard):
         proto.shard_data(other, job_id, theirs)
+
+
+def test_a_device_that_holds_no_shard_of_a_job_gets_no_weights_and_no_data(
+        app_client: TestClient) -> None:
+    job_id, [(dev, hdr), _] = running_job(app_client)
+    outsider, outsider_hdr = enroll(app_client, "joined-late")  # after placement: holds nothing
+    assert shards_of(job_id, outsider) == []
+    for headers, status in ((hdr, 200), (outsider_hdr, 403)):
+        r = app_client.get(f"/v1/jobs/{job_id}/weights", params={"step": 0}, headers=headers)
+        assert r.status_code == status, r.text
+    assert r.json() == {"detail": f"device {outsider} holds no shard of {job_id}"}
+    mine = shards_of(job_id, dev)[0]
+    r = app_client.get(f"/v1/jobs/{job_id}/shards/{mine}/data", headers=outsider_hdr)
+    assert r.status_code == 403
+
+
+def test_weights_lost_with_the_hot_state_are_503_retry_after_until_restored(
+        app_client: TestClient) -> None:
+    job_id, [(dev, hdr), _] = running_job(app_client)
+    ctx = context.get_context()
+    ctx.blobs.flush()  # Redis restarted empty
+    r = app_client.get(f"/v1/jobs/{job_id}/weights", params={"step": 0}, headers=hdr)
+    assert r.status_code == 503 and r.headers["Retry-After"] == "1", r.text
+    assert "being restored" in r.json()["detail"]
+    assert run_reconcile_job(ctx, job_id) in ("restored", "ok")
+    r = app_client.get(f"/v1/jobs/{job_id}/weights", params={"step": 0}, headers=hdr)
+    assert r.status_code == 200
+    step, params, _ = decode_weights(r.content, expect_job=job_id)
+    assert step == 0 and params.size > 0

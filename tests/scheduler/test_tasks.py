@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 from sqlalchemy import func, select
 
-from agent.nn.step import apply_step as engine_apply_step
-from agent.nn.step import initial_state
-from agent.wire import decode_results
 from api.store.db import transaction
 from api.store.models import Job, StepMetric, TelemetrySample
+from engine.step import apply_step as engine_apply_step
+from engine.step import initial_state
 from phalanx.train_local import run_reference
 from scheduler import keys
+from scheduler.blobs import MemoryBlobStore, RedisBlobStore
 from scheduler.hotstate import decode_state
 from scheduler.jobinfo import job_info
 from scheduler.tasks import steps
@@ -36,11 +36,15 @@ from tests.scheduler.helpers import (
     tiny_spec,
     upload_all,
 )
+from wire.messages import decode_results
 
 
-@pytest.fixture
-def ctx(db_url: str, tmp_path: Path):
-    return make_ctx(db_url, tmp_path)
+@pytest.fixture(params=["memory", "redis"])
+def ctx(request: pytest.FixtureRequest, db_url: str, tmp_path: Path):
+    """Every task test on both hot-state stores (in-process and Redis) and both databases."""
+    blobs = (RedisBlobStore(request.getfixturevalue("redis_url"))
+             if request.param == "redis" else MemoryBlobStore())
+    return make_ctx(db_url, tmp_path, blobs=blobs)
 
 
 def start(ctx, spec=None, devices: int = 2) -> str:
@@ -219,14 +223,31 @@ def test_a_higher_priority_gang_preempts_at_its_step(ctx) -> None:
     assert preempted.state == "Pending" and preempted.step == 1 and "preempted" in preempted.reason
 
 
+def test_a_preempted_jobs_accepted_results_count_when_it_resumes(ctx) -> None:
+    low = start(ctx, tiny_spec(placement={"min_devices": 2}), devices=2)
+    run_to(ctx, low, 1)
+    early = shard_result_blobs(ctx, low, 1)
+    upload_all(ctx, low, 1, shards=(0, 1), blobs=early)  # accepted before the preemption
+    high = submit(ctx, tiny_spec(name="high", priority=10, placement={"min_devices": 2}))
+    run_reconcile(ctx)
+    assert job(ctx, low).state == "Pending" and job(ctx, high).state == "Running"
+    with transaction(ctx.session_factory) as s:
+        s.get(Job, high).state = "Cancelled"
+    assert run_reconcile_job(ctx, high) == "released:4"  # its devices are free again
+    run_reconcile(ctx)
+    run_reconcile_job(ctx, low)
+    assert job(ctx, low).state == "Running" and job(ctx, low).step == 1
+    upload_all(ctx, low, 1, shards=(2, 3), blobs=early)  # only the rest, after the resume
+    assert run_apply_step(ctx, low, 1) == "applied"
+    assert job(ctx, low).step == 2
+
+
 def test_a_late_device_gets_backups_once(ctx) -> None:
     clock: Clock = ctx.clock
     job_id = start(ctx, devices=2)
     shards_of_00 = [s for s, d, _ in assignments(ctx, job_id) if d == "dev-00"]
     blobs = shard_result_blobs(ctx, job_id, 0)
-    for k in range(4):
-        if k not in shards_of_00:
-            ctx.blobs.set(keys.grad(job_id, 0, k), blobs[k])
+    upload_all(ctx, job_id, 0, shards=[k for k in range(4) if k not in shards_of_00], blobs=blobs)
     ctx.blobs.set(keys.latency(job_id, "dev-01"), b"0.1")
     clock.advance(1.0)
     assert run_reconcile_job(ctx, job_id) == "ok"  # floor 2 s not reached yet
@@ -235,6 +256,12 @@ def test_a_late_device_gets_backups_once(ctx) -> None:
     assert run_reconcile_job(ctx, job_id) == "ok"
     backups = [(s, d) for s, d, role in assignments(ctx, job_id) if role == "backup"]
     assert backups == [(s, "dev-01") for s in shards_of_00]
+    upload_all(ctx, job_id, 0, shards=shards_of_00, blobs=blobs)  # the backups' results
+    assert run_apply_step(ctx, job_id, 0) == "applied"
+    # the backups are dropped at the step boundary; each shard keeps its one primary
+    after = assignments(ctx, job_id)
+    assert [role for _, _, role in after] == ["primary"] * 4
+    assert sorted(s for s, _, _ in after) == [0, 1, 2, 3]
 
 
 def test_a_new_device_joins_at_the_next_step_boundary(ctx) -> None:
@@ -259,6 +286,28 @@ def test_lease_loss_of_most_of_the_fleet_evicts_slowly(ctx) -> None:
     run_reconcile(ctx)
     waiting = [i for i in ids if job(ctx, i).state == "Pending"]
     assert len(waiting) == 1  # one eviction per window while 70% of the fleet looks down
+
+
+def test_evictions_a_device_or_an_admin_asked_for_are_never_rate_limited(ctx) -> None:
+    add_devices(ctx, 10)
+    ids = [submit(ctx, tiny_spec(name=f"j{i}", shards=1, global_batch_size=4,
+                                 placement={"max_devices": 1})) for i in range(10)]
+    run_reconcile(ctx)
+    holder = {i: assignments(ctx, i)[0][1] for i in ids}
+    for n in range(7):
+        set_device(ctx, f"dev-{n:02d}", state="NotReady")
+    run_reconcile(ctx)
+    run_reconcile(ctx)  # the disrupted fleet's budget (one lease-loss eviction) is used up
+    lease_evicted = [i for i in ids if not assignments(ctx, i)]
+    assert len(lease_evicted) == 1
+    set_device(ctx, "dev-07", state="Draining", cordoned=True, draining=True)  # an admin's drain
+    set_device(ctx, "dev-08", pause_reason="thermal")  # the phone asked to stop
+    run_reconcile(ctx)
+    for i in ids:
+        if holder[i] in ("dev-07", "dev-08"):
+            assert holder[i] not in {d for _, d, _ in assignments(ctx, i)}, holder[i]
+    still_lost = [i for i in ids if holder[i] < "dev-07" and assignments(ctx, i)]
+    assert len(still_lost) == 6  # lease loss still waits its turn
 
 
 def test_a_job_the_engine_cannot_run_fails_with_a_reason_and_blocks_nobody(ctx) -> None:

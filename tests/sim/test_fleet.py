@@ -39,7 +39,11 @@ def test_fleet_enrolls_heartbeats_reports_a_rate_and_cleans_up(server: LiveServe
     assert report["phones_enrolled"] == 60
     assert report["endpoints"]["register"]["requests"] == 60
     assert report["endpoints"]["heartbeat"]["requests"] >= 60
-    assert report["requests_per_s"] > 10
+    # the rate is what was sent over the time it took (no speed is asserted: a busy machine)
+    assert report["requests"] == sum(e["requests"] for e in report["endpoints"].values())
+    assert report["elapsed_s"] >= 6
+    assert report["requests_per_s"] == pytest.approx(report["requests"] / report["elapsed_s"],
+                                                     rel=0.01, abs=0.1)
     assert report["latency_ms"]["p50"] > 0
     assert report["cleanup_errors"] == 0, report["cleanup_failures"]
     with server.client() as admin:

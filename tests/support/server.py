@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -37,21 +39,31 @@ class LiveServer:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
     def stop(self, kill: bool = False) -> None:
-        stop_process(self.process, kill=kill)
+        """Stop the server and every process it started (uvicorn's workers with --workers N:
+        a SIGKILLed parent would leave them serving)."""
+        stop_process(self.process, kill=kill, group=True)
 
 
-def stop_process(process: subprocess.Popen, kill: bool = False, timeout_s: float = 15) -> None:
-    """Terminate (or kill) a child and reap it; one that ignores SIGTERM is killed."""
+def stop_process(process: subprocess.Popen, kill: bool = False, timeout_s: float = 15,
+                 group: bool = False) -> None:
+    """Terminate (or kill) a child and reap it; one that ignores SIGTERM is killed. `group`:
+    the child leads its own session (start_new_session), and the signal goes to all of it."""
+    def send(sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            if group:
+                os.killpg(process.pid, sig)
+            else:
+                process.send_signal(sig)
+
     if process.poll() is None:
-        if kill:
-            process.kill()
-        else:
-            process.terminate()
+        send(signal.SIGKILL if kill else signal.SIGTERM)
         try:
             process.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            process.kill()
+            send(signal.SIGKILL)
             process.wait(timeout=5)
+    if group:  # the leader is gone; what it left behind goes too
+        send(signal.SIGKILL)
 
 
 def start_server(
@@ -86,7 +98,8 @@ def start_server(
     cmd = [python, "-m", "phalanx.cli.main", "server", "--host", "127.0.0.1",
            "--port", str(port), *(args or [])]
     with log_path.open("ab") as log:
-        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
     server = LiveServer(f"http://127.0.0.1:{port}", admin_token, proc, log_path, env)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

@@ -12,8 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from agent.nn.base import Ctx
-from agent.nn.graph import LossGrad, Model
+from engine.base import Ctx
+from engine.graph import LossGrad, Model
 
 
 def available() -> bool:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
-from agent.nn.base import Builder, Layer
+from engine.base import Builder, Layer
 
 CHUNK_FLOATS = 1 << 18  # 1 MiB of float32 columns per chunk
 

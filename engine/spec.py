@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from agent.nn.sampler import steps_per_epoch as _steps_per_epoch
+from engine.sampler import steps_per_epoch as _steps_per_epoch
 
 SCHEDULES = ("constant", "cosine", "step")
 

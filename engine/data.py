@@ -22,8 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-from agent.nn.dataset import Dataset, DatasetError, DatasetInfo
-from agent.nn.upload import validate_npz
+from engine.dataset import Dataset, DatasetError, DatasetInfo
+from engine.upload import validate_npz
 
 __all__ = ["Dataset", "DatasetInfo", "DatasetError", "validate_npz", "load_dataset",
            "dataset_info", "list_datasets", "upload_path", "NAME_RE"]

@@ -5,11 +5,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from agent.nn.base import Layer
-from agent.nn.conv import Conv2d, DepthwiseConv2d
-from agent.nn.graph import Model, Residual, Sequential
-from agent.nn.layers import Dense, Dropout, Flatten, GlobalAvgPool, MaxPool, ReLU, ReLU6
-from agent.nn.norm import BatchNorm
+from engine.base import Layer
+from engine.conv import Conv2d, DepthwiseConv2d
+from engine.graph import Model, Residual, Sequential
+from engine.layers import Dense, Dropout, Flatten, GlobalAvgPool, MaxPool, ReLU, ReLU6
+from engine.norm import BatchNorm
 
 ARCHS = ("logreg", "mlp", "cnn", "mobilenet_v1", "resnet")
 

@@ -31,16 +31,16 @@ from urllib.parse import unquote, urlsplit
 
 from pydantic import BaseModel, Field
 
-from agent.sockopts import set_socket_buffers
-from agent.wire import new_buffer
 from api.auth import parse_bearer
 from api.deps import check_device
 from api.error_responses import error_response
 from api.errors import ApiError
 from api.limits import BodyTooLarge
 from api.metrics import HTTP_LATENCY, HTTP_REQUESTS, UNMATCHED
-from api.routes.work import WEIGHTS_HEADERS, accept_upload, serve_weights
 from api.schemas.common import parse_query
+from api.steps.handlers import WEIGHTS_HEADERS, accept_upload, serve_weights
+from wire.messages import new_buffer
+from wire.sockopts import set_socket_buffers
 
 log = logging.getLogger(__name__)
 MAX_BODIES = 16  # upload bodies read and checked at once per process (memory: 16 x the limit)

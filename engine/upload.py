@@ -14,7 +14,7 @@ import zipfile
 
 import numpy as np
 
-from agent.nn.dataset import Dataset, DatasetError
+from engine.dataset import Dataset, DatasetError
 
 ALLOWED_KEYS = ("x", "y", "x_val", "y_val")
 MAX_CLASSES = 65536

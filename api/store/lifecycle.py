@@ -16,9 +16,11 @@ from sqlalchemy.orm import Session
 from api.errors import NotFound
 from api.store import events
 from api.store.models import Device
+from api.store.states import DEVICE_STATES, DeviceState
 
-READY, NOT_READY, CORDONED, DRAINING = "Ready", "NotReady", "Cordoned", "Draining"
-STATES = (READY, NOT_READY, CORDONED, DRAINING)
+READY, NOT_READY = DeviceState.READY.value, DeviceState.NOT_READY.value
+CORDONED, DRAINING = DeviceState.CORDONED.value, DeviceState.DRAINING.value
+STATES = DEVICE_STATES
 
 
 def derive_state(lease_fresh: bool, cordoned: bool, draining: bool) -> str:

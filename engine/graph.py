@@ -7,8 +7,8 @@ from typing import Any
 
 import numpy as np
 
-from agent.nn.base import Builder, Ctx, Layer, Slot, to_nhwc
-from agent.nn.layers import softmax_cross_entropy
+from engine.base import Builder, Ctx, Layer, Slot, to_nhwc
+from engine.layers import softmax_cross_entropy
 
 _INIT_TAG = 0x1417
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from agent.nn.base import Builder, Layer
+from engine.base import Builder, Layer
 
 EPS = 1e-5
 

@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from agent.nn.spec import TrainSpec
+from engine.spec import TrainSpec
 
 
 def base_lr(spec: TrainSpec) -> float:

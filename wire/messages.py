@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from agent.nn.step import ShardResult
+from engine.step import ShardResult
 
 try:  # the same CRC-32 as zlib's, ~10x faster (zlib-ng's folding kernel); the control plane
     # installs it, a phone without it uses the standard library (1.9 vs 0.19 ms per 12.9 MB)

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from agent.nn.graph import Model
-from agent.nn.optim import lr_at, sum_and_update
-from agent.nn.spec import TrainSpec
+from engine.graph import Model
+from engine.optim import lr_at, sum_and_update
+from engine.spec import TrainSpec
 
 BN_MOMENTUM = 0.1  # running = (1 - 0.1) x running + 0.1 x (shard-averaged batch statistic)
 BACKENDS = ("numpy", "torch")
@@ -63,7 +63,7 @@ def compute_shard(model: Model, params: np.ndarray, buffers: np.ndarray, x_shard
     if backend == "numpy":
         r = model.loss_and_grad(params, buffers, x_shard, y_shard, spec.seed, step, shard)
     elif backend == "torch":
-        from agent.nn import torch_backend
+        from engine import torch_backend
 
         r = torch_backend.loss_and_grad(model, params, buffers, x_shard, y_shard, spec.seed,
                                         step, shard)
@@ -149,7 +149,7 @@ def _check_results(model: Model, spec: TrainSpec, results: list[ShardResult]) ->
 def evaluate(model: Model, params: np.ndarray, buffers: np.ndarray, x: np.ndarray,
              y: np.ndarray, batch_size: int = 512) -> EvalMetrics:
     """Mean loss and accuracy in evaluation mode (running BN statistics, no dropout)."""
-    from agent.nn.layers import softmax_cross_entropy
+    from engine.layers import softmax_cross_entropy
 
     loss, correct = 0.0, 0
     for start in range(0, len(y), batch_size):

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from agent.nn.base import Builder, Ctx, Layer
+from engine.base import Builder, Ctx, Layer
 
 
 class Dense(Layer):

@@ -11,8 +11,8 @@ import io
 
 import numpy as np
 
-from agent.nn.graph import Model
-from agent.nn.step import TrainState
+from engine.graph import Model
+from engine.step import TrainState
 
 
 def state_to_arrays(model: Model, state: TrainState) -> dict[str, np.ndarray]:

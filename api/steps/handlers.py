@@ -1,0 +1,124 @@
+"""The step protocol's handlers, shared by the FastAPI routes (api.routes.work), the ASGI fast
+path (api.fast_path) and the bulk listener (api.steps.bulk_listener): the work long poll, the
+weights, an upload, and the API's calls into the scheduler (enqueue only). Blocking calls are
+marked; the logic of each lives in `scheduler.protocol`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from pydantic import BaseModel, Field
+from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import URL
+
+from api.deps import check_device, principal_for
+from api.metrics import SHARD_RESULTS
+from api.schemas.common import parse_query
+from api.schemas.work import WorkOut
+from scheduler.notify import bump_version
+from scheduler.protocol import ProtocolError, StateMissing
+from scheduler.tasks.reconcile import request_reconcile
+from scheduler.tasks.steps import enqueue_apply
+
+log = logging.getLogger(__name__)
+
+MAX_WAIT_S = 30.0  # the longest long poll a device may ask for
+
+
+class _WorkQuery(BaseModel):
+    wait: float = Field(0.0, ge=0.0, le=MAX_WAIT_S)
+
+
+async def work_reply(state: Any, device_id: str, authorization: str | None,
+                     scope: dict[str, Any]) -> bytes:
+    """The work route (api.routes.work) without FastAPI: the same token rule (DeviceDep), the same 422 for a
+    bad `wait`, the same answer through the same response model."""
+    check_device(await principal_for(state.authenticator, authorization), device_id)
+    query = parse_query(_WorkQuery, scope["query_string"].decode("latin-1"))
+    answer = await long_poll_work(state, device_id, query.wait, URL(scope=scope))
+    return WorkOut.model_validate(answer).model_dump_json().encode()
+
+
+async def long_poll_work(state: Any, device_id: str, wait: float, url: URL) -> dict[str, Any]:
+    deadline = time.monotonic() + min(wait, state.settings.work_long_poll_max_s)
+    while True:
+        since = state.version_watch.snapshot()
+        found = await run_in_threadpool(state.step_protocol.work, device_id)
+        remaining = deadline - time.monotonic()
+        if found is not None:
+            return {"assignment": {**found, "bulk_url": _bulk_url(state, url)}}
+        if remaining <= 0:
+            return {"assignment": None}
+        await state.version_watch.wait_change(since, remaining)
+
+
+def _bulk_url(state: Any, url: URL) -> str | None:
+    listener = getattr(state, "bulk_listener", None)
+    return listener.url_for(url.scheme, url.hostname) if listener else None
+
+
+WEIGHTS_HEADERS = {"Cache-Control": "private, max-age=86400"}
+
+
+def serve_weights(state: Any, device_id: str, job_id: str, step: int) -> tuple[int, Any]:
+    """The weights message of step `step` -> (200, bytes) or (status, error answer); blocking."""
+    try:
+        return 200, state.step_protocol.weights(device_id, job_id, step)
+    except StateMissing as exc:
+        state.scheduler_hooks.job_changed(job_id)  # restore now, not at the next beat
+        return exc.status, {"detail": exc.detail}
+    except ProtocolError as exc:
+        return exc.status, {"detail": exc.detail}
+
+
+def accept_upload(state: Any, device_id: str, job_id: str, step: int,
+                  body: bytes | memoryview) -> tuple[int, dict[str, Any]]:
+    """One device's upload for step `step` of `job_id` -> (status, answer); blocking."""
+    try:
+        accepted, duplicates, complete = state.step_protocol.upload(device_id, job_id, step, body)
+    except ProtocolError as exc:
+        return exc.status, {"detail": exc.detail}
+    SHARD_RESULTS.labels("accepted").inc(len(accepted))
+    SHARD_RESULTS.labels("duplicate").inc(len(duplicates))
+    if complete and accepted:
+        state.scheduler_hooks.step_complete(job_id, step)
+    return 200, {"accepted": accepted, "duplicates": duplicates}
+
+
+class SchedulerHooks:
+    """The API's calls into the scheduler: enqueue only, never wait for a task."""
+
+    def __init__(self, ctx: Any) -> None:
+        self.ctx = ctx
+
+    def job_changed(self, job_id: str) -> None:
+        # the change is committed: step-protocol views cached under the old version go stale
+        self._safely(self._bump)
+        self._safely(self._reconcile)
+
+    def device_changed(self, device_id: str) -> None:
+        self._safely(self._reconcile)
+
+    def step_complete(self, job_id: str, step: int) -> None:
+        self._safely(lambda: enqueue_apply(self.ctx, job_id, step))
+
+    def _bump(self) -> None:
+        bump_version(self.ctx.blobs)
+
+    def _reconcile(self) -> None:
+        request_reconcile(self.ctx)
+
+    @staticmethod
+    def _safely(call: Any) -> None:
+        # the change is committed; reconcile's next beat repairs a lost enqueue (broker down)
+        try:
+            call()
+        except Exception:  # noqa: BLE001
+            log.warning("could not enqueue a scheduler task", exc_info=True)
+
+
+def is_gradient_upload(path: object) -> bool:
+    return isinstance(path, str) and path.startswith("/v1/jobs/") and path.endswith("/gradients")
