@@ -141,7 +141,7 @@ class AsyncPgHeartbeatWriter:
         self._idle.append(conn)
         self.batches += 1
         self.heartbeats += len(items)
-        refused = [item for item in items if item[0] not in renewed]
+        refused = [item for item in items if (item[0], item[1]) not in renewed]
         why = await asyncio.get_running_loop().run_in_executor(
             None, self._read_refused, refused) if refused else {}
         return batch_outcome(items, renewed, why, now, grace_s=self.grace_s,

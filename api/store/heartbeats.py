@@ -1,8 +1,17 @@
-"""Applying a batch of heartbeats in one transaction (the group-commit writer calls this).
+"""The heartbeat rules, once, and the SQLite writer's transaction.
 
-One SELECT reads the devices of the batch; one executemany per column set renews the leases and
-stores the latest sample, capabilities, profiles and pause; one bulk INSERT appends every sample
-to the history; events are inserted only for real changes (NotReady -> Ready, pause changes).
+A batch of heartbeats (the group commit's) is first merged per device and token
+(`merge_batch`): the newest sample by its timestamp becomes the device's latest, the last value
+sent of the agent version, capabilities, profiles and pause is kept, and every sample goes to
+the history. Then, per merged device whose token is valid for it: the lease is renewed, the
+state derived (`api.store.lifecycle`), a `NodeReady` event recorded when it was NotReady, and a
+`Paused`/`Resumed` event when the batch's last pause differs from the stored one. A heartbeat
+is answered by its own token's verdict: a forged token riding along with a real one is refused.
+
+Both writers apply exactly these rules from the merged batch: `apply_heartbeats` below (one
+SELECT, one executemany per column set, bulk INSERTs) and `api.store.heartbeats_pg` (one SQL
+statement, its event texts and state expression taken from here).
+tests/api/test_heartbeat_writers.py feeds one batch to both and compares every row and event.
 """
 
 from __future__ import annotations
@@ -15,7 +24,7 @@ from sqlalchemy import bindparam, insert, select, update
 from sqlalchemy.orm import Session
 
 from api.errors import Forbidden, Unauthorized
-from api.schemas.devices import HeartbeatIn
+from api.schemas.devices import HeartbeatIn, Pause
 from api.store.events import event_row
 from api.store.lifecycle import NOT_READY, derive_state, leased_state_sql
 from api.store.models import ApiToken, Device, Event, TelemetrySample
@@ -36,10 +45,33 @@ class BatchOutcome:
     changed_devices: list[str] = field(default_factory=list)
 
 
-def _sample_row(device_id: str, sample: Any, now: dt.datetime) -> dict[str, Any]:
-    row = {name: getattr(sample, name) for name in SAMPLE_FIELDS}
-    row.update(device_id=device_id, ts=sample.ts, created=now, updated=now)
-    return row
+NODE_READY = ("NodeReady", "heartbeat renewed the lease")
+RESUMED = ("Resumed", "the agent trains again")
+
+
+def pause_event(pause: Pause | None) -> tuple[str, str]:
+    """The event for a changed pause: Paused with its reason and detail, or Resumed."""
+    if pause is None:
+        return RESUMED
+    return "Paused", f"{pause.reason}: {pause.detail}" if pause.detail else pause.reason
+
+
+@dataclass
+class DeviceBatch:
+    """One device's heartbeats of a batch (under one token), merged."""
+
+    device_id: str
+    token_hash: str
+    samples: list[Any] = field(default_factory=list)
+    latest: dict[str, Any] | None = None
+    agent_version: str | None = None
+    capabilities: dict[str, Any] | None = None
+    profiles: dict[str, Any] | None = None
+    pause: Pause | None = None
+
+    @property
+    def pause_reason(self) -> str | None:
+        return self.pause.reason if self.pause else None
 
 
 def latest_sample(body: HeartbeatIn) -> dict[str, Any] | None:
@@ -51,15 +83,37 @@ def latest_sample(body: HeartbeatIn) -> dict[str, Any] | None:
     return values
 
 
-def _update_row(device_id: str, body: HeartbeatIn, now: dt.datetime) -> dict[str, Any]:
-    row: dict[str, Any] = {"b_id": device_id, "lease_renewed_at": now, "updated": now,
-                           "pause_reason": body.pause.reason if body.pause else None}
-    latest = latest_sample(body)
-    if latest is not None:
-        row["latest_telemetry"] = latest
-        row["latest_telemetry_at"] = dt.datetime.fromtimestamp(latest["ts"], dt.timezone.utc)
+def merge_batch(items: list[tuple[str, str, HeartbeatIn]]) -> list[DeviceBatch]:
+    """The batch per (device, token), in the order of first arrival."""
+    merged: dict[tuple[str, str], DeviceBatch] = {}
+    for device_id, token_hash, body in items:
+        entry = merged.setdefault((device_id, token_hash), DeviceBatch(device_id, token_hash))
+        entry.samples.extend(body.telemetry)
+        newest = latest_sample(body)
+        if newest is not None and (entry.latest is None or newest["ts"] >= entry.latest["ts"]):
+            entry.latest = newest
+        for name in OPTIONAL_COLUMNS:
+            value = getattr(body, name)
+            if value is not None:
+                setattr(entry, name, value)
+        entry.pause = body.pause
+    return list(merged.values())
+
+
+def _sample_row(device_id: str, sample: Any, now: dt.datetime) -> dict[str, Any]:
+    row = {name: getattr(sample, name) for name in SAMPLE_FIELDS}
+    row.update(device_id=device_id, ts=sample.ts, created=now, updated=now)
+    return row
+
+
+def _update_row(entry: DeviceBatch, now: dt.datetime) -> dict[str, Any]:
+    row: dict[str, Any] = {"b_id": entry.device_id, "lease_renewed_at": now, "updated": now,
+                           "pause_reason": entry.pause_reason}
+    if entry.latest is not None:
+        row["latest_telemetry"] = entry.latest
+        row["latest_telemetry_at"] = dt.datetime.fromtimestamp(entry.latest["ts"], dt.timezone.utc)
     for name in OPTIONAL_COLUMNS:
-        value = getattr(body, name)
+        value = getattr(entry, name)
         if value is not None:
             row[name] = value
     return row
@@ -118,40 +172,36 @@ def apply_heartbeats(session: Session, items: list[tuple[str, str, HeartbeatIn]]
                      active_archs: frozenset[str] | set[str] = frozenset()) -> BatchOutcome:
     """items: (device id from the path, SHA-256 of the bearer token, body)."""
     rows = read_batch(session, items)
-    outcome = BatchOutcome(replies=[])
+    changed: list[str] = []
+    verdicts: dict[tuple[str, str], dict[str, Any] | Exception] = {}
     updates, samples, new_events = [], [], []
-    seen_pause: dict[str, str | None] = {}
-    for device_id, token_hash, body in items:
-        device = rows.get(token_hash)
-        refusal = _authorize(device, device_id, now)
+    for entry in merge_batch(items):
+        device = rows.get(entry.token_hash)
+        refusal = _authorize(device, entry.device_id, now)
         if refusal is not None:
-            outcome.replies.append(refusal)
+            verdicts[(entry.device_id, entry.token_hash)] = refusal
             continue
-        updates.append(_update_row(device_id, body, now))
-        samples.extend(_sample_row(device_id, s, now) for s in body.telemetry)
-        pause = body.pause.reason if body.pause else None
-        before = seen_pause.get(device_id, device.pause_reason)
-        if device.state == NOT_READY and device_id not in seen_pause:
-            new_events.append(event_row("NodeReady", "heartbeat renewed the lease", now=now,
-                                        device_id=device_id))
-            outcome.changed_devices.append(device_id)
-        if pause != before:
-            reason, msg = ("Paused", f"{pause}: {body.pause.detail or ''}".rstrip(": ")) \
-                if body.pause else ("Resumed", "the agent trains again")
-            new_events.append(event_row(reason, msg, now=now, device_id=device_id))
-            outcome.changed_devices.append(device_id)
-        seen_pause[device_id] = pause
-        profiles = body.profiles if body.profiles is not None else device.profiles or {}
-        outcome.replies.append(_reply(device_id, device, profiles, now, grace_s, interval_s,
-                                      active_archs))
+        updates.append(_update_row(entry, now))
+        samples.extend(_sample_row(entry.device_id, s, now) for s in entry.samples)
+        if device.state == NOT_READY:
+            new_events.append(event_row(*NODE_READY, now=now, device_id=entry.device_id))
+            changed.append(entry.device_id)
+        if entry.pause_reason != device.pause_reason:
+            new_events.append(event_row(*pause_event(entry.pause), now=now,
+                                        device_id=entry.device_id))
+            changed.append(entry.device_id)
+        profiles = entry.profiles if entry.profiles is not None else device.profiles or {}
+        verdicts[(entry.device_id, entry.token_hash)] = _reply(
+            entry.device_id, device, profiles, now, grace_s, interval_s, active_archs)
     if updates:  # in id order, so concurrent batches lock rows in the same order (no deadlock)
         _bulk_update(session, sorted(updates, key=lambda row: row["b_id"]))
     if samples:
         session.execute(insert(TelemetrySample.__table__), samples)
     if new_events:
         session.execute(insert(Event.__table__), new_events)
-    outcome.changed_devices = sorted(set(outcome.changed_devices))
-    return outcome
+    return BatchOutcome(replies=[verdicts[(device_id, token_hash)]
+                                 for device_id, token_hash, _ in items],
+                        changed_devices=sorted(set(changed)))
 
 
 def _reply(device_id: str, device: Any, profiles: dict[str, Any], now: dt.datetime,
@@ -163,16 +213,16 @@ def _reply(device_id: str, device: Any, profiles: dict[str, Any], now: dt.dateti
             "commands": _commands(device, profiles, active_archs)}
 
 
-def batch_outcome(items: list[tuple[str, str, HeartbeatIn]], renewed: dict[str, Any],
+def batch_outcome(items: list[tuple[str, str, HeartbeatIn]], renewed: dict[tuple[str, str], Any],
                   why: dict[str, Any], now: dt.datetime, *, grace_s: float, interval_s: float,
                   active_archs: Any) -> BatchOutcome:
     """The replies to a batch run by `api.store.heartbeats_pg`: `renewed` maps each accepted
-    device to its returned row; `why` holds the token rows of the refused ones."""
+    (device, token hash) to its returned row; `why` holds the token rows of the refused ones."""
     changed = [row.id for row in renewed.values()
                if row.old_state == NOT_READY or row.pause != row.old_pause]
     outcome = BatchOutcome(replies=[], changed_devices=sorted(set(changed)))
     for device_id, token_hash, _ in items:
-        row = renewed.get(device_id)
+        row = renewed.get((device_id, token_hash))
         if row is None:
             refusal = _authorize(why.get(token_hash), device_id, now)
             outcome.replies.append(refusal or Unauthorized("bearer token refused"))

@@ -215,3 +215,4 @@ def test_prune_telemetry_drops_old_history_but_keeps_the_latest_on_the_device(ap
     assert [s["power_w"] for s in history] == [3.0]
     assert api.get(f"/v1/devices/{device['device_id']}").json()["latest_telemetry"]["power_w"] == 3.0
     assert api.count(Device) == 1 and api.count(Event) == 1
+
