@@ -7,7 +7,6 @@ same `apply_step` the scheduler uses, so a cluster run of the same spec ends whe
 
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 from collections.abc import Callable
@@ -19,10 +18,9 @@ import numpy as np
 
 from engine.checkpoint import save_npz, state_to_arrays
 from engine.data import load_dataset
-from engine.models import build_model
-from engine.sampler import select_microbatch, shard_indices
-from engine.spec import TrainSpec
-from engine.step import apply_step, compute_shard, evaluate, initial_state
+from engine.runner import final_metrics, job_model, shard_gradient
+from engine.sampler import shard_indices
+from engine.step import apply_step, evaluate, initial_state
 
 
 @dataclass(frozen=True)
@@ -53,8 +51,8 @@ def _run_reference(spec: dict[str, Any], out_dir: Path | None, progress: bool,
                    data_dir: str | Path | None, backend: str,
                    on_epoch: Callable[[EpochRow], None] | None) -> dict[str, Any]:
     data = load_dataset(str(spec.get("dataset", "")), data_dir)
-    ts = TrainSpec.from_job_spec(spec, n_train=len(data.y_train))
-    model = build_model(ts.arch, data.input_shape, data.num_classes, ts.model_options)
+    job = job_model(spec, len(data.y_train), data.input_shape, data.num_classes)
+    ts, model = job.spec, job.model
     parts = shard_indices(len(data.y_train), ts.shards, ts.seed)
     shards = [(data.x_train[idx], data.y_train[idx]) for idx in parts]
     state = initial_state(model, ts)
@@ -66,12 +64,8 @@ def _run_reference(spec: dict[str, Any], out_dir: Path | None, progress: bool,
         for epoch in range(ts.epochs):
             t0, losses, accs = time.perf_counter(), [], []
             for _ in range(spe):
-                results = []
-                for k, (xs, ys) in enumerate(shards):
-                    xb, yb = select_microbatch(xs, ys, ts.per_shard_batch, ts.seed, state.step,
-                                               k, spe)
-                    results.append(compute_shard(model, state.params, state.buffers, xb, yb,
-                                                 ts, state.step, k, backend))
+                results = [shard_gradient(job, state.params, state.buffers, xs, ys, state.step,
+                                          k, backend) for k, (xs, ys) in enumerate(shards)]
                 state, m = apply_step(model, ts, state, results)
                 losses.append(m.train_loss)
                 accs.append(m.train_accuracy)
@@ -82,15 +76,10 @@ def _run_reference(spec: dict[str, Any], out_dir: Path | None, progress: bool,
             if on_epoch is not None:
                 on_epoch(row)
     seconds = time.perf_counter() - start
-    last = rows[-1]
-    metrics = {
-        "train_loss": last.train_loss, "train_accuracy": last.train_accuracy,
-        "val_loss": last.val_loss, "val_accuracy": last.val_accuracy,
-        "steps": state.step, "epochs": ts.epochs, "seconds": round(seconds, 3),
-        "samples_per_s": round(state.step * ts.global_batch_size / max(seconds, 1e-9), 1),
-        "n_params": model.n_params,
-        "params_sha256": hashlib.sha256(state.params.tobytes()).hexdigest(),
-    }
+    metrics = {"val_loss": None, "val_accuracy": None,
+               **final_metrics(job, state, losses, accs, data.x_val, data.y_val),
+               "seconds": round(seconds, 3),
+               "samples_per_s": round(state.step * ts.global_batch_size / max(seconds, 1e-9), 1)}
     if out_dir is not None:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)

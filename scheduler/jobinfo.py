@@ -9,18 +9,12 @@ from pathlib import Path
 from typing import Any
 
 from engine.data import DatasetError, dataset_info
-from engine.graph import Model
-from engine.models import build_model
-from engine.spec import TrainSpec
+from engine.runner import JobModel, job_model
 
 
 @dataclass(frozen=True)
-class JobInfo:
-    spec: TrainSpec
-    model: Model
-    n_train: int
-    input_shape: tuple[int, int, int]
-    num_classes: int
+class JobInfo(JobModel):
+    """A job's engine objects (engine.runner.JobModel) and what an assignment tells a phone."""
 
     @property
     def total_steps(self) -> int:
@@ -55,7 +49,5 @@ def job_info_or_reason(job_id: str, spec: dict[str, Any], data_dir: Path | str |
 def _job_info(job_id: str, spec_json: str, data_dir: str | None) -> JobInfo:
     raw = json.loads(spec_json)
     info = dataset_info(str(raw.get("dataset", "")), data_dir)
-    spec = TrainSpec.from_job_spec(raw, n_train=info.n_train)
-    shape = tuple(int(v) for v in info.input_shape)
-    model = build_model(spec.arch, shape, int(info.num_classes), spec.model_options)
-    return JobInfo(spec, model, int(info.n_train), shape, int(info.num_classes))  # type: ignore[arg-type]
+    built = job_model(raw, info.n_train, info.input_shape, info.num_classes)
+    return JobInfo(built.spec, built.model, built.n_train, built.input_shape, built.num_classes)

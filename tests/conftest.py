@@ -21,6 +21,7 @@ from tests.support.databases import (
     flushed_redis,
     migrated_sqlite,
 )
+from tests.support.env import ADMIN_TOKEN
 from tests.support.server import LiveServer, start_server
 
 
@@ -61,7 +62,6 @@ def redis_url() -> Iterator[str]:
         yield url
 
 
-ADMIN_TOKEN = "phx-admin-test-" + "0" * 24
 
 
 @pytest.fixture

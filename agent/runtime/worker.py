@@ -60,23 +60,20 @@ class Engine:
     def __init__(self, backend: str) -> None:
         self.backend = backend
         self._model_key: str | None = None
-        self._model: Any = None
-        self._spec: Any = None
+        self._job: Any = None  # engine.runner.JobModel (numpy is imported only when working)
         self._weights: tuple[str, Any, Any] | None = None
         self._shards: dict[str, tuple[Any, Any]] = {}
 
     def prepare(self, req: dict[str, Any]) -> None:
-        from engine.models import build_model
-        from engine.spec import TrainSpec
+        from engine.runner import job_model
 
         _fill_dataset_facts(req)
         key = json.dumps([req["job_id"], req["spec"], req["input_shape"], req["num_classes"]],
                          sort_keys=True)
         if key != self._model_key:
-            spec = TrainSpec.from_job_spec(req["spec"], n_train=req["n_train"])
-            self._model = build_model(spec.arch, tuple(req["input_shape"]),
-                                      int(req["num_classes"]), spec.model_options)
-            self._spec, self._model_key, self._shards = spec, key, {}
+            self._job = job_model(req["spec"], req["n_train"], req["input_shape"],
+                                  req["num_classes"])
+            self._model_key, self._shards = key, {}
         if self._weights is None or self._weights[0] != req["weights_path"]:
             from wire.messages import decode_weights
 
@@ -86,25 +83,20 @@ class Engine:
             self._weights = (req["weights_path"], params, buffers)
 
     def shard(self, path: str) -> tuple[Any, Any]:
-        if path not in self._shards:
-            import numpy as np
+        from engine.runner import shard_arrays
 
-            with np.load(path, allow_pickle=False) as npz:
-                self._shards[path] = (npz["x"].astype(np.float32), npz["y"].astype(np.int64))
+        if path not in self._shards:
+            self._shards[path] = shard_arrays(path)
         return self._shards[path]
 
     def compute(self, req: dict[str, Any], shard: int, path: str) -> Any:
-        from engine.sampler import select_microbatch
-        from engine.step import compute_shard
+        from engine.runner import shard_gradient
 
-        spec = self._spec
         x, y = self.shard(path)
-        xb, yb = select_microbatch(x, y, spec.per_shard_batch, spec.seed, req["step"], shard,
-                                   spec.steps_per_epoch)
-        assert self._weights is not None
+        assert self._job is not None and self._weights is not None
         _, params, buffers = self._weights
-        return compute_shard(self._model, params, buffers, xb, yb, spec, req["step"], shard,
-                             backend=self.backend)
+        return shard_gradient(self._job, params, buffers, x, y, req["step"], shard,
+                              backend=self.backend)
 
 
 def handle(engine: Engine, req: dict[str, Any]) -> dict[str, Any]:

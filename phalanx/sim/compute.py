@@ -11,17 +11,13 @@ building happen once per (job, step).
 from __future__ import annotations
 
 import asyncio
-import io
 import json
 import time
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from engine.models import build_model
-from engine.sampler import select_microbatch
-from engine.spec import TrainSpec
-from engine.step import compute_shard
+from engine.runner import JobModel, job_model, shard_arrays, shard_gradient
 from wire.messages import WireError, decode_weights, encode_results
 
 if TYPE_CHECKING:  # the fleet calls take_work; a phone is only its argument here
@@ -34,17 +30,15 @@ class SharedEngine:
     """Per-job model and spec, per-step weights, per-shard arrays, for every phone."""
 
     def __init__(self) -> None:
-        self.models: dict[str, tuple[Any, TrainSpec]] = {}
+        self.models: dict[str, JobModel] = {}
         self.weights: dict[tuple[str, int], tuple[np.ndarray, np.ndarray]] = {}
         self.shards: dict[tuple[str, int], tuple[np.ndarray, np.ndarray]] = {}
 
-    def model(self, a: dict[str, Any]) -> tuple[Any, TrainSpec]:
+    def model(self, a: dict[str, Any]) -> JobModel:
         key = json.dumps([a["job_id"], a["spec"]], sort_keys=True)
         if key not in self.models:
-            spec = TrainSpec.from_job_spec(a["spec"], n_train=a["n_train"])
-            model = build_model(spec.arch, tuple(a["input_shape"]), int(a["num_classes"]),
-                                spec.model_options)
-            self.models[key] = (model, spec)
+            self.models[key] = job_model(a["spec"], a["n_train"], a["input_shape"],
+                                         a["num_classes"])
         return self.models[key]
 
     def weights_of(self, job: str, step: int, data: bytes) -> tuple[np.ndarray, np.ndarray]:
@@ -57,22 +51,17 @@ class SharedEngine:
 
     def shard_of(self, job: str, k: int, data: bytes) -> tuple[np.ndarray, np.ndarray]:
         if (job, k) not in self.shards:
-            with np.load(io.BytesIO(data), allow_pickle=False) as npz:
-                self.shards[(job, k)] = (npz["x"].astype(np.float32), npz["y"].astype(np.int64))
+            self.shards[(job, k)] = shard_arrays(data)
         return self.shards[(job, k)]
 
 
 ENGINE = SharedEngine()
 
 
-def _compute(model: Any, spec: TrainSpec, params: np.ndarray, buffers: np.ndarray,
+def _compute(job: JobModel, params: np.ndarray, buffers: np.ndarray,
              data: dict[int, tuple[np.ndarray, np.ndarray]], step: int) -> list[Any]:
-    out = []
-    for k, (x, y) in sorted(data.items()):
-        xb, yb = select_microbatch(x, y, spec.per_shard_batch, spec.seed, step, k,
-                                   spec.steps_per_epoch)
-        out.append(compute_shard(model, params, buffers, xb, yb, spec, step, k))
-    return out
+    return [shard_gradient(job, params, buffers, x, y, step, k)
+            for k, (x, y) in sorted(data.items())]
 
 
 async def _get(phone: LightPhone, endpoint: str, path: str, **kwargs: Any) -> Any:
@@ -83,7 +72,7 @@ async def _get(phone: LightPhone, endpoint: str, path: str, **kwargs: Any) -> An
 async def one_step(phone: LightPhone, a: dict[str, Any]) -> bool:
     """Compute and upload this phone's shards of the assignment; False when it moved on."""
     job, step, shards = str(a["job_id"]), int(a["step"]), [int(k) for k in a["shards"]]
-    model, spec = ENGINE.model(a)
+    built = ENGINE.model(a)
     resp = await _get(phone, "weights", f"/v1/jobs/{job}/weights", params={"step": step},
                       expected=(409,))
     if resp.status_code == 409:
@@ -97,11 +86,11 @@ async def one_step(phone: LightPhone, a: dict[str, Any]) -> bool:
             return False
         data[k] = ENGINE.shard_of(job, k, got.content)
     started = time.perf_counter()
-    results = await asyncio.to_thread(_compute, model, spec, params, buffers, data, step)
+    results = await asyncio.to_thread(_compute, built, params, buffers, data, step)
     compute_s = time.perf_counter() - started
     await phone.fleet.sleep((phone.model.slowdown - 1.0) * compute_s)
     samples = sum(int(r.count) for r in results)
-    phone.profiles[spec.arch] = {"samples_per_s": round(samples / (compute_s * phone.model.slowdown
+    phone.profiles[built.spec.arch] = {"samples_per_s": round(samples / (compute_s * phone.model.slowdown
                                                                     + 1e-9), 1),
                                  "threads": 1, "backend": "numpy"}
     body = encode_results(job, step, results)

@@ -15,18 +15,16 @@ recomputes the same bytes and commits.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 from dataclasses import dataclass
-
-import numpy as np
 
 from api.metrics_tasks import observe_task
 from api.store.db import transaction
 from api.store.models import Job, StepMetric
 from engine.data import load_dataset
-from engine.step import ShardResult, StepMetrics, TrainState, evaluate
+from engine.runner import final_metrics
+from engine.step import ShardResult, StepMetrics, TrainState
 from engine.step import apply_step as engine_apply_step
 from scheduler import keys, store_ops
 from scheduler.celery_app import app
@@ -211,12 +209,6 @@ def final_summary(ctx: SchedulerContext, job: Job, info: JobInfo, last: StepMetr
         ).all()
     losses = [r.train_loss for r in rows if r.train_loss is not None] + [last.train_loss]
     accs = [r.train_accuracy for r in rows if r.train_accuracy is not None] + [last.train_accuracy]
-    out = {"train_loss": float(np.mean(losses)), "train_accuracy": float(np.mean(accs)),
-           "last_step_loss": last.train_loss, "steps": state.step, "epochs": info.spec.epochs,
-           "n_params": info.model.n_params}
     data = load_dataset(info.spec.dataset, ctx.settings.data_dir)
-    if len(data.y_val):
-        ev = evaluate(info.model, state.params, state.buffers, data.x_val, data.y_val)
-        out.update(val_loss=ev.loss, val_accuracy=ev.accuracy)
-    out["params_sha256"] = hashlib.sha256(np.ascontiguousarray(state.params).tobytes()).hexdigest()
-    return out
+    return {**final_metrics(info, state, losses, accs, data.x_val, data.y_val),
+            "last_step_loss": last.train_loss}

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import threading
@@ -12,6 +11,7 @@ from typing import Any
 from agent.config import AgentConfig, save
 from agent.probes import Probes
 from agent.runtime.agent import AgentRuntime
+from tests.support.env import without_settings
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -52,7 +52,7 @@ class AgentThread:
 def agent_process(config: Path, sysfs_root: Path | None, log: Path,
                   extra_env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
     """`phalanx-agent run --config ...` as a real process (python -m agent)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PHALANX_")}
+    env = without_settings()
     env.update(PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
     if sysfs_root is not None:
         env["PHALANX_SYSFS_ROOT"] = str(sysfs_root)

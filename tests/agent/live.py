@@ -6,7 +6,6 @@ tests sharing a server never train on each other's phones."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -21,10 +20,10 @@ import httpx
 from tests.agent import phone
 from tests.agent.helpers import REPO, agent_process
 from tests.support.databases import migrated_sqlite
+from tests.support.env import ADMIN_TOKEN, without_settings
 from tests.support.server import LiveServer, start_server
 from tests.support.waiting import wait_for
 
-ADMIN_TOKEN = "phx-admin-agent-tests-" + "0" * 20
 SERVER_ENV = {"PHALANX_LEASE_GRACE_S": "3", "PHALANX_HEARTBEAT_INTERVAL_S": "0.3",
               "PHALANX_RECONCILE_INTERVAL_S": "0.5"}
 CPU_ZONES = ("/sys/class/thermal/thermal_zone0/temp", "/sys/class/thermal/thermal_zone1/temp")
@@ -110,7 +109,7 @@ def enroll(server: LiveServer, tmp_path: Path, root: Path, *labels: str,
     home = tmp_path / f"phone-{uuid.uuid4().hex[:6]}"
     path = home / "config.json"
     label = uuid.uuid4().hex[:10]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PHALANX_")}
+    env = without_settings()
     env.update(PYTHONPATH=str(REPO), PHALANX_SYSFS_ROOT=str(root))
     args = [sys.executable, "-m", "agent", "enroll", "--server", server.url, "--token", token,
             "--name", "s10-a", "--config", str(path), "--label", f"phone={label}"]

@@ -19,10 +19,10 @@ from agent.runtime.heartbeat import HeartbeatLoop
 from agent.runtime.monitor import Monitor
 from agent.runtime.state import AgentState
 from tests.support.databases import migrated_sqlite
+from tests.support.env import ADMIN_TOKEN as ADMIN
 from tests.support.server import LiveServer, free_port, start_server
 from tests.support.waiting import wait_for
 
-ADMIN = "phx-admin-heartbeat-tests-" + "0" * 16
 TOKEN = "phx-dev-never-sent"  # the commands test handles replies; it sends nothing
 
 

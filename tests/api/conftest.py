@@ -17,8 +17,7 @@ from sqlalchemy import func, select
 from api.main import create_app
 from api.settings import Settings
 from api.store.models import utcnow
-
-ADMIN = "phx-adm-api-tests-" + "1" * 20
+from tests.support.env import ADMIN_TOKEN as ADMIN
 
 
 class FakeClock:

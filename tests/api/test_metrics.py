@@ -14,9 +14,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from api.main import create_app
 from api.metrics_store import integrate_power
 from tests.api.conftest import make_settings, sample
+from tests.support.env import ADMIN_TOKEN as ADMIN
 from tests.support.server import start_server
-
-ADMIN = "phx-admin-metrics-" + "2" * 20
 
 
 def scrape(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

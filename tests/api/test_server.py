@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
@@ -11,12 +10,13 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import psutil
 
+from tests.support.env import without_settings
 from tests.support.server import REPO_ROOT, free_port, start_server
 
 
 def _run_server_once(data_dir) -> str:
     """Start `phalanx server` without PHALANX_ADMIN_TOKEN, wait for /healthz, stop; its output."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PHALANX_")}
+    env = without_settings()
     env.update(PHALANX_DATA_DIR=str(data_dir), PYTHONUNBUFFERED="1")
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "phalanx.cli.main", "server", "--port",
@@ -49,7 +49,7 @@ def test_admin_token_is_generated_printed_once_and_stored(tmp_path):
 
 
 def test_db_upgrade_command(tmp_path):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PHALANX_")}
+    env = without_settings()
     env["PHALANX_DATA_DIR"] = str(tmp_path)
     out = subprocess.run([sys.executable, "-m", "phalanx.cli.main", "db", "upgrade"],
                          cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120)

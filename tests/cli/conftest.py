@@ -18,8 +18,8 @@ from click.testing import Result
 from typer.testing import CliRunner
 
 from phalanx.cli.main import app
-from tests.conftest import ADMIN_TOKEN
 from tests.support.databases import migrated_sqlite
+from tests.support.env import ADMIN_TOKEN
 from tests.support.server import LiveServer, start_server
 
 

@@ -3,7 +3,6 @@ summary, and the API's view of the finished job (through --keep-running)."""
 
 from __future__ import annotations
 
-import os
 import re
 import signal
 import subprocess
@@ -18,6 +17,7 @@ import pytest
 import yaml
 
 from tests.e2e.cluster import reference_metrics, rel_diff
+from tests.support.env import without_settings
 from tests.support.server import REPO_ROOT
 
 SMALL_JOB = {
@@ -73,7 +73,7 @@ class Reader:
 def test_demo_trains_through_faults_and_leaves_a_checkpoint(tmp_path: Path) -> None:
     spec = tmp_path / "small.yaml"
     spec.write_text(yaml.safe_dump(SMALL_JOB))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PHALANX_")}
+    env = without_settings()
     env.update(PYTHONUNBUFFERED="1", COLUMNS="160")
     cmd = [sys.executable, "-m", "phalanx.cli.main", "demo", "--phones", "3", "--job", str(spec),
            "--data-dir", str(tmp_path / "demo"), "--keep-running"]

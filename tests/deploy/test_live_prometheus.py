@@ -27,10 +27,10 @@ from tests.deploy.tools import (
 )
 from tests.e2e.cluster import Cluster
 from tests.support.databases import DEFAULT_REDIS_URL, PostgresTemplate, flushed_redis
+from tests.support.env import ADMIN_TOKEN as ADMIN
 from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.slow
-ADMIN = "phx-admin-test-" + "0" * 24
 
 
 def spec(name: str, epochs: int) -> dict[str, Any]:

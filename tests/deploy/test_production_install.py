@@ -27,12 +27,13 @@ import yaml
 
 from api.store.db import libpq_url
 from tests.e2e.cluster import Cluster, Install, reference_metrics, rel_diff
+from tests.support.env import ADMIN_TOKEN as ADMIN
+from tests.support.env import without_settings
 from tests.support.server import REPO_ROOT, free_port, start_server
 from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 
-ADMIN = "phx-admin-test-" + "0" * 24
 DOCKERFILE = REPO_ROOT / "deploy" / "Dockerfile"
 
 
@@ -240,7 +241,7 @@ def no_packaging(tmp_path: Path) -> dict[str, str]:
 
 def test_a_worker_without_its_broker_transport_stops_with_one_line(
         no_packaging: dict[str, str], redis_url: str) -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PHALANX_")}
+    env = without_settings()
     env.update(no_packaging, PHALANX_REDIS_URL=redis_url)
     proc = subprocess.run([sys.executable, "-m", "phalanx.cli.main", "worker"], cwd=REPO_ROOT,
                           env=env, capture_output=True, text=True, timeout=60)
@@ -250,7 +251,7 @@ def test_a_worker_without_its_broker_transport_stops_with_one_line(
 
 
 def test_a_worker_with_no_broker_gives_up_after_its_wait_with_one_line() -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PHALANX_")}
+    env = without_settings()
     env.update(PYTHONPATH=str(REPO_ROOT), PHALANX_REDIS_URL="redis://:secret@127.0.0.1:1/0")
     proc = subprocess.run([sys.executable, "-m", "phalanx.cli.main", "worker",
                            "--broker-wait", "1"], cwd=REPO_ROOT, env=env, capture_output=True,

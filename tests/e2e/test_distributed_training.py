@@ -13,11 +13,11 @@ import pytest
 import redis
 
 from tests.e2e.cluster import Cluster, reference_metrics, rel_diff
+from tests.support.env import ADMIN_TOKEN as ADMIN
 from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 
-ADMIN = "phx-admin-test-" + "0" * 24
 TOLERANCE = 1e-5
 
 

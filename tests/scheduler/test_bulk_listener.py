@@ -20,6 +20,7 @@ from scheduler import context, keys
 from scheduler.tasks.steps import run_apply_step
 from tests.scheduler.helpers import job, shard_result_blobs
 from tests.scheduler.test_protocol import ADMIN, admin, running_job, shards_of
+from tests.support.waiting import wait_for
 
 LIMIT = 4 * 1024 * 1024
 
@@ -198,8 +199,22 @@ def test_bodies_held_at_once_are_bounded_and_a_stalled_one_frees_its_place(
     buffer per connection."""
     import threading
 
+    class Place:
+        """One place for a body; counts who asked for it (the listener enters it with `with`)."""
+
+        def __init__(self) -> None:
+            self.inner, self.asked = threading.BoundedSemaphore(1), 0
+
+        def __enter__(self) -> None:
+            self.asked += 1
+            self.inner.acquire()
+
+        def __exit__(self, *exc: object) -> None:
+            self.inner.release()
+
+    place = Place()
     with make_client(sqlite_url, tmp_path, bulk_port=0) as client:
-        client.app.state.bulk_listener.bodies = threading.BoundedSemaphore(1)
+        client.app.state.bulk_listener.bodies = place
         job_id, [(dev, hdr), _] = running_job(client)
         blobs = shard_result_blobs(context.get_context(), job_id, 0)
         mine = shards_of(job_id, dev)
@@ -208,13 +223,14 @@ def test_bodies_held_at_once_are_bounded_and_a_stalled_one_frees_its_place(
         staller.sendall((f"POST {gradients(job_id)} HTTP/1.1\r\nHost: x\r\nAuthorization: "
                          f"{hdr['Authorization']}\r\nContent-Length: {len(blobs[mine[0]])}\r\n\r\n"
                          ).encode() + blobs[mine[0]][:100])
+        wait_for("the trickling upload to take the one place", lambda: place.asked == 1)
         answers: list[httpx.Response] = []
         waiter = threading.Thread(target=lambda: answers.append(httpx.post(
             listener_url(client) + gradients(job_id), content=blobs[mine[1]], headers=hdr,
             timeout=60)))
         waiter.start()
-        waiter.join(1.0)
-        assert not answers  # still waiting for the one place
+        wait_for("both uploads to ask for the one place", lambda: place.asked == 2)
+        assert not answers  # the second waits: it has not got the place the trickler holds
         staller.close()
         waiter.join(60)
         assert answers and answers[0].json() == {"accepted": [mine[1]], "duplicates": []}

@@ -24,9 +24,8 @@ from scheduler.protocol import ForeignShard
 from scheduler.tasks.reconcile import run_reconcile, run_reconcile_job
 from scheduler.tasks.steps import run_apply_step
 from tests.scheduler.helpers import assignments, job, shard_result_blobs, tiny_spec
+from tests.support.env import ADMIN_TOKEN as ADMIN
 from wire.messages import decode_results, decode_weights, encode_results
-
-ADMIN = "phx-admin-test-" + "1" * 24
 
 
 @pytest.fixture

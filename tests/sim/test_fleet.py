@@ -18,8 +18,8 @@ from typer.testing import CliRunner
 from phalanx.cli.main import app
 from phalanx.sim.fleet import Backoff, FleetOptions, run_fleet
 from phalanx.train_local import run_reference
-from tests.conftest import ADMIN_TOKEN
 from tests.support.databases import migrated_sqlite
+from tests.support.env import ADMIN_TOKEN
 from tests.support.server import LiveServer, free_port, start_server
 
 

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import httpx
 
+from tests.support.env import without_settings
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -84,7 +86,7 @@ def start_server(
     repository."""
     port = port or free_port()
     data_dir.mkdir(parents=True, exist_ok=True)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PHALANX_")}
+    env = without_settings()
     env.update(
         PHALANX_DATABASE_URL=database_url,
         PHALANX_DATA_DIR=str(data_dir),
