@@ -28,8 +28,10 @@ from engine.upload import validate_npz
 __all__ = ["Dataset", "DatasetInfo", "DatasetError", "validate_npz", "load_dataset",
            "dataset_info", "list_datasets", "upload_path", "NAME_RE"]
 
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
-_SYNTH_RE = re.compile(r"^synthetic(?::(\d+)x(\d+)x(\d+))?(?::(\d+))?(?::(\d+))?(?::(\d+))?$")
+# \Z, not $ (which also matches before a final newline: "adv5\n" would pass); [0-9], not \d
+# (which matches any Unicode digit)
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}\Z")
+_SYNTH_RE = re.compile(r"^synthetic(?::([0-9]+)x([0-9]+)x([0-9]+))?(?::([0-9]+))?(?::([0-9]+))?(?::([0-9]+))?\Z")
 _DIGITS_SPLIT_SEED = 0
 MAX_SYNTHETIC_VALUES = 2**28  # about 1 GiB of float32 in all
 

@@ -80,7 +80,8 @@ class BrokerProblem:
     (a broken install; waiting will not help); `unreachable`: the broker does not answer."""
 
     kind: Literal["transport", "unreachable"]
-    detail: str
+    detail: str  # for the operator: logs, `phalanx worker`'s exit line
+    public: str  # for anyone who asks /readyz: the cause, without addresses or driver text
 
 
 def broker_problem(celery: Celery, timeout_s: float = 2.0) -> BrokerProblem | None:
@@ -92,14 +93,16 @@ def broker_problem(celery: Celery, timeout_s: float = 2.0) -> BrokerProblem | No
         # kombu imports the transport module here, lazily, for the URL's scheme
         conn = celery.connection_for_write(connect_timeout=timeout_s)
     except ImportError as exc:
-        return BrokerProblem("transport", f"the broker's transport cannot load ({exc}): "
-                             "reinstall phalanx with its dependencies (celery[redis])")
+        detail = (f"the broker's transport cannot load ({exc}): reinstall phalanx with its "
+                  "dependencies (celery[redis])")
+        return BrokerProblem("transport", detail, detail)
     try:
         try:
             conn.ensure_connection(max_retries=1, interval_start=0, timeout=timeout_s)
         except Exception as exc:  # noqa: BLE001 - any failure to connect is the answer
             return BrokerProblem("unreachable", f"the broker at {conn.as_uri()} does not answer "
-                                 f"({type(exc).__name__}: {exc})")
+                                 f"({type(exc).__name__}: {exc})",
+                                 f"the broker does not answer ({type(exc).__name__})")
         return None
     finally:
         conn.release()

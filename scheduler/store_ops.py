@@ -13,9 +13,10 @@ from sqlalchemy import delete, select, update
 from sqlalchemy.orm import Session
 
 from api.store.models import Device, Event, Job, ShardAssignment
+from api.store.states import Event as StateEvent
+from api.store.states import JobState, transition
 from scheduler.policy.types import DeviceView
 
-ACTIVE = ("Pending", "Running")
 TERMINAL = ("Succeeded", "Failed", "Cancelled")
 
 
@@ -202,9 +203,8 @@ def shard_counts(mapping: Mapping[int, str]) -> dict[str, int]:
 
 def fail_job(session: Session, job: Job, reason: str, now: dt.datetime) -> bool:
     """Running or Pending -> Failed with a reason; releases its shards. True if it changed."""
-    won = guarded_job_update(session, job.id, {"state": ACTIVE}, state="Failed", reason=reason,
-                             finished_at=now)
+    won = transition(session, job.id, JobState.FAILED, StateEvent("Failed", reason, "Warning"),
+                     now=now, reason=reason, finished_at=now)
     if won:
         release(session, job.id)
-        record_event(session, "Failed", reason, now=now, job_id=job.id, kind="Warning")
     return won

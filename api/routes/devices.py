@@ -8,7 +8,7 @@ from fastapi import APIRouter, Query, Request, Response
 
 from api.deps import AdminDep, ClockDep, SessionDep, SettingsDep, UserDep
 from api.fast_path import heartbeat_reply
-from api.schemas.common import EventRead, Page, page_of
+from api.schemas.common import EventRead, Limit, Offset, Page, page_of
 from api.schemas.devices import (
     DeviceRead,
     DeviceRegister,
@@ -20,8 +20,6 @@ from api.schemas.devices import (
 from api.store import devices, events, lifecycle
 
 router = APIRouter(prefix="/v1/devices", tags=["devices"])
-Limit = Query(100, ge=1, le=1000)
-Offset = Query(0, ge=0)
 
 
 @router.post("/register", status_code=201, response_model=DeviceRegistered)

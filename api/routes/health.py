@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+
+import redis
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from sqlalchemy import text
@@ -9,6 +12,7 @@ from starlette.concurrency import run_in_threadpool
 
 from scheduler.celery_app import broker_problem
 
+log = logging.getLogger(__name__)
 router = APIRouter(tags=["health"])
 
 
@@ -19,27 +23,30 @@ async def healthz() -> dict[str, str]:
 
 
 def _check(request: Request) -> dict[str, str]:
+    """What does not work, by part. The answer names the part and the error's class only
+    (anyone may ask /readyz); the full error goes to the log."""
     problems: dict[str, str] = {}
     try:
         with request.app.state.engine.connect() as conn:
             conn.execute(text("SELECT 1"))
     except Exception as exc:
-        problems["database"] = f"database unreachable: {type(exc).__name__}: {exc}"[:500]
+        log.warning("readyz: database unreachable: %s", exc)
+        problems["database"] = f"database unreachable ({type(exc).__name__})"
     redis_url = request.app.state.settings.redis_url
     if redis_url:
-        import redis
-
         try:
             client = redis.Redis.from_url(redis_url, socket_connect_timeout=1, socket_timeout=1)
             client.ping()
             client.close()
         except Exception as exc:
-            problems["redis"] = f"redis unreachable: {type(exc).__name__}: {exc}"[:500]
+            log.warning("readyz: redis unreachable: %s", exc)
+            problems["redis"] = f"redis unreachable ({type(exc).__name__})"
         # the broker apart from the blob store: its transport is a separate import that a
         # broken install lacks while redis-py itself works
         problem = broker_problem(request.app.state.celery, timeout_s=1.0)
         if problem is not None:
-            problems["broker"] = problem.detail[:500]
+            log.warning("readyz: %s", problem.detail)
+            problems["broker"] = problem.public
     return problems
 
 

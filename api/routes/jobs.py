@@ -6,13 +6,11 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import FileResponse
 
 from api.deps import ClockDep, SessionDep, SettingsDep, UserDep
-from api.schemas.common import EventRead, Page, page_of
+from api.schemas.common import EventRead, Limit, Offset, Page, page_of
 from api.schemas.jobs import JobCreate, JobRead, StepMetricRead
 from api.store import events, jobs
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
-Limit = Query(100, ge=1, le=1000)
-Offset = Query(0, ge=0)
 
 
 def _read(job, held: jobs.Holdings | None = None) -> JobRead:

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Request
 
 from api.auth import expires_in
 from api.deps import AdminDep, ClockDep, SessionDep, SettingsDep
-from api.schemas.common import Page, page_of
+from api.schemas.common import Limit, Offset, Page, page_of
 from api.schemas.tokens import (
     ApiTokenCreate,
     ApiTokenCreated,
@@ -18,8 +18,6 @@ from api.schemas.tokens import (
 from api.store import tokens
 
 router = APIRouter(prefix="/v1", tags=["tokens"])
-Limit = Query(100, ge=1, le=1000)
-Offset = Query(0, ge=0)
 
 
 @router.post("/enrollment-tokens", status_code=201, response_model=EnrollmentTokenCreated)

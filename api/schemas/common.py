@@ -7,14 +7,23 @@ import re
 from typing import Annotated, Any, Generic, TypeVar
 from urllib.parse import parse_qsl
 
+from fastapi import Query
 from fastapi.exceptions import RequestValidationError
 from pydantic import AfterValidator, BaseModel, ConfigDict, ValidationError
 
 T = TypeVar("T")
 M = TypeVar("M", bound=BaseModel)
 
-_LABEL_KEY = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9_./-]{0,61}[A-Za-z0-9])?$")
-_LABEL_VALUE = re.compile(r"^[A-Za-z0-9_./-]{0,63}$")
+# \Z, not $: $ also matches before a final newline
+_LABEL_KEY = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9_./-]{0,61}[A-Za-z0-9])?\Z")
+_LABEL_VALUE = re.compile(r"^[A-Za-z0-9_./-]{0,63}\Z")
+
+
+# every list's paging, once: an offset past any table is a clear 422, not Postgres' bigint
+# overflow (a 500)
+MAX_OFFSET = 2**31 - 1
+Limit = Query(100, ge=1, le=1000, description="how many items at most")
+Offset = Query(0, ge=0, le=MAX_OFFSET, description="where the page starts (next_offset)")
 
 
 class RequestModel(BaseModel):

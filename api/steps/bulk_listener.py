@@ -71,7 +71,7 @@ def content_length(value: str | None, limit: int) -> int:
     """The body's announced size, refused (411/400/413) unless it is a number within `limit`."""
     if value is None:
         raise LengthRequired("Content-Length is required for a gradient upload")
-    if not value.strip().isdigit():
+    if not re.fullmatch(r"[0-9]{1,19}", value.strip()):  # str.isdigit() takes "²" and "٣"
         raise BadRequest(f"Content-Length {value!r} is not a byte count")
     length = int(value)
     if length > limit:

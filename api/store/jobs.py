@@ -8,13 +8,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import select, update
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from api.errors import Conflict, Forbidden, Invalid, NotFound
 from api.store import events
 from api.store.models import Checkpoint, Job, ShardAssignment, StepMetric
-from api.store.states import FINISHED_STATES, JOB_STATES
+from api.store.states import JOB_STATES, JobState, transition
+from api.store.states import Event as StateEvent
 from api.store.tokens import Principal
 from engine.data import DatasetError, dataset_info
 from engine.sampler import total_steps
@@ -116,15 +117,12 @@ def cancel_job(session: Session, job_id: str, now: dt.datetime, principal: Princ
     job = get_job(session, job_id)
     check_may_cancel(job, principal)
     by = principal.name or principal.kind
-    result = session.execute(
-        update(Job).where(Job.id == job_id, Job.state.not_in(FINISHED_STATES))
-        .values(state="Cancelled", reason=f"cancelled by {by}", finished_at=now, updated=now),
-        execution_options={"synchronize_session": False},
-    )
-    if result.rowcount != 1:  # type: ignore[attr-defined]
+    cancelled = transition(session, job_id, JobState.CANCELLED,
+                           StateEvent("Cancelled", f"cancelled by {by}"), now=now,
+                           reason=f"cancelled by {by}", finished_at=now)
+    if not cancelled:
         session.refresh(job)
         raise Conflict(f"job {job_id} already finished ({job.state}); nothing to cancel")
-    events.record(session, "Cancelled", f"cancelled by {by}", now=now, job_id=job_id)
     session.flush()
     session.refresh(job)
     return job

@@ -1,9 +1,25 @@
-"""The states a job and a device can be in: defined here once, read by the store, the schemas,
-the metrics and the scheduler. `str` enums, so a state compares equal to its stored string."""
+"""The states a job and a device can be in, and the one way a job changes state.
+
+Defined here once, read by the store, the schemas, the metrics and the scheduler. `str` enums,
+so a state compares equal to its stored string. `transition` is a job's only way from one state
+to another: a guarded UPDATE that wins only from a state allowed to reach the new one (and only
+if the caller's other expectations, such as the step, still hold), with its event recorded in
+the same transaction, as Prefect's orchestration rules guard a flow run's state.
+"""
 
 from __future__ import annotations
 
+import datetime as dt
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
+
+from sqlalchemy import update
+from sqlalchemy.orm import Session
+
+from api.store import events
+from api.store.models import Job
 
 
 class JobState(str, Enum):
@@ -24,4 +40,48 @@ class DeviceState(str, Enum):
 JOB_STATES: tuple[str, ...] = tuple(s.value for s in JobState)
 FINISHED_STATES: tuple[str, ...] = (JobState.SUCCEEDED.value, JobState.FAILED.value,
                                     JobState.CANCELLED.value)
+ACTIVE_STATES: tuple[str, ...] = (JobState.PENDING.value, JobState.RUNNING.value)
 DEVICE_STATES: tuple[str, ...] = tuple(s.value for s in DeviceState)
+
+# from -> the states it may go to; a finished job never changes again
+ALLOWED: Mapping[JobState, frozenset[JobState]] = {
+    JobState.PENDING: frozenset({JobState.RUNNING, JobState.CANCELLED, JobState.FAILED}),
+    JobState.RUNNING: frozenset({JobState.PENDING, JobState.SUCCEEDED, JobState.CANCELLED,
+                                 JobState.FAILED}),
+}
+
+
+def sources(to: JobState) -> tuple[str, ...]:
+    """The states a job may be in to move to `to`."""
+    return tuple(s.value for s, targets in ALLOWED.items() if to in targets)
+
+
+@dataclass(frozen=True)
+class Event:
+    """The event a transition records: reason, message, and optional kind and data."""
+
+    reason: str
+    message: str
+    kind: str = "Normal"
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+def transition(session: Session, job_id: str, to: JobState, event: Event, *,
+               now: dt.datetime, expect: Mapping[str, Any] | None = None,
+               **values: Any) -> bool:
+    """Move the job to `to` from any state allowed to reach it, if every column in `expect`
+    still has its value (a tuple: one of its values), setting `values` too; record `event`.
+    False, and nothing recorded, when the job was not in such a state: another writer moved it
+    first, or the move is not allowed."""
+    allowed = sources(to)
+    stmt = update(Job).where(Job.id == job_id, Job.state.in_(allowed))
+    for column, value in (expect or {}).items():
+        col = getattr(Job, column)
+        stmt = stmt.where(col.in_(value) if isinstance(value, (tuple, list)) else col == value)
+    result = session.execute(stmt.values(state=to.value, updated=now, **values)
+                             .execution_options(synchronize_session=False))
+    if not result.rowcount:  # type: ignore[attr-defined]
+        return False
+    events.record(session, event.reason, event.message, now=now, job_id=job_id,
+                  kind=event.kind, data=event.data)
+    return True

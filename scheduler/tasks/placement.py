@@ -13,6 +13,8 @@ from dataclasses import dataclass, field, replace
 from sqlalchemy.orm import Session
 
 from api.store.models import Job
+from api.store.states import Event as StateEvent
+from api.store.states import JobState, transition
 from scheduler import keys, store_ops
 from scheduler.context import SchedulerContext
 from scheduler.jobinfo import job_info_or_reason
@@ -126,12 +128,11 @@ def keep_running(ctx: SchedulerContext, session: Session, job: Job, fleet: Fleet
 def to_pending(session: Session, job: Job, reason: str, now: dt.datetime, event: str,
                result: PassResult) -> None:
     """Back to Pending with its step kept; it resumes there when placed again."""
-    won = store_ops.guarded_job_update(session, job.id, {"state": "Running", "step": job.step},
-                                       state="Pending", reason=reason)
-    if won:
+    paused = StateEvent(event, f"{reason}; paused at step {job.step}", "Warning",
+                        {"step": job.step})
+    if transition(session, job.id, JobState.PENDING, paused, now=now, expect={"step": job.step},
+                  reason=reason):
         store_ops.release(session, job.id)
-        store_ops.record_event(session, event, f"{reason}; paused at step {job.step}", now=now,
-                               job_id=job.id, kind="Warning", data={"step": job.step})
         result.waiting.append(job.id)
 
 
@@ -154,20 +155,16 @@ def place_pending(ctx: SchedulerContext, session: Session, job: Job, fleet: Flee
             store_ops.guarded_job_update(session, job.id, {"state": "Pending"}, reason=plan.reason)
         return
     total = job.total_steps or info.total_steps
-    won = store_ops.guarded_job_update(
-        session, job.id, {"state": "Pending", "step": job.step}, state="Running", reason=None,
-        started_at=job.started_at or now, step_started_at=now, total_steps=total,
-    )
-    if not won:
+    scheduled = StateEvent(
+        "Scheduled", f"placed on {len(plan.devices)} device(s) at step {job.step}: "
+        + ", ".join(f"{d}={n}" for d, n in sorted(store_ops.shard_counts(plan.shards).items())),
+        data={"devices": list(plan.devices), "step": job.step})
+    if not transition(session, job.id, JobState.RUNNING, scheduled, now=now,
+                      expect={"step": job.step}, reason=None, started_at=job.started_at or now,
+                      step_started_at=now, total_steps=total):
         return
     store_ops.set_primaries(session, job.id, plan.shards, since_step=job.step)
     fleet.assign(job.id, plan.devices)
-    store_ops.record_event(
-        session, "Scheduled",
-        f"placed on {len(plan.devices)} device(s) at step {job.step}: "
-        + ", ".join(f"{d}={n}" for d, n in sorted(store_ops.shard_counts(plan.shards).items())),
-        now=now, job_id=job.id, data={"devices": list(plan.devices), "step": job.step},
-    )
     result.placed.append(job.id)
 
 

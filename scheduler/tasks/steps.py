@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from api.metrics_tasks import observe_task
 from api.store.db import transaction
 from api.store.models import Job, StepMetric
+from api.store.states import Event as StateEvent
+from api.store.states import JobState, transition
 from engine.data import load_dataset
 from engine.runner import final_metrics
 from engine.step import ShardResult, StepMetrics, TrainState
@@ -162,15 +164,20 @@ def commit_step(ctx: SchedulerContext, job: Job, info: JobInfo, m: StepMetrics,
     now = ctx.clock()
     devices_used = 0
     summary = {"train_loss": m.train_loss, "train_accuracy": m.train_accuracy, "lr": m.lr}
-    final_metrics = final_summary(ctx, job, info, m, new_state) if final else None
+    finished = final_summary(ctx, job, info, m, new_state) if final else None
     with transaction(ctx.session_factory) as session:
         seconds = (now - job.step_started_at).total_seconds() if job.step_started_at else None
         values: dict = {"step": new_state.step, "step_started_at": now,
-                        "metrics": final_metrics or {**(job.metrics or {}), **summary}}
+                        "metrics": finished or {**(job.metrics or {}), **summary}}
         if final:
-            values.update(state="Succeeded", finished_at=now, reason=None)
-        won = store_ops.guarded_job_update(session, job.id, {"step": m.step, "state": "Running"},
-                                           **values)
+            done = finished or {}
+            succeeded = StateEvent("Succeeded", f"trained {job.total_steps or done.get('steps')} "
+                                   f"steps; train_loss {done['train_loss']:.6g}", data=done)
+            won = transition(session, job.id, JobState.SUCCEEDED, succeeded, now=now,
+                             expect={"step": m.step}, finished_at=now, reason=None, **values)
+        else:
+            won = store_ops.guarded_job_update(session, job.id,
+                                               {"step": m.step, "state": "Running"}, **values)
         if not won:
             return False
         devices_used = len(store_ops.job_devices(session, job.id))
@@ -182,19 +189,11 @@ def commit_step(ctx: SchedulerContext, job: Job, info: JobInfo, m: StepMetrics,
         if ckpt is not None:
             session.add(ckpt.row(job.id))
         if final:
-            _finish(session, job, final_metrics or {}, now)
+            session.flush()
+            store_ops.release(session, job.id)
         else:
             boundary.at_step_boundary(ctx, session, job, info, new_state.step, now)
     return True
-
-
-def _finish(session, job: Job, metrics: dict, now) -> None:
-    session.flush()
-    store_ops.release(session, job.id)
-    store_ops.record_event(session, "Succeeded",
-                           f"trained {job.total_steps or metrics.get('steps')} steps; "
-                           f"train_loss {metrics['train_loss']:.6g}", now=now, job_id=job.id,
-                           data=metrics)
 
 
 def final_summary(ctx: SchedulerContext, job: Job, info: JobInfo, last: StepMetrics,
