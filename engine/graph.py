@@ -76,6 +76,30 @@ class LossGrad:
     stats: np.ndarray
 
 
+# A model the cluster will train: every phone holds its parameters, gradients and momentum
+# (12 bytes each) and the server a float64 sum. 200 M parameters (VGG-16 has 138 M, ResNet-50
+# 25.6 M) is 2.4 GB on a phone; past it a spec is refused before anything is allocated.
+MAX_PARAMS = 200_000_000
+
+
+class ModelTooLarge(ValueError):
+    """More parameters than MAX_PARAMS: refused before any array is allocated."""
+
+
+def plan_layout(arch: str, input_shape: tuple[int, ...], num_classes: int,
+                net: Sequential) -> Builder:
+    """The network's slots (no arrays allocated); ModelTooLarge past MAX_PARAMS."""
+    b = Builder()
+    out = net.build(tuple(input_shape), b)
+    if out != (num_classes,):
+        raise ValueError(f"{arch} ends in shape {out}, expected ({num_classes},)")
+    n_params = sum(s.size for s in b.params)
+    if n_params > MAX_PARAMS:
+        raise ModelTooLarge(f"{arch} on inputs {tuple(input_shape)} with {num_classes:,} classes "
+                            f"has {n_params:,} parameters; the limit is {MAX_PARAMS:,}")
+    return b
+
+
 class Model:
     """A built network: named layouts of params, buffers and stats, and its maths."""
 
@@ -83,10 +107,7 @@ class Model:
                  net: Sequential) -> None:
         self.arch, self.input_shape, self.num_classes, self.net = (
             arch, tuple(input_shape), num_classes, net)
-        b = Builder()
-        out = net.build(self.input_shape, b)
-        if out != (num_classes,):
-            raise ValueError(f"{arch} ends in shape {out}, expected ({num_classes},)")
+        b = plan_layout(arch, self.input_shape, num_classes, net)
         self.layout: dict[str, Slot] = {s.name: s for s in b.params}
         self.buffer_layout: dict[str, Slot] = {s.name: s for s in b.buffers}
         self.stats_layout: dict[str, Slot] = {s.name: s for s in b.stats}

@@ -7,7 +7,7 @@ from typing import Any
 
 from engine.base import Layer
 from engine.conv import Conv2d, DepthwiseConv2d
-from engine.graph import Model, Residual, Sequential
+from engine.graph import Model, Residual, Sequential, plan_layout
 from engine.layers import Dense, Dropout, Flatten, GlobalAvgPool, MaxPool, ReLU, ReLU6
 from engine.norm import BatchNorm
 
@@ -101,12 +101,26 @@ _BUILDERS: dict[str, Callable[..., list[Layer]]] = {
 }
 
 
-def build_model(arch: str, input_shape: tuple[int, int, int], num_classes: int,
-                options: dict[str, Any] | None = None) -> Model:
-    """The network for `arch` on inputs of shape (C, H, W) with `num_classes` outputs."""
+def _network(arch: str, input_shape: tuple[int, ...], num_classes: int,
+             options: dict[str, Any] | None) -> Sequential:
     if arch not in _BUILDERS:
         raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(ARCHS)}")
     if len(input_shape) != 3:
         raise ValueError(f"input_shape must be (C, H, W), got {tuple(input_shape)}")
-    layers = _BUILDERS[arch](tuple(input_shape), int(num_classes), dict(options or {}))
-    return Model(arch, tuple(int(d) for d in input_shape), int(num_classes), Sequential(layers))
+    return Sequential(_BUILDERS[arch](tuple(input_shape), int(num_classes), dict(options or {})))
+
+
+def build_model(arch: str, input_shape: tuple[int, int, int], num_classes: int,
+                options: dict[str, Any] | None = None) -> Model:
+    """The network for `arch` on inputs of shape (C, H, W) with `num_classes` outputs."""
+    net = _network(arch, input_shape, num_classes, options)
+    return Model(arch, tuple(int(d) for d in input_shape), int(num_classes), net)
+
+
+def parameter_count(arch: str, input_shape: tuple[int, ...], num_classes: int,
+                    options: dict[str, Any] | None = None) -> int:
+    """How many parameters `build_model` would make, without allocating them: ValueError for
+    a network that cannot be built, ModelTooLarge past MAX_PARAMS."""
+    net = _network(arch, input_shape, num_classes, options)
+    shape = tuple(int(d) for d in input_shape)
+    return sum(s.size for s in plan_layout(arch, shape, int(num_classes), net).params)

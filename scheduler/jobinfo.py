@@ -41,7 +41,7 @@ def job_info_or_reason(job_id: str, spec: dict[str, Any], data_dir: Path | str |
     """The job's engine objects, or why the engine cannot run it (e.g. its upload was deleted)."""
     try:
         return job_info(job_id, spec, data_dir), None
-    except (DatasetError, ValueError) as exc:  # SpecError is a ValueError
+    except (DatasetError, ValueError, MemoryError) as exc:  # SpecError, ModelTooLarge: ValueError
         return None, f"cannot run this spec: {exc}"
 
 

@@ -18,7 +18,9 @@ from api.store.states import JOB_STATES, JobState, transition
 from api.store.states import Event as StateEvent
 from api.store.tokens import Principal
 from engine.data import DatasetError, dataset_info
+from engine.models import parameter_count
 from engine.sampler import total_steps
+from engine.spec import TrainSpec
 
 
 def dataset_facts(name: str, data_dir: Path) -> Any:
@@ -35,10 +37,22 @@ def plan_total_steps(spec: dict[str, Any], data_dir: Path) -> int:
         raise Invalid("shards", f"shards ({spec['shards']}) must be <= the {info.n_train} "
                       f"training samples of dataset {spec['dataset']!r}")
     try:
-        return total_steps(info.n_train, spec["shards"], spec["global_batch_size"],
-                           spec["epochs"])
+        steps = total_steps(info.n_train, spec["shards"], spec["global_batch_size"],
+                            spec["epochs"])
     except ValueError as exc:
         raise Invalid("global_batch_size", str(exc)) from exc
+    check_model(spec, info)
+    return steps
+
+
+def check_model(spec: dict[str, Any], info: Any) -> None:
+    """The model can be built on this dataset and is not too large for the fleet: counted
+    without allocating it (a spec with 10^9 classes must not cost the server 60 GB)."""
+    try:
+        train = TrainSpec.from_job_spec(spec, n_train=info.n_train)
+        parameter_count(train.arch, info.input_shape, info.num_classes, train.model_options)
+    except ValueError as exc:  # ModelTooLarge and SpecError are ValueErrors
+        raise Invalid("model", str(exc)) from exc
 
 
 def submit_job(session: Session, spec: dict[str, Any], *, total_steps: int,

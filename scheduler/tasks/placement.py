@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from functools import partial
 
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
 from api.store.models import Job
@@ -22,6 +26,8 @@ from scheduler.policy.eviction import EvictionLimits, allowed_evictions, prune
 from scheduler.policy.placement import feasible, keepable, place_gang, rebalance
 from scheduler.policy.preemption import plan_preemption
 from scheduler.policy.types import DeviceView, PlacementRequest, RunningJob
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -61,11 +67,28 @@ def placement_pass(ctx: SchedulerContext, session: Session, now: dt.datetime) ->
     fleet = Fleet(store_ops.all_device_views(session))
     budget = EvictionBudget(ctx, fleet, now)
     for job in store_ops.jobs_in(session, ["Running"]):
-        keep_running(ctx, session, job, fleet, budget, now, result)
+        alone(session, job, now, partial(keep_running, ctx, session, job, fleet, budget, now,
+                                         result))
     for job in store_ops.jobs_in(session, ["Pending"]):
-        place_pending(ctx, session, job, fleet, now, result)
+        alone(session, job, now, partial(place_pending, ctx, session, job, fleet, now, result))
     budget.save()
     return result
+
+
+def alone(session: Session, job: Job, now: dt.datetime, work: Callable[[], None]) -> None:
+    """One job's share of the pass, in a savepoint: if the job's own work raises, that job
+    fails with the reason and the pass goes on for every other (invariant 5). The database or
+    the network failing is not the job's fault: that still ends the pass, for the next one."""
+    try:
+        with session.begin_nested():
+            work()
+    except (SQLAlchemyError, OSError):
+        raise
+    except Exception as exc:  # MemoryError included: a spec whose model cannot be allocated
+        log.exception("placing %s failed; the job fails, the pass goes on", job.id)
+        why = f"the scheduler could not place it: {type(exc).__name__}: {exc}"[:1000]
+        with session.begin_nested():
+            store_ops.fail_job(session, job, why, now)
 
 
 class EvictionBudget:

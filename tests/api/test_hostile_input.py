@@ -78,3 +78,14 @@ def test_heartbeats_after_hostile_input_still_work(api) -> None:
     api.post("/v1/datasets", data={"name": "bad\n"},
              files={"file": ("d.npz", npz(), "application/octet-stream")})
     assert api.heartbeat(device, {"telemetry": [sample(100.0)]}).status_code == 200
+
+
+def test_a_model_too_large_to_allocate_is_a_422_with_its_size_and_the_limit(api) -> None:
+    """10^9 classes: 17,000,000,000 parameters (63 GB). Counted, not allocated."""
+    spec = {"name": "huge", "model": {"arch": "logreg"}, "dataset": "synthetic:1x4x4:1000000000:64",
+            "global_batch_size": 8, "shards": 2, "epochs": 1}
+    resp = api.post("/v1/jobs", json=spec)
+    assert resp.status_code == 422, resp.text
+    detail = str(resp.json()["detail"])
+    assert "17,000,000,000 parameters" in detail and "200,000,000" in detail and "model" in detail
+    assert api.get("/v1/jobs").json()["items"] == []

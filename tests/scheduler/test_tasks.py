@@ -325,6 +325,28 @@ def test_a_job_the_engine_cannot_run_fails_with_a_reason_and_blocks_nobody(ctx) 
     assert run_reconcile_job(ctx, broken_id) == "released:0"
 
 
+def test_a_job_whose_model_cannot_be_allocated_or_placed_fails_alone(ctx) -> None:
+    """Specs that passed no API (rows written before a limit existed, or by hand): 10^9
+    classes (63 GB of parameters) and a placement that is not a number. Each fails with its
+    reason; the pass places the good job all the same, this time and the next."""
+    add_devices(ctx, 2)
+    huge_spec = tiny_spec(name="huge", dataset="synthetic:1x4x4:1000000000:64")
+    odd_spec = tiny_spec(name="odd", placement={"min_devices": "many"})
+    with transaction(ctx.session_factory) as s:
+        bad = [Job(name=spec["name"], spec=spec, state="Pending") for spec in (huge_spec, odd_spec)]
+        s.add_all(bad)
+        s.flush()
+        huge, odd = (j.id for j in bad)
+    fine = submit(ctx, tiny_spec(name="fine"))
+    run_reconcile(ctx)
+    assert job(ctx, huge).state == "Failed" and "the limit is 200,000,000" in job(ctx, huge).reason
+    assert job(ctx, odd).state == "Failed" and "could not place it" in job(ctx, odd).reason
+    assert "Failed" in event_reasons(ctx, odd)
+    assert job(ctx, fine).state == "Running"
+    run_reconcile(ctx)  # and the next pass goes on too
+    assert job(ctx, fine).state == "Running"
+
+
 def test_a_persistent_straggler_gets_fewer_shards_at_the_boundary(ctx) -> None:
     from scheduler.tasks.stragglers import remember_late
 
