@@ -18,16 +18,26 @@ from api.store.models import Device, TelemetrySample
 def register_device(session: Session, *, enrollment_secret: str, name: str,
                     labels: dict[str, str], spec: dict[str, Any], now: dt.datetime
                     ) -> tuple[Device, str]:
-    """Use one enrollment, create the device (leased from now) and its token."""
+    """Use one enrollment, create the device (leased from now) and its token. The enrollment
+    token's labels are the admin's word and win over the device's own; a device that asked
+    for another value of one of them is recorded in the Registered event."""
     enrollment = tokens.use_enrollment_token(session, enrollment_secret, now)
-    device = Device(name=name, labels={**enrollment.labels, **labels}, spec=spec, state=READY,
+    overridden = {k: v for k, v in labels.items()
+                  if k in enrollment.labels and enrollment.labels[k] != v}
+    device = Device(name=name, labels={**labels, **enrollment.labels}, spec=spec, state=READY,
                     cordoned=False, draining=False, lease_renewed_at=now, capabilities={},
                     profiles={}, latest_telemetry={})
     session.add(device)
     session.flush()
     _, secret = tokens.create_api_token(session, kind="device", name=name, device_id=device.id)
-    events.record(session, "Registered", f"enrolled as {name!r} with {enrollment.id}", now=now,
-                  device_id=device.id)
+    message = f"enrolled as {name!r} with {enrollment.id}"
+    if overridden:
+        message += "; the enrollment token's labels kept over the device's " + ", ".join(
+            f"{k}={v!r} (asked {overridden[k]!r})" for k, v in sorted(
+                (k, enrollment.labels[k]) for k in overridden))
+    events.record(session, "Registered", message, now=now, device_id=device.id,
+                  kind="Warning" if overridden else "Normal",
+                  data={"labels_refused": overridden} if overridden else None)
     return device, secret
 
 

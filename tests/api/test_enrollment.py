@@ -13,13 +13,20 @@ def _register(api, token: str, **extra):
 
 
 def test_register_returns_the_device_token_once_and_merges_labels(api):
-    token = api.enrollment_token(labels={"rack": "a", "zone": "1"}, max_uses=3)
-    resp = _register(api, token, labels={"zone": "2"}, spec={"soc": "sm8150", "npu": "hexagon"})
+    """The enrollment token's labels are the admin's: a device adds its own but cannot change
+    them (a phone enrolled into pool=untrusted cannot register as pool=trusted)."""
+    token = api.enrollment_token(labels={"rack": "a", "pool": "untrusted"}, max_uses=3)
+    resp = _register(api, token, labels={"pool": "trusted", "zone": "2"},
+                     spec={"soc": "sm8150", "npu": "hexagon"})
     assert resp.status_code == 201
     body = resp.json()
     assert body["device_token"].startswith("phx-dev-") and body["state"] == "Ready"
     device = api.get(f"/v1/devices/{body['device_id']}").json()
-    assert device["labels"] == {"rack": "a", "zone": "2"}
+    assert device["labels"] == {"rack": "a", "pool": "untrusted", "zone": "2"}
+    [registered] = api.get(f"/v1/devices/{body['device_id']}/events").json()["items"]
+    assert registered["kind"] == "Warning" and "pool='untrusted' (asked 'trusted')" in \
+        registered["message"]
+    assert registered["data"] == {"labels_refused": {"pool": "trusted"}}
     assert device["spec"] == {"soc": "sm8150", "npu": "hexagon"}  # unknown keys kept
     assert "device_token" not in device
     assert api.heartbeat(body).status_code == 200
