@@ -96,6 +96,10 @@ def broker_problem(celery: Celery, timeout_s: float = 2.0) -> BrokerProblem | No
         detail = (f"the broker's transport cannot load ({exc}): reinstall phalanx with its "
                   "dependencies (celery[redis])")
         return BrokerProblem("transport", detail, detail)
+    except Exception as exc:  # noqa: BLE001 - e.g. KeyError: a URL scheme kombu has no transport for
+        return BrokerProblem("transport", f"no broker transport for PHALANX_REDIS_URL "
+                             f"({type(exc).__name__}: {exc})",
+                             f"no broker transport for the configured URL ({type(exc).__name__})")
     try:
         try:
             conn.ensure_connection(max_retries=1, interval_start=0, timeout=timeout_s)

@@ -45,7 +45,7 @@ from wire.sockopts import set_socket_buffers
 log = logging.getLogger(__name__)
 MAX_BODIES = 16  # upload bodies read and checked at once per process (memory: 16 x the limit)
 SOCKET_TIMEOUT_S = 120.0
-UPLOAD = re.compile(r"/v1/jobs/([^/]+)/steps/([0-9]+)/gradients")
+UPLOAD = re.compile(r"/v1/jobs/([^/]+)/steps/([0-9]{1,18})/gradients")  # a step fits int64
 WEIGHTS = re.compile(r"/v1/jobs/([^/]+)/weights")
 # the API routes' templates: one series per route whichever port served it
 ROUTES = {"POST": "/v1/jobs/{job_id}/steps/{step}/gradients", "GET": "/v1/jobs/{job_id}/weights"}

@@ -23,7 +23,7 @@ from typing import Any
 from sqlalchemy import bindparam, insert, select, update
 from sqlalchemy.orm import Session
 
-from api.errors import Forbidden, Unauthorized
+from api.errors import Forbidden, Invalid, Unauthorized
 from api.schemas.devices import HeartbeatIn, Pause
 from api.store.events import event_row
 from api.store.lifecycle import NOT_READY, derive_state, leased_state_sql
@@ -43,6 +43,24 @@ class UnknownToken(Exception):
 class BatchOutcome:
     replies: list[dict[str, Any] | Exception]
     changed_devices: list[str] = field(default_factory=list)
+
+
+# A phone's clock is trusted only this far ahead of the server's; behind, no further than the
+# telemetry is kept (an older sample would be pruned at once, and ts=0 is a broken clock)
+MAX_CLOCK_AHEAD_S = 300.0
+
+
+def check_clock(body: HeartbeatIn, now: dt.datetime, retention_s: float) -> None:
+    """Every sample's `ts` within [now - retention, now + MAX_CLOCK_AHEAD_S], or Invalid
+    naming the first one that is not."""
+    earliest = now - dt.timedelta(seconds=retention_s)
+    latest = now + dt.timedelta(seconds=MAX_CLOCK_AHEAD_S)
+    for i, sample in enumerate(body.telemetry):
+        if not earliest <= sample.ts <= latest:
+            raise Invalid(f"telemetry.{i}.ts",
+                          f"{sample.ts.isoformat()} is not within the server's clock "
+                          f"{now.isoformat()} - {retention_s:g} s .. + {MAX_CLOCK_AHEAD_S:g} s: "
+                          "set the phone's clock")
 
 
 NODE_READY = ("NodeReady", "heartbeat renewed the lease")

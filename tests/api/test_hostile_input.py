@@ -11,8 +11,10 @@ import pytest
 from fastapi.testclient import TestClient
 
 from api.main import create_app
+from api.settings import Settings
 from api.steps.bulk_listener import BadRequest, content_length
 from api.store.models import Dataset
+from scheduler.celery_app import broker_problem, make_celery
 from tests.api.conftest import make_settings, sample
 
 
@@ -89,3 +91,9 @@ def test_a_model_too_large_to_allocate_is_a_422_with_its_size_and_the_limit(api)
     detail = str(resp.json()["detail"])
     assert "17,000,000,000 parameters" in detail and "200,000,000" in detail and "model" in detail
     assert api.get("/v1/jobs").json()["items"] == []
+
+
+def test_a_broker_url_with_no_transport_is_a_readiness_problem_not_a_crash() -> None:
+    problem = broker_problem(make_celery(Settings(redis_url="unix:///tmp/nothing.sock")))
+    assert problem is not None and problem.kind == "transport"
+    assert problem.public == "no broker transport for the configured URL (KeyError)"

@@ -337,3 +337,12 @@ def test_connections_get_the_configured_kernel_buffers(sqlite_url: str, tmp_path
         assert got == (2 * size, 2 * size)
     else:
         assert got[1] == default_rcv and got[0] != 2 * 100_000
+
+
+def test_a_step_number_past_int64_is_404_not_a_500(app_client: TestClient) -> None:
+    job_id, [(dev, hdr), _] = running_job(app_client)
+    r = httpx.post(listener_url(app_client) + f"/v1/jobs/{job_id}/steps/{'9' * 5000}/gradients",
+                   content=b"x" * 10, headers=hdr, timeout=30)
+    assert r.status_code == 404, r.text
+    assert httpx.get(listener_url(app_client) + f"/v1/jobs/{job_id}/weights",
+                     params={"step": 0}, headers=hdr, timeout=30).status_code == 200
