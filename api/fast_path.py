@@ -31,7 +31,7 @@ from api.limits import BodyTooLarge
 from api.schemas.common import parse_body
 from api.schemas.devices import HeartbeatIn
 from api.steps.handlers import work_reply
-from api.store.heartbeats import UnknownToken
+from api.store.heartbeats import UnknownToken, check_clock
 
 log = logging.getLogger(__name__)
 JSON_HEADERS = [(b"content-type", b"application/json")]
@@ -67,6 +67,7 @@ async def heartbeat_reply(state: Any, device_id: str, authorization: str | None,
     if principal is not None:
         check_device(principal, device_id)
     body = parse_body(HeartbeatIn, raw_body)
+    check_clock(body, state.clock())
     try:
         reply = await state.heartbeats.submit(device_id, token_hash, body)
     except UnknownToken:  # not a device token: 401 if unknown, 403 if a user/admin token

@@ -1,7 +1,9 @@
 """The heartbeat rules, once, and the SQLite writer's transaction.
 
-A batch of heartbeats (the group commit's) is first merged per device and token
-(`merge_batch`): the newest sample by its timestamp becomes the device's latest, the last value
+A heartbeat with a sample dated in the future (a phone's clock set wrong) is refused
+(`check_clock`, before it is queued). A batch (the group commit's) is merged per device and
+token (`merge_batch`): the newest sample by its timestamp becomes the device's latest unless
+the stored one is newer (the latest only moves forward), the last value
 sent of the agent version, capabilities, profiles and pause is kept, and every sample goes to
 the history. Then, per merged device whose token is valid for it: the lease is renewed, the
 state derived (`api.store.lifecycle`), a `NodeReady` event recorded when it was NotReady, and a
@@ -20,7 +22,7 @@ import datetime as dt
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import bindparam, insert, select, update
+from sqlalchemy import bindparam, case, insert, or_, select, update
 from sqlalchemy.orm import Session
 
 from api.errors import Forbidden, Invalid, Unauthorized
@@ -45,21 +47,21 @@ class BatchOutcome:
     changed_devices: list[str] = field(default_factory=list)
 
 
-# A phone's clock is trusted only this far ahead of the server's; behind, no further than the
-# telemetry is kept (an older sample would be pruned at once, and ts=0 is a broken clock)
+# A phone's clock is trusted only this far ahead of the server's. A sample from the future
+# would become the device's latest until its clock caught up, and never be pruned; the past is
+# accepted (an agent buffers through an outage): it never moves the latest back, and pruning
+# drops it once it is older than the retention.
 MAX_CLOCK_AHEAD_S = 300.0
 
 
-def check_clock(body: HeartbeatIn, now: dt.datetime, retention_s: float) -> None:
-    """Every sample's `ts` within [now - retention, now + MAX_CLOCK_AHEAD_S], or Invalid
-    naming the first one that is not."""
-    earliest = now - dt.timedelta(seconds=retention_s)
+def check_clock(body: HeartbeatIn, now: dt.datetime) -> None:
+    """Invalid, naming the first sample dated more than MAX_CLOCK_AHEAD_S after `now`."""
     latest = now + dt.timedelta(seconds=MAX_CLOCK_AHEAD_S)
     for i, sample in enumerate(body.telemetry):
-        if not earliest <= sample.ts <= latest:
+        if sample.ts > latest:
             raise Invalid(f"telemetry.{i}.ts",
-                          f"{sample.ts.isoformat()} is not within the server's clock "
-                          f"{now.isoformat()} - {retention_s:g} s .. + {MAX_CLOCK_AHEAD_S:g} s: "
+                          f"{sample.ts.isoformat()} is ahead of the server's clock "
+                          f"({now.isoformat()}) by more than {MAX_CLOCK_AHEAD_S:g} s: "
                           "set the phone's clock")
 
 
@@ -146,6 +148,11 @@ def _bulk_update(session: Session, rows: list[dict[str, Any]]) -> None:
         values: dict[str, Any] = {
             k: bindparam(k, type_=DEVICES.c[k].type) for k in keys if k != "b_id"
         }
+        if "latest_telemetry" in values:  # the latest sample only ever moves forward in time
+            newer = or_(DEVICES.c.latest_telemetry_at.is_(None),
+                        DEVICES.c.latest_telemetry_at < values["latest_telemetry_at"])
+            for column in ("latest_telemetry", "latest_telemetry_at"):
+                values[column] = case((newer, values[column]), else_=DEVICES.c[column])
         values["state"] = leased_state_sql()
         stmt = update(DEVICES).where(DEVICES.c.id == bindparam("b_id")).values(values)
         session.connection().execute(stmt, group)

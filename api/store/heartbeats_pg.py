@@ -37,8 +37,14 @@ WITH v AS (
     lease_renewed_at = %(now)s, updated = %(now)s,
     state = """ + STATE + """,
     pause_reason = v.pause,
-    latest_telemetry = COALESCE(v.tel, devices.latest_telemetry),
-    latest_telemetry_at = COALESCE(v.tel_at, devices.latest_telemetry_at),
+    latest_telemetry = CASE WHEN v.tel_at > devices.latest_telemetry_at
+                              OR devices.latest_telemetry_at IS NULL
+                            THEN COALESCE(v.tel, devices.latest_telemetry)
+                            ELSE devices.latest_telemetry END,
+    latest_telemetry_at = CASE WHEN v.tel_at > devices.latest_telemetry_at
+                                 OR devices.latest_telemetry_at IS NULL
+                               THEN COALESCE(v.tel_at, devices.latest_telemetry_at)
+                               ELSE devices.latest_telemetry_at END,
     agent_version = COALESCE(v.agent_version, devices.agent_version),
     capabilities = COALESCE(v.caps, devices.capabilities),
     profiles = COALESCE(v.profiles, devices.profiles)

@@ -216,3 +216,30 @@ def test_prune_telemetry_drops_old_history_but_keeps_the_latest_on_the_device(ap
     assert api.get(f"/v1/devices/{device['device_id']}").json()["latest_telemetry"]["power_w"] == 3.0
     assert api.count(Device) == 1 and api.count(Event) == 1
 
+
+
+def test_the_server_does_not_trust_a_phone_clock_set_in_the_future(api):
+    device = api.register("clock")
+    now = api.clock().timestamp()
+    for future in ("9999-12-31T23:59:59Z", now + 86400):
+        resp = api.heartbeat(device, {"telemetry": [sample(now - 5), {"ts": future}]})
+        assert resp.status_code == 422, resp.text
+        [error] = resp.json()["detail"]
+        assert error["loc"][-3:] == ["telemetry", "1", "ts"]
+        assert "ahead of the server's clock" in error["msg"]
+    assert api.count(TelemetrySample) == 0  # nothing of the refused heartbeat is stored
+    assert api.heartbeat(device, {"telemetry": [sample(now + 60)]}).status_code == 200  # skew ok
+
+
+def test_the_latest_sample_only_moves_forward(api):
+    """ts=0 (a clock reset to 1970) is stored in the history, but the device keeps showing its
+    newest sample, whichever order they arrive in."""
+    device = api.register("order")
+    now = api.clock().timestamp()
+    assert api.heartbeat(device, {"telemetry": [sample(now - 10, battery_pct=55.0)]}).status_code == 200
+    assert api.heartbeat(device, {"telemetry": [sample(0.0, battery_pct=1.0)]}).status_code == 200
+    shown = api.get(f"/v1/devices/{device['device_id']}").json()
+    assert shown["latest_telemetry"]["battery_pct"] == 55.0
+    assert shown["latest_telemetry_at"].startswith(
+        dt.datetime.fromtimestamp(now - 10, dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S"))
+    assert api.count(TelemetrySample) == 2
