@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from functools import partial
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Query, Request, Response
@@ -27,6 +28,7 @@ from api.steps.handlers import (
     WEIGHTS_HEADERS,
     SchedulerHooks,
     accept_upload,
+    carries_device_token,
     is_gradient_upload,
     long_poll_work,
     serve_weights,
@@ -121,7 +123,8 @@ def install(app: FastAPI, settings: Settings) -> None:
     app.state.scheduler_hooks = SchedulerHooks(ctx)
     app.include_router(router)
     _allow_big_gradients(app)
-    bulk_body.install(app, is_gradient_upload, settings.max_upload_bytes)
+    bulk_body.install(app, is_gradient_upload, settings.max_upload_bytes,
+                      partial(carries_device_token, app.state))
     if getattr(app.state, "start_scheduler", False):
         _run_embedded_scheduler(app)
     if settings.bulk_port is not None:

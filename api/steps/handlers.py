@@ -15,6 +15,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import URL
 
 from api.deps import check_device, principal_for
+from api.errors import ApiError
 from api.metrics import SHARD_RESULTS
 from api.schemas.common import parse_query
 from api.schemas.work import WorkOut
@@ -118,6 +119,18 @@ class SchedulerHooks:
             call()
         except Exception:  # noqa: BLE001
             log.warning("could not enqueue a scheduler task", exc_info=True)
+
+
+async def carries_device_token(state: Any, scope: dict[str, Any]) -> bool:
+    """Whether the request's headers hold a valid device token: only then is an upload's
+    body read (a stranger's costs the server its headers)."""
+    authorization = next((value.decode("latin-1") for name, value in scope["headers"]
+                          if name == b"authorization"), None)
+    try:
+        principal = await principal_for(state.authenticator, authorization)
+    except ApiError:
+        return False
+    return principal.kind == "device"
 
 
 def is_gradient_upload(path: object) -> bool:

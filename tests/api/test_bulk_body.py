@@ -32,10 +32,19 @@ class Recorder:
         await send({"type": "http.response.body", "body": b"ok"})
 
 
+async def anyone(scope: dict[str, Any]) -> bool:
+    return True
+
+
+async def nobody(scope: dict[str, Any]) -> bool:
+    return False
+
+
 def drive(path: str, pieces: list[bytes], *, length: int | None = None, method: str = "POST",
-          disconnect_after: int | None = None, limit: int = 1 << 20) -> tuple[Recorder, list]:
+          disconnect_after: int | None = None, limit: int = 1 << 20,
+          admits: Any = anyone) -> tuple[Recorder, list]:
     inner = Recorder()
-    app = WholeBodyReader(inner, is_gradient_upload, limit)
+    app = WholeBodyReader(inner, is_gradient_upload, limit, admits)
     headers = [] if length is None else [(b"content-length", str(length).encode())]
     scope = {"type": "http", "method": method, "path": path, "headers": headers}
     queue: list[dict[str, Any]] = [
@@ -76,6 +85,56 @@ def test_other_paths_uploads_without_a_length_and_oversized_uploads_pass_through
         path = kwargs.pop("path")
         inner, _ = drive(path, pieces, **kwargs)
         assert [m["body"] for m in inner.messages] == pieces, path
+
+
+def test_an_upload_without_a_device_token_is_not_read_here() -> None:
+    """Its body passes through in pieces to the stack, where the route refuses it from its
+    headers before reading it."""
+    pieces = [b"a" * 65536, b"b" * 10]
+    inner, _ = drive(UPLOAD, pieces, length=65546, admits=nobody)
+    assert [m["body"] for m in inner.messages] == pieces
+
+
+def test_at_most_max_bodies_are_held_at_once() -> None:
+    """With one place, a second upload does not start reading while the first is held."""
+
+    async def scenario() -> list[str]:
+        log: list[str] = []
+        gate = asyncio.Event()
+
+        async def inner(scope: dict[str, Any], receive: Any, send: Any) -> None:
+            log.append(f"app {scope['path']}")
+            await receive()
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b""})
+
+        reader = WholeBodyReader(inner, lambda path: True, 1 << 20, anyone, max_bodies=1)
+
+        def request(name: str, held: bool) -> Any:
+            async def receive() -> dict[str, Any]:
+                log.append(f"read {name}")
+                if held:
+                    await gate.wait()
+                return {"type": "http.request", "body": b"x", "more_body": False}
+
+            async def send(message: dict[str, Any]) -> None:
+                return None
+
+            scope = {"type": "http", "method": "POST", "path": name,
+                     "headers": [(b"content-length", b"1")]}
+            return reader(scope, receive, send)
+
+        first = asyncio.create_task(request("/first", held=True))
+        second = asyncio.create_task(request("/second", held=False))
+        for _ in range(20):  # let both run as far as they can
+            await asyncio.sleep(0)
+        log.append("release")
+        gate.set()
+        await asyncio.gather(first, second)
+        return log
+
+    assert asyncio.run(scenario()) == ["read /first", "release", "app /first", "read /second",
+                                       "app /second"]
 
 
 def test_the_app_built_by_create_app_reads_uploads_whole(tmp_path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 import time
@@ -10,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import psutil
 
+from tests.support.env import ADMIN_TOKEN as ADMIN
 from tests.support.env import without_settings
 from tests.support.server import REPO_ROOT, free_port, start_server
 
@@ -129,5 +131,25 @@ def test_bulk_port_flag_moves_or_turns_off_the_bulk_listener(sqlite_url, tmp_pat
         listening = {c.laddr.port for c in psutil.Process(server.process.pid).net_connections("tcp")
                      if c.status == psutil.CONN_LISTEN}
         assert listening == {port}
+    finally:
+        server.stop()
+
+
+def test_a_gradient_upload_without_a_valid_token_is_refused_before_its_body(
+        sqlite_url, tmp_path) -> None:
+    """A stranger announces a 60 MB upload and sends 1 MB of it: the answer (401) comes from
+    its headers, while the rest is still unsent; nothing waits to hold 60 MB for it."""
+    server = start_server(database_url=sqlite_url, data_dir=tmp_path / "d", admin_token=ADMIN)
+    port = int(server.url.rsplit(":", 1)[1])
+    try:
+        for token in ("nope", ADMIN):  # unknown, and valid but not a device's
+            with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+                sock.sendall(b"POST /v1/jobs/j/steps/0/gradients HTTP/1.1\r\nHost: x\r\n"
+                             b"Content-Length: 60000000\r\nAuthorization: Bearer "
+                             + token.encode() + b"\r\n\r\n" + b"\0" * 1_000_000)
+                head = sock.recv(100)
+            assert head.split(b"\r\n")[0] in (b"HTTP/1.1 401 Unauthorized",
+                                              b"HTTP/1.1 403 Forbidden"), head
+        assert httpx.get(f"{server.url}/healthz", timeout=10).status_code == 200
     finally:
         server.stop()
