@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import hashlib
 import os
+import uuid
 from pathlib import Path
 from typing import Any
 
 from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from api.errors import Conflict, Invalid
@@ -33,20 +35,29 @@ def validate_upload(data: bytes, max_bytes: int) -> Any:
 
 def store_dataset(session: Session, name: str, data: bytes, dataset: Any, data_dir: Path
                   ) -> Dataset:
-    """Write the file atomically, then the row; a duplicate name is 409 and writes nothing."""
+    """Claim the name with the row first, then write the file atomically; the caller's commit
+    publishes both. A duplicate name is 409 and writes nothing: of two uploads of one name at
+    once, the second waits at the row's insert until the first commits, then loses there,
+    before touching the file."""
     if session.get(Dataset, name) is not None:
         raise Conflict(f"dataset {name!r} already exists")
     folder = data_dir / "datasets"
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{name}.npz"  # a file without a row is a failed earlier upload: replaced
-    tmp = folder / f".{name}.{os.getpid()}.tmp"
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
     row = Dataset(name=name, path=str(path), n_samples=len(dataset.y_train),
                   input_shape=list(dataset.input_shape), num_classes=dataset.num_classes,
                   sha256=hashlib.sha256(data).hexdigest(), size_bytes=len(data))
     session.add(row)
-    session.flush()
+    try:
+        session.flush()
+    except IntegrityError:
+        raise Conflict(f"dataset {name!r} already exists") from None
+    tmp = folder / f".{name}.{uuid.uuid4().hex}.tmp"  # one per upload, even in one process
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
     return row
 
 

@@ -85,3 +85,26 @@ def test_upload_over_the_limit_is_413(db_url, tmp_path):
                            headers={"Authorization": f"Bearer {ADMIN}"})
     assert resp.status_code == 413
     app.state.engine.dispose()
+
+
+def test_concurrent_uploads_of_one_name_leave_one_dataset_whose_file_is_its_row(api):
+    """Ten pairs of different files uploaded under one name at once: each pair gives one 201
+    and one 409, and the stored file is the winner's, byte for byte (its sha256 is the row's)."""
+    import hashlib
+    from concurrent.futures import ThreadPoolExecutor
+    from pathlib import Path
+
+    for pair in range(10):
+        name = f"race{pair}"
+        files = [_npz(40 + k) for k in (0, 1)]
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            answers = list(pool.map(lambda data, n=name: _upload(api, n, data), files))
+        assert sorted(r.status_code for r in answers) == [201, 409], [r.text for r in answers]
+        winner = next(r.json() for r in answers if r.status_code == 201)
+        with api.app.state.session_factory() as s:
+            row = s.get(Dataset, name)
+            stored = Path(row.path).read_bytes()
+        assert hashlib.sha256(stored).hexdigest() == row.sha256 == winner["sha256"]
+        assert stored in files
+    leftovers = list((api.settings.data_dir / "datasets").glob(".*.tmp"))
+    assert leftovers == []
