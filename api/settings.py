@@ -5,7 +5,7 @@ from __future__ import annotations
 from functools import lru_cache
 from pathlib import Path
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from wire.sockopts import DEFAULT_SOCKET_BUFFER_BYTES
@@ -13,6 +13,9 @@ from wire.sockopts import DEFAULT_SOCKET_BUFFER_BYTES
 
 def _default_data_dir() -> Path:
     return Path.home() / ".local" / "share" / "phalanx"
+
+
+MIN_ADMIN_TOKEN_CHARS = 32
 
 
 class Settings(BaseSettings):
@@ -25,9 +28,20 @@ class Settings(BaseSettings):
         default=None, description="Celery broker and hot blob store; unset means embedded"
     )
     admin_token: SecretStr | None = Field(
-        default=None, description="admin bearer token; generated, printed once and stored hashed when unset"
+        default=None, description="admin bearer token, at least 32 characters (openssl rand "
+        "-hex 32); generated, printed once and stored hashed when unset"
     )
     data_dir: Path = Field(default_factory=_default_data_dir)
+
+    @field_validator("admin_token")
+    @classmethod
+    def _strong_admin_token(cls, value: SecretStr | None) -> SecretStr | None:
+        # a guessable admin token (a placeholder left in a manifest, "admin") is refused at
+        # start rather than served; generated tokens are 43 characters of 32 random bytes
+        if value is not None and len(value.get_secret_value().strip()) < MIN_ADMIN_TOKEN_CHARS:
+            raise ValueError(f"must be at least {MIN_ADMIN_TOKEN_CHARS} "
+                             "characters: make one with `openssl rand -hex 32`")
+        return value
 
     # node lifecycle
     lease_grace_s: float = 40.0

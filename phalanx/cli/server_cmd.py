@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import typer
 
+from phalanx.cli.settings import load_settings
+
 db_app = typer.Typer(help="Database schema commands.", no_args_is_help=True)
 
 
 def _prepare() -> tuple[object, str]:
     """Migrate the schema and make sure an admin token exists (printed once when generated)."""
     from api.auth import ensure_admin_token
-    from api.settings import Settings
     from api.store.db import make_engine, make_session_factory, upgrade
 
-    settings = Settings()
+    settings = load_settings()
     url = settings.resolved_database_url
     upgrade(url)
     if settings.admin_token is None:
@@ -70,10 +71,9 @@ def server(
 @db_app.command("upgrade")
 def db_upgrade() -> None:
     """Bring the database schema to the newest migration."""
-    from api.settings import Settings
     from api.store.db import upgrade
 
-    url = Settings().resolved_database_url
+    url = load_settings().resolved_database_url
     upgrade(url)
     typer.echo(f"database at {url.split('@')[-1]} is at the newest schema")
 

@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING
 import typer
 from tenacity import Retrying, retry_if_result, stop_after_delay, wait_exponential
 
+from phalanx.cli.settings import load_settings
+
 if TYPE_CHECKING:  # celery is imported by the command itself: `phalanx --help` stays quick
     from celery import Celery
 
@@ -39,10 +41,9 @@ def register(app: typer.Typer) -> None:
             help="seconds to wait at start for the broker to answer before giving up"),
     ) -> None:
         """Run scheduler tasks (reconcile, placement, apply_step) from the Redis broker."""
-        from api.settings import get_settings
+        settings = load_settings()  # before scheduler.celery_app: it reads them at import
         from scheduler.celery_app import configure
 
-        settings = get_settings()
         if settings.embedded:
             typer.echo("PHALANX_REDIS_URL is not set: in embedded mode `phalanx server` runs "
                        "the scheduler itself; a separate worker needs Redis.", err=True)

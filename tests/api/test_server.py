@@ -84,7 +84,7 @@ def test_live_server_concurrent_heartbeats_lose_no_sample(live_server):
 
 def test_postgres_server_with_two_workers(pg_url, tmp_path, redis_url):
     bulk_port = free_port()  # not API port + 1: another process may hold that one
-    server = start_server(database_url=pg_url, data_dir=tmp_path / "d", admin_token="phx-adm-x",
+    server = start_server(database_url=pg_url, data_dir=tmp_path / "d", admin_token=ADMIN,
                           redis_url=redis_url, args=["--workers", "2", "--bulk-port", str(bulk_port)])
     try:
         with server.client() as admin:
@@ -114,7 +114,7 @@ def test_postgres_server_with_two_workers(pg_url, tmp_path, redis_url):
 
 def test_bulk_port_flag_moves_or_turns_off_the_bulk_listener(sqlite_url, tmp_path):
     bulk = free_port()
-    server = start_server(database_url=sqlite_url, data_dir=tmp_path / "a", admin_token="phx-adm-x",
+    server = start_server(database_url=sqlite_url, data_dir=tmp_path / "a", admin_token=ADMIN,
                           args=["--bulk-port", str(bulk)])
     try:
         r = httpx.get(f"http://127.0.0.1:{bulk}/v1/jobs/j/weights", params={"step": 0}, timeout=10)
@@ -122,7 +122,7 @@ def test_bulk_port_flag_moves_or_turns_off_the_bulk_listener(sqlite_url, tmp_pat
     finally:
         server.stop()
     port = free_port()
-    server = start_server(database_url=sqlite_url, data_dir=tmp_path / "b", admin_token="phx-adm-x",
+    server = start_server(database_url=sqlite_url, data_dir=tmp_path / "b", admin_token=ADMIN,
                           port=port, args=["--bulk-port", "0"])
     try:
         assert httpx.get(f"{server.url}/healthz", timeout=10).status_code == 200
@@ -153,3 +153,16 @@ def test_a_gradient_upload_without_a_valid_token_is_refused_before_its_body(
         assert httpx.get(f"{server.url}/healthz", timeout=10).status_code == 200
     finally:
         server.stop()
+
+
+def test_a_guessable_admin_token_is_refused_at_start_in_one_line(sqlite_url, tmp_path) -> None:
+    env = {**without_settings(), "PYTHONPATH": str(REPO_ROOT),
+           "PHALANX_DATABASE_URL": sqlite_url, "PHALANX_DATA_DIR": str(tmp_path / "d")}
+    for placeholder in ("CHANGE-ME", "admin", "x" * 31):
+        for command in (["server", "--port", str(free_port())], ["db", "upgrade"]):
+            proc = subprocess.run([sys.executable, "-m", "phalanx.cli.main", *command],
+                                  env={**env, "PHALANX_ADMIN_TOKEN": placeholder},
+                                  capture_output=True, text=True, timeout=60, cwd=REPO_ROOT)
+            assert proc.returncode == 2, proc.stderr
+            assert proc.stderr.strip() == ("phalanx: PHALANX_ADMIN_TOKEN: must be at least 32 "
+                                           "characters: make one with `openssl rand -hex 32`")
