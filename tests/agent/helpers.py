@@ -1,7 +1,8 @@
-"""Running the real agent in tests: configs, threads, subprocesses."""
+"""Running the real agent in tests: configs, threads, subprocesses, a fake Termux."""
 
 from __future__ import annotations
 
+import stat
 import subprocess
 import sys
 import threading
@@ -60,3 +61,20 @@ def agent_process(config: Path, sysfs_root: Path | None, log: Path,
     with log.open("ab") as fh:
         return subprocess.Popen([sys.executable, "-m", "agent", "run", "--config", str(config)],
                                 cwd=REPO, env=env, stdout=fh, stderr=subprocess.STDOUT)
+
+
+FAKES = ("pkg", "pip", "sv-enable", "termux-wake-lock", "phalanx-agent", "sv")
+
+
+def fake_termux(tmp_path: Path) -> tuple[dict[str, str], Path]:
+    """A Termux prefix and home, and fakes of its commands that log each call: (env, log)."""
+    prefix, home, bin_dir = tmp_path / "usr", tmp_path / "home", tmp_path / "bin"
+    for d in (prefix / "bin", prefix / "etc" / "profile.d", home, bin_dir):
+        d.mkdir(parents=True)
+    calls = tmp_path / "calls.log"
+    for name in FAKES:
+        exe = bin_dir / name
+        exe.write_text(f'#!/bin/sh\necho "{name}${{*:+ $*}}" >> "{calls}"\n')
+        exe.chmod(exe.stat().st_mode | stat.S_IXUSR)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "PREFIX": str(prefix), "HOME": str(home)}
+    return env, calls

@@ -4,7 +4,6 @@ runtime is tested against the real one (tests/agent/test_runtime.py)."""
 
 from __future__ import annotations
 
-import io
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ from engine.models import build_model
 from engine.sampler import shard_indices
 from engine.spec import TrainSpec
 from engine.step import TrainState, initial_state
+from tests.support.arrays import npz_bytes
 from wire.messages import encode_weights
 
 JOB_ID = "job-test"
@@ -42,9 +42,8 @@ def step_zero(spec_json: dict[str, Any]) -> StepZero:
     data = load_dataset(spec_json["dataset"])
     blobs = {}
     for k, idx in enumerate(shard_indices(info.n_train, spec.shards, spec.seed)):
-        buf = io.BytesIO()
-        np.savez(buf, x=data.x_train[idx].astype(np.float32), y=data.y_train[idx].astype(np.int64))
-        blobs[k] = buf.getvalue()
+        blobs[k] = npz_bytes(x=data.x_train[idx].astype(np.float32),
+                             y=data.y_train[idx].astype(np.int64))
     return StepZero(spec_json, spec, model, initial_state(model, spec), blobs, info.n_train,
                     tuple(info.input_shape), info.num_classes)
 

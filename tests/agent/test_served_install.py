@@ -14,8 +14,7 @@ from pathlib import Path
 import httpx
 
 from api.agent_dist import build_archive
-from tests.agent.helpers import REPO
-from tests.agent.test_termux_install import fake_termux
+from tests.agent.helpers import REPO, fake_termux
 
 
 def test_install_sh_and_the_agent_archive_are_served_without_a_token(live_server) -> None:

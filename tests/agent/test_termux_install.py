@@ -3,28 +3,12 @@
 from __future__ import annotations
 
 import os
-import stat
 import subprocess
 from pathlib import Path
 
-from tests.agent.helpers import REPO
+from tests.agent.helpers import REPO, fake_termux
 
 SCRIPT = REPO / "deploy" / "termux" / "install.sh"
-FAKES = ("pkg", "pip", "sv-enable", "termux-wake-lock", "phalanx-agent", "sv")
-
-
-def fake_termux(tmp_path: Path) -> tuple[dict[str, str], Path]:
-    prefix, home, bin_dir = tmp_path / "usr", tmp_path / "home", tmp_path / "bin"
-    for d in (prefix / "bin", prefix / "etc" / "profile.d", home, bin_dir):
-        d.mkdir(parents=True)
-    calls = tmp_path / "calls.log"
-    for name in FAKES:
-        exe = bin_dir / name
-        exe.write_text(f'#!/bin/sh\necho "{name}${{*:+ $*}}" >> "{calls}"\n')
-        exe.chmod(exe.stat().st_mode | stat.S_IXUSR)
-    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "PREFIX": str(prefix), "HOME": str(home)}
-    return env, calls
-
 
 def test_install_sh_sets_up_packages_agent_service_and_boot(tmp_path: Path) -> None:
     env, calls = fake_termux(tmp_path)

@@ -2,20 +2,17 @@
 
 from __future__ import annotations
 
-import io
-
 import numpy as np
 import pytest
 
 from api.store.models import Dataset
+from tests.support.arrays import npz_bytes
 
 
 def _npz(n: int = 40, **arrays) -> bytes:
     rng = np.random.default_rng(0)
-    buf = io.BytesIO()
-    np.savez(buf, **(arrays or {"x": rng.random((n, 1, 4, 4), dtype=np.float32),
-                                "y": np.arange(n) % 3}))
-    return buf.getvalue()
+    return npz_bytes(**(arrays or {"x": rng.random((n, 1, 4, 4), dtype=np.float32),
+                                   "y": np.arange(n) % 3}))
 
 
 def _upload(api, name: str, data: bytes):

@@ -4,8 +4,6 @@ a count belongs, offsets past Postgres' bigint, and /readyz's errors."""
 
 from __future__ import annotations
 
-import io
-
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
@@ -16,12 +14,11 @@ from api.steps.bulk_listener import BadRequest, content_length
 from api.store.models import Dataset
 from scheduler.celery_app import broker_problem, make_celery
 from tests.api.conftest import make_settings, sample
+from tests.support.arrays import npz_bytes
 
 
 def npz() -> bytes:
-    buf = io.BytesIO()
-    np.savez(buf, x=np.zeros((8, 1, 4, 4), np.float32), y=np.arange(8) % 2)
-    return buf.getvalue()
+    return npz_bytes(x=np.zeros((8, 1, 4, 4), np.float32), y=np.arange(8) % 2)
 
 
 @pytest.mark.parametrize("name", ["adv5\n", "ok\n", "x\r\n", "a b"])

@@ -140,3 +140,38 @@ def test_metrics_still_answer_when_a_source_fails_and_say_which(sqlite_url, tmp_
     assert value(samples, "phalanx_metrics_source_up", source="queues") == 0
     assert value(samples, "phalanx_metrics_source_up", source="tasks") == 0
     assert value(samples, "phalanx_devices_registered") == 0  # the store's gauges are there
+
+
+def job_series(api) -> set[str]:
+    """The job ids that have a `phalanx_job_step` series on /metrics now."""
+    return {dict(labels)["job_id"] for (name, labels) in scrape(api.client.get("/metrics").text)
+            if name == "phalanx_job_step"}
+
+
+def test_job_series_are_live_jobs_and_those_finished_within_6_hours_at_most_50(api) -> None:
+    """Prometheus cost stays bounded however many jobs a lab runs: live jobs and jobs finished
+    in the last 6 hours get series, the newest 50 of them."""
+    from api.store.db import transaction
+    from api.store.models import Job
+
+    now = api.clock()
+    spec = {"name": "j", "model": {"arch": "logreg"}, "dataset": "digits"}
+
+    def add(state: str, created_min_ago: float, finished_h_ago: float | None = None) -> str:
+        with transaction(api.app.state.session_factory) as s:
+            job = Job(name="j", spec=spec, state=state, priority=0, step=0, total_steps=5,
+                      created=now - dt.timedelta(minutes=created_min_ago),
+                      finished_at=None if finished_h_ago is None
+                      else now - dt.timedelta(hours=finished_h_ago))
+            s.add(job)
+            s.flush()
+            return job.id
+
+    stale = add("Succeeded", 600, finished_h_ago=7)
+    recent = add("Failed", 500, finished_h_ago=5)
+    live = add("Running", 400)
+    assert job_series(api) == {recent, live}  # the one finished 7 h ago has gone
+    newer = [add("Pending", 300 - i) for i in range(55)]
+    shown = job_series(api)
+    assert len(shown) == 50 and shown == set(newer[-50:])  # the newest 50
+    assert stale not in shown

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 import json
 import stat
 from collections.abc import Callable
@@ -14,6 +13,7 @@ import numpy as np
 import yaml
 
 from tests.cli.conftest import Cli, one_line_error
+from tests.support.arrays import npz_bytes
 
 SMALL_JOB = {
     "name": "tiny-logreg",
@@ -212,16 +212,10 @@ def test_checkpoint_of_a_job_without_one_is_one_line(cli: Cli, tmp_path: Path) -
 
 # -- datasets -------------------------------------------------------------------------------
 
-def npz(**arrays: np.ndarray) -> bytes:
-    buf = io.BytesIO()
-    np.savez(buf, **arrays)
-    return buf.getvalue()
-
-
 def test_datasets_ls_shows_digits_and_an_upload(cli: Cli, tmp_path: Path) -> None:
     rng = np.random.default_rng(0)
     path = tmp_path / "blobs.npz"
-    path.write_bytes(npz(x=rng.normal(size=(120, 10)).astype(np.float32),
+    path.write_bytes(npz_bytes(x=rng.normal(size=(120, 10)).astype(np.float32),
                          y=rng.integers(0, 3, size=120)))
     uploaded = cli("datasets", "upload", str(path))
     assert uploaded.exit_code == 0, uploaded.output
@@ -236,10 +230,10 @@ def test_upload_errors_are_one_line(cli: Cli, tmp_path: Path) -> None:
     junk.write_bytes(b"not a zip file")
     assert "junk.npz" in one_line_error(cli("datasets", "upload", str(junk)))
     no_y = tmp_path / "no_y.npz"
-    no_y.write_bytes(npz(x=np.zeros((4, 2), np.float32)))
+    no_y.write_bytes(npz_bytes(x=np.zeros((4, 2), np.float32)))
     assert "y" in one_line_error(cli("datasets", "upload", str(no_y)))
     bad_name = tmp_path / "ok.npz"
-    bad_name.write_bytes(npz(x=np.zeros((4, 2), np.float32), y=np.zeros(4, np.int64)))
+    bad_name.write_bytes(npz_bytes(x=np.zeros((4, 2), np.float32), y=np.zeros(4, np.int64)))
     assert "422" in one_line_error(cli("datasets", "upload", str(bad_name), "--name", "no spaces!"))
 
 

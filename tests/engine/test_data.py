@@ -16,12 +16,11 @@ from engine.data import (
     upload_path,
     validate_npz,
 )
+from tests.support.arrays import npz_bytes
 
 
 def _npz(**arrays) -> bytes:
-    buf = io.BytesIO()
-    np.savez_compressed(buf, **arrays)
-    return buf.getvalue()
+    return npz_bytes(compressed=True, **arrays)
 
 
 def test_digits_is_built_in_scaled_and_split_the_same_way_every_time():

@@ -4,10 +4,8 @@ go through it (invariant 1 by construction, not by three copies kept alike)."""
 
 from __future__ import annotations
 
-import io
 from pathlib import Path
 
-import numpy as np
 import pytest
 from threadpoolctl import threadpool_limits
 
@@ -18,6 +16,7 @@ from engine.sampler import shard_indices
 from engine.step import initial_state
 from phalanx.sim import compute as sim
 from phalanx.train_local import run_reference
+from tests.support.arrays import npz_bytes
 from wire.messages import decode_results, encode_weights
 
 SPEC = {"name": "cnn", "model": {"arch": "cnn"}, "dataset": "digits", "global_batch_size": 64,
@@ -45,9 +44,7 @@ def test_the_worker_the_simulator_and_the_reference_give_the_same_shard_bytes(
     job = runner.job_model(SPEC, len(data.y_train), data.input_shape, data.num_classes)
     state = initial_state(job.model, job.spec)
     idx = shard_indices(len(data.y_train), job.spec.shards, job.spec.seed)[SHARD]
-    buf = io.BytesIO()
-    np.savez(buf, x=data.x_train[idx], y=data.y_train[idx])
-    npz = buf.getvalue()
+    npz = npz_bytes(x=data.x_train[idx], y=data.y_train[idx])
 
     with threadpool_limits(limits=1, user_api="blas"):  # as every phone and the reference run
         # the reference trainer's way: the shard straight from the dataset

@@ -7,6 +7,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from fastapi.testclient import TestClient
 from sqlalchemy import select
 
 from api.settings import Settings
@@ -15,11 +16,14 @@ from api.store.models import Device, Event, Job, ShardAssignment
 from engine.data import load_dataset
 from engine.sampler import select_microbatch, shard_indices
 from engine.step import compute_shard
+from scheduler import context
 from scheduler.blobs import BlobStore, MemoryBlobStore
 from scheduler.context import SchedulerContext, Tuning
 from scheduler.jobinfo import job_info
 from scheduler.protocol import store_results
+from scheduler.tasks.reconcile import run_reconcile, run_reconcile_job
 from scheduler.tasks.recovery import load_state
+from tests.support.env import ADMIN_TOKEN
 from wire.messages import decode_results, encode_results
 
 NOW = dt.datetime(2026, 12, 2, 12, 0, tzinfo=dt.timezone.utc)
@@ -134,3 +138,36 @@ def upload_all(ctx: SchedulerContext, job_id: str, step: int,
         if shards is None or shard in shards:
             body = bytearray(blob)
             store_results(ctx.blobs, job_id, step, body, decode_results(body))
+
+
+# -- the step protocol through a real app (TestClient) ------------------------------------
+
+def admin(client: TestClient) -> dict[str, str]:
+    return {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+
+
+def enroll(client: TestClient, name: str) -> tuple[str, dict[str, str]]:
+    token = client.post("/v1/enrollment-tokens", json={}, headers=admin(client)).json()["token"]
+    reg = client.post("/v1/devices/register", json={"enrollment_token": token, "name": name})
+    assert reg.status_code == 201, reg.text
+    body = reg.json()
+    headers = {"Authorization": f"Bearer {body['device_token']}"}
+    hb = client.post(f"/v1/devices/{body['device_id']}/heartbeat", json={"telemetry": []},
+                     headers=headers)
+    assert hb.status_code == 200, hb.text
+    return body["device_id"], headers
+
+
+def running_job(client: TestClient, devices: int = 2, **spec: Any) -> tuple[str, list[tuple[str, dict]]]:
+    phones = [enroll(client, f"phone-{i}") for i in range(devices)]
+    r = client.post("/v1/jobs", json=tiny_spec(placement={"min_devices": devices}, **spec),
+                    headers=admin(client))
+    assert r.status_code == 201, r.text
+    ctx = context.get_context()
+    run_reconcile(ctx)
+    run_reconcile_job(ctx, r.json()["id"])
+    return r.json()["id"], phones
+
+
+def shards_of(job_id: str, device_id: str) -> list[int]:
+    return [s for s, d, _ in assignments(context.get_context(), job_id) if d == device_id]

@@ -18,8 +18,8 @@ from api.main import create_app
 from api.settings import Settings
 from scheduler import context, keys
 from scheduler.tasks.steps import run_apply_step
-from tests.scheduler.helpers import job, shard_result_blobs
-from tests.scheduler.test_protocol import ADMIN, admin, running_job, shards_of
+from tests.scheduler.helpers import admin, job, running_job, shard_result_blobs, shards_of
+from tests.support.env import ADMIN_TOKEN as ADMIN
 from tests.support.waiting import wait_for
 
 LIMIT = 4 * 1024 * 1024

@@ -23,7 +23,15 @@ from scheduler.jobinfo import job_info
 from scheduler.protocol import ForeignShard
 from scheduler.tasks.reconcile import run_reconcile, run_reconcile_job
 from scheduler.tasks.steps import run_apply_step
-from tests.scheduler.helpers import assignments, job, shard_result_blobs, tiny_spec
+from tests.scheduler.helpers import (
+    admin,
+    enroll,
+    job,
+    running_job,
+    shard_result_blobs,
+    shards_of,
+    tiny_spec,
+)
 from tests.support.env import ADMIN_TOKEN as ADMIN
 from wire.messages import decode_results, decode_weights, encode_results
 
@@ -35,37 +43,6 @@ def app_client(sqlite_url: str, tmp_path: Path) -> Iterator[TestClient]:
     with TestClient(app) as client:
         yield client
     context.reset()
-
-
-def admin(client: TestClient) -> dict[str, str]:
-    return {"Authorization": f"Bearer {ADMIN}"}
-
-
-def enroll(client: TestClient, name: str) -> tuple[str, dict[str, str]]:
-    token = client.post("/v1/enrollment-tokens", json={}, headers=admin(client)).json()["token"]
-    reg = client.post("/v1/devices/register", json={"enrollment_token": token, "name": name})
-    assert reg.status_code == 201, reg.text
-    body = reg.json()
-    headers = {"Authorization": f"Bearer {body['device_token']}"}
-    hb = client.post(f"/v1/devices/{body['device_id']}/heartbeat", json={"telemetry": []},
-                     headers=headers)
-    assert hb.status_code == 200, hb.text
-    return body["device_id"], headers
-
-
-def running_job(client: TestClient, devices: int = 2, **spec: Any) -> tuple[str, list[tuple[str, dict]]]:
-    phones = [enroll(client, f"phone-{i}") for i in range(devices)]
-    r = client.post("/v1/jobs", json=tiny_spec(placement={"min_devices": devices}, **spec),
-                    headers=admin(client))
-    assert r.status_code == 201, r.text
-    ctx = context.get_context()
-    run_reconcile(ctx)
-    run_reconcile_job(ctx, r.json()["id"])
-    return r.json()["id"], phones
-
-
-def shards_of(job_id: str, device_id: str) -> list[int]:
-    return [s for s, d, _ in assignments(context.get_context(), job_id) if d == device_id]
 
 
 def test_an_assignment_from_the_fast_path_is_the_routes(app_client: TestClient) -> None:
