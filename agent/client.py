@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import logging
 import random
 import urllib.parse
 from dataclasses import dataclass
@@ -67,6 +68,12 @@ class ServerError(StatusError):
 
 RETRYABLE = (TransportError, ServerError)
 
+log = logging.getLogger(__name__)
+# the most a phone holds of one answer: control-plane JSON is small; weights and shard data are
+# model- or shard-sized (engine.graph.MAX_PARAMS float32 parameters, plus buffers and framing)
+MAX_JSON_BYTES = 16 * 1024 * 1024
+MAX_ARRAYS_BYTES = 1024 * 1024 * 1024
+
 
 @dataclass
 class Response:
@@ -102,11 +109,12 @@ class Client:
         self.token = token
         self.timeout_s = timeout_s
         self.transport = transport or KeepAliveTransport(socket_buffer_bytes)
+        self._refused_downgrade = False
 
     # -- plumbing --------------------------------------------------------------------------
     def _send(self, method: str, path: str, *, json_body: Any = None, body: Body | None = None,
               content_type: str = "application/octet-stream", timeout_s: float | None = None,
-              base_url: str | None = None) -> Response:
+              base_url: str | None = None, max_bytes: int = MAX_JSON_BYTES) -> Response:
         url = (base_url or self.base_url) + path
         headers = {"User-Agent": f"phalanx-agent/{__version__}", "Accept": "application/json"}
         if self.token:
@@ -117,10 +125,10 @@ class Client:
             headers["Content-Type"] = content_type
         try:
             resp = Response(*self.transport(method, url, headers, body,
-                                            timeout_s or self.timeout_s))
+                                            timeout_s or self.timeout_s, max_bytes))
         except TimeoutError as exc:
             raise RequestTimeout(f"{method} {url} timed out") from exc
-        except (OSError, http.client.HTTPException, ValueError) as exc:
+        except (OSError, http.client.HTTPException, ValueError) as exc:  # AnswerTooLarge too
             raise TransportError(f"{method} {url}: {exc!r}") from exc
         if resp.status >= 400:
             raise _status_error(resp.status, _detail(resp), url)
@@ -143,17 +151,32 @@ class Client:
     def weights(self, job_id: str, step: int, bulk_url: str | None = None) -> bytes:
         """From the API, or from the bulk listener at `bulk_url` (the assignment names it)."""
         path = f"/v1/jobs/{_q(job_id)}/weights?step={int(step)}"
-        return self._send("GET", path, base_url=_base(bulk_url)).body
+        return self._send("GET", path, base_url=self._bulk_base(bulk_url),
+                          max_bytes=MAX_ARRAYS_BYTES).body
 
     def shard_data(self, job_id: str, shard: int) -> bytes:
-        return self._send("GET", f"/v1/jobs/{_q(job_id)}/shards/{int(shard)}/data").body
+        return self._send("GET", f"/v1/jobs/{_q(job_id)}/shards/{int(shard)}/data",
+                          max_bytes=MAX_ARRAYS_BYTES).body
 
     def upload_gradients(self, job_id: str, step: int, body: Body,
                          bulk_url: str | None = None) -> dict[str, Any]:
         """To the API, or to the bulk listener at `bulk_url` (the assignment names it); `body`
         in one piece or in parts (`wire.messages.encode_results_parts`)."""
         path = f"/v1/jobs/{_q(job_id)}/steps/{int(step)}/gradients"
-        return self._send("POST", path, body=body, base_url=_base(bulk_url)).json()
+        return self._send("POST", path, body=body, base_url=self._bulk_base(bulk_url)).json()
+
+    def _bulk_base(self, bulk_url: str | None) -> str | None:
+        """The bulk listener's base URL, or None (the API) when using it would step down from
+        https to plain http: the server's word is no reason to send tokens in clear."""
+        base = _base(bulk_url)
+        if base is not None and urllib.parse.urlsplit(self.base_url).scheme == "https" \
+                and urllib.parse.urlsplit(base).scheme != "https":
+            if not self._refused_downgrade:
+                log.warning("the server named a plain-http bulk URL (%s) for this https agent: "
+                            "weights and uploads go through the API's https instead", base)
+                self._refused_downgrade = True
+            return None
+        return base
 
 
 def _base(url: str | None) -> str | None:

@@ -26,8 +26,8 @@ from wire.sockopts import set_socket_buffers
 Body = bytes | Sequence[memoryview]
 # an answer: (status, headers, body)
 Answer = tuple[int, dict[str, str], bytes]
-# (method, url, headers, body, timeout) -> answer; tests of the client may swap it
-Transport = Callable[[str, str, dict[str, str], "Body | None", float], Answer]
+# (method, url, headers, body, timeout, max_bytes) -> answer; tests of the client may swap it
+Transport = Callable[[str, str, dict[str, str], "Body | None", float, int], Answer]
 _STALE = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError,
           ConnectionAbortedError)
 
@@ -54,6 +54,20 @@ class BufferedHTTPSConnection(_Buffered, http.client.HTTPSConnection):
     pass
 
 
+class AnswerTooLarge(ValueError):
+    pass
+
+
+def _read(resp: http.client.HTTPResponse, max_bytes: int) -> bytes:
+    announced = resp.getheader("Content-Length")
+    if announced is not None and announced.isdigit() and int(announced) > max_bytes:
+        raise AnswerTooLarge(f"the server announced {announced} bytes; at most {max_bytes}")
+    data = resp.read(max_bytes + 1)
+    if len(data) > max_bytes:
+        raise AnswerTooLarge(f"the server sent more than {max_bytes} bytes")
+    return data
+
+
 class KeepAliveTransport:
     """A `Transport`: each thread's connections, kept per (scheme, host, port)."""
 
@@ -62,7 +76,9 @@ class KeepAliveTransport:
         self._local = threading.local()  # connections are not shared between threads
 
     def __call__(self, method: str, url: str, headers: dict[str, str], body: Body | None,
-                 timeout: float) -> Answer:
+                 timeout: float, max_bytes: int) -> Answer:
+        """The answer to one request; AnswerTooLarge when its body would pass `max_bytes`
+        (announced or read: a broken or hostile server cannot make the phone hold more)."""
         parts = urllib.parse.urlsplit(url)
         key = (parts.scheme, parts.hostname or "", parts.port)
         target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
@@ -73,7 +89,7 @@ class KeepAliveTransport:
             try:
                 conn.request(method, target, body=body, headers=headers)
                 resp = conn.getresponse()
-                answer = (resp.status, dict(resp.headers.items()), resp.read())
+                answer = (resp.status, dict(resp.headers.items()), _read(resp, max_bytes))
             except _STALE:
                 self._drop(key)
                 if reused:

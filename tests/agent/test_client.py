@@ -217,3 +217,55 @@ def test_a_connection_the_server_closed_while_idle_is_replaced_transparently() -
         client = Client(url, "tok")
         answers = [client._send("GET", f"/n/{i}").json() for i in range(3)]
     assert answers == [{"connection": 1}, {"connection": 2}, {"connection": 3}]
+
+
+@pytest.fixture
+def oversized() -> Iterator[str]:
+    """A server whose every answer is 20 MB of JSON-looking bytes: announced with a
+    Content-Length on /announced, streamed until the connection closes on /unannounced."""
+
+    class Handler(Quiet):
+        def do_POST(self) -> None:  # noqa: N802
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            body = b"[" + b"0," * (10 * 1024 * 1024) + b"0]"
+            if "unannounced" in self.path or self.path.startswith("/u/"):
+                self.send_response(200)
+                self.send_header("Connection", "close")
+                self.end_headers()
+                self.wfile.write(body)
+                self.close_connection = True
+            else:
+                self.answer(200, body)
+
+    yield from serving(Handler)
+
+
+@pytest.mark.parametrize("prefix", ["", "/u"])
+def test_an_answer_larger_than_its_kind_allows_is_refused_not_held(oversized: str,
+                                                                   prefix: str) -> None:
+    """A heartbeat answer is JSON of a few hundred bytes: 20 MB of it (announced or not) is a
+    transport error, read no further than the cap."""
+    client = Client(oversized + prefix, "phx-dev-x")
+    with pytest.raises(TransportError, match="16777216"):
+        client.heartbeat("dev-1", {"telemetry": []})
+
+
+def test_an_https_agent_never_follows_a_plain_http_bulk_url() -> None:
+    """The server names the bulk listener's URL; an agent enrolled over https sends weights
+    requests and uploads through the API's https rather than step down to plain http."""
+    sent: list[str] = []
+
+    def recording(method, url, headers, body, timeout, max_bytes):  # noqa: ANN001
+        sent.append(url)
+        return 200, {}, b"{}"
+
+    secure = Client("https://lab.example:8443", "phx-dev-x", transport=recording)
+    secure.weights("job-1", 3, bulk_url="http://lab.example:8001")
+    secure.upload_gradients("job-1", 3, b"x", bulk_url="http://lab.example:8001")
+    secure.weights("job-1", 4, bulk_url="https://lab.example:8444")
+    plain = Client("http://lab.example:8000", "phx-dev-x", transport=recording)
+    plain.weights("job-1", 3, bulk_url="http://lab.example:8001")
+    assert sent == ["https://lab.example:8443/v1/jobs/job-1/weights?step=3",
+                    "https://lab.example:8443/v1/jobs/job-1/steps/3/gradients",
+                    "https://lab.example:8444/v1/jobs/job-1/weights?step=4",
+                    "http://lab.example:8001/v1/jobs/job-1/weights?step=3"]
