@@ -24,6 +24,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from api.schemas.devices import HeartbeatIn
 from api.store.heartbeats import BatchOutcome, apply_heartbeats
 from api.store.models import Job
+from api.store.states import ACTIVE_STATES
 
 log = logging.getLogger(__name__)
 MAX_BATCH = 2000
@@ -140,7 +141,7 @@ class HeartbeatWriter:
         fetched_at, archs = self._archs
         if time.monotonic() - fetched_at < ACTIVE_ARCHS_TTL_S:
             return archs
-        specs = session.scalars(select(Job.spec).where(Job.state.in_(("Pending", "Running"))))
+        specs = session.scalars(select(Job.spec).where(Job.state.in_(ACTIVE_STATES)))
         archs = {str((spec or {}).get("model", {}).get("arch")) for spec in specs} - {"None"}
         self._archs = (time.monotonic(), archs)
         return archs

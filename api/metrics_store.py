@@ -20,7 +20,7 @@ from sqlalchemy import func, or_, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from api.store.models import Device, Event, Job, ShardAssignment, StepMetric, TelemetrySample
-from api.store.states import DEVICE_STATES, JOB_STATES
+from api.store.states import ACTIVE_STATES, DEVICE_STATES, JOB_STATES
 
 PAUSE_REASONS = ("thermal", "battery", "busy")
 # finished jobs keep their gauges this long, so the Job dashboard still shows how they ended
@@ -122,7 +122,7 @@ def _scalar(name: str, help_text: str, value: float) -> GaugeMetricFamily:
 
 
 def _recent_jobs(session: Session, now: dt.datetime) -> list[Job]:
-    live = Job.state.in_(("Pending", "Running"))
+    live = Job.state.in_(ACTIVE_STATES)
     recent = Job.finished_at >= now - FINISHED_JOB_WINDOW
     query = select(Job).where(or_(live, recent)).order_by(Job.created.desc()).limit(MAX_JOBS)
     return list(session.scalars(query))

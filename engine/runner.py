@@ -69,16 +69,20 @@ def params_digest(state: TrainState) -> str:
 
 def final_metrics(job: JobModel, state: TrainState, last_epoch_losses: Sequence[float],
                   last_epoch_accuracies: Sequence[float], x_val: np.ndarray,
-                  y_val: np.ndarray) -> dict[str, Any]:
+                  y_val: np.ndarray, validated: tuple[float, float] | None = None
+                  ) -> dict[str, Any]:
     """A finished job's metrics: the last epoch's mean train loss and accuracy, validation on
     the final weights (`val_loss`, `val_accuracy`: only when the dataset has a validation
-    split), and the weights' digest."""
+    split), and the weights' digest. `validated`: (loss, accuracy) the caller already measured
+    on these final weights, so the validation set is not run through twice."""
     out: dict[str, Any] = {
         "train_loss": float(np.mean(last_epoch_losses)),
         "train_accuracy": float(np.mean(last_epoch_accuracies)),
         "steps": state.step, "epochs": job.spec.epochs, "n_params": job.model.n_params,
     }
-    if len(y_val):
+    if validated is not None:
+        out.update(val_loss=validated[0], val_accuracy=validated[1])
+    elif len(y_val):
         ev = evaluate(job.model, state.params, state.buffers, x_val, y_val)
         out.update(val_loss=ev.loss, val_accuracy=ev.accuracy)
     out["params_sha256"] = params_digest(state)

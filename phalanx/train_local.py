@@ -76,8 +76,10 @@ def _run_reference(spec: dict[str, Any], out_dir: Path | None, progress: bool,
             if on_epoch is not None:
                 on_epoch(row)
     seconds = time.perf_counter() - start
+    last = rows[-1]  # its validation ran on the final weights: not again
+    validated = None if last.val_loss is None else (last.val_loss, last.val_accuracy)
     metrics = {"val_loss": None, "val_accuracy": None,
-               **final_metrics(job, state, losses, accs, data.x_val, data.y_val),
+               **final_metrics(job, state, losses, accs, data.x_val, data.y_val, validated),
                "seconds": round(seconds, 3),
                "samples_per_s": round(state.step * ts.global_batch_size / max(seconds, 1e-9), 1)}
     if out_dir is not None:

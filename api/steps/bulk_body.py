@@ -21,7 +21,9 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-MAX_BODIES = 16  # as the bulk listener: 16 x the upload limit at most, per process
+# upload bodies read and checked at once per process, here and on the bulk listener (memory: at
+# most 16 x the upload limit)
+MAX_BODIES = 16
 
 
 class WholeBodyReader:

@@ -38,12 +38,12 @@ from api.errors import ApiError
 from api.limits import BodyTooLarge
 from api.metrics import HTTP_LATENCY, HTTP_REQUESTS, UNMATCHED
 from api.schemas.common import parse_query
+from api.steps.bulk_body import MAX_BODIES
 from api.steps.handlers import WEIGHTS_HEADERS, accept_upload, serve_weights
 from wire.messages import new_buffer
 from wire.sockopts import set_socket_buffers
 
 log = logging.getLogger(__name__)
-MAX_BODIES = 16  # upload bodies read and checked at once per process (memory: 16 x the limit)
 SOCKET_TIMEOUT_S = 120.0
 UPLOAD = re.compile(r"/v1/jobs/([^/]+)/steps/([0-9]{1,18})/gradients")  # a step fits int64
 WEIGHTS = re.compile(r"/v1/jobs/([^/]+)/weights")

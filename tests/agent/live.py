@@ -11,6 +11,7 @@ import subprocess
 import sys
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -121,6 +122,17 @@ def enroll(server: LiveServer, tmp_path: Path, root: Path, *labels: str,
     path.write_text(json.dumps(data))
     return Phone(server, json.loads(out.stdout)["device_id"], root, path, home / "agent.log",
                  label)
+
+
+@contextmanager
+def running(p: Phone) -> Iterator[Phone]:
+    """The phone's agent running for the block; at its end the agent must stop cleanly (0)."""
+    p.start()
+    try:
+        yield p
+    finally:
+        code = p.stop()
+    assert code == 0, p.logs()
 
 
 def submit(server: LiveServer, spec: dict[str, Any]) -> str:

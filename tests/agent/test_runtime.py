@@ -19,6 +19,7 @@ from tests.agent.live import (
     enroll,
     job,
     live_server,
+    running,
     set_cpu_temp,
     shard_results,
     submit,
@@ -37,17 +38,13 @@ def paused_events(p: Phone) -> list[str]:
 
 def test_the_agent_trains_reports_its_profile_and_uploads_each_shard_once(
         server: LiveServer, tmp_path: Path, cool_phone: Path) -> None:
-    p = enroll(server, tmp_path, cool_phone).start()
-    before = shard_results(server)
-    try:
+    with running(enroll(server, tmp_path, cool_phone)) as p:
+        before = shard_results(server)
         job_id = submit(server, p.job_spec())
         done = p.wait("the job to finish", lambda: (
             (j := job(server, job_id))["state"] in ("Succeeded", "Failed") and j), timeout=180)
         assert done["state"] == "Succeeded", done
         profile = p.wait("a logreg profile", lambda: p.device()["profiles"].get("logreg"))
-    finally:
-        code = p.stop()
-    assert code == 0, p.logs()
     after = shard_results(server)
     assert after["accepted"] - before["accepted"] == done["total_steps"] * 4  # every shard, once
     assert after["duplicate"] == before["duplicate"]
@@ -64,24 +61,19 @@ def test_the_agent_trains_reports_its_profile_and_uploads_each_shard_once(
 def test_every_phone_of_a_job_computes_with_the_jobs_one_backend(
         server: LiveServer, tmp_path: Path, cool_phone: Path, wanted: str, used: str) -> None:
     """numpy and torch round differently: a job's phones never mix them (invariant 1)."""
-    p = enroll(server, tmp_path, cool_phone, backends=["numpy", "torch"]).start()
-    try:
+    with running(enroll(server, tmp_path, cool_phone, backends=["numpy", "torch"])) as p:
         job_id = submit(server, p.job_spec(placement={"backend": wanted}))
         profile = p.wait("a logreg profile", lambda: p.device()["profiles"].get("logreg"),
                          timeout=120)
         p.wait("a step computed", lambda: job(server, job_id)["step"] >= 1)
         cancel(server, job_id)
-    finally:
-        code = p.stop()
-    assert code == 0, p.logs()
     assert profile["backend"] == used
     assert p.device()["capabilities"]["backends"] == ["numpy", "torch"]
 
 
 def test_the_thermal_guard_stops_steps_and_resumes_with_hysteresis(
         server: LiveServer, tmp_path: Path, cool_phone: Path) -> None:
-    p = enroll(server, tmp_path, cool_phone).start()
-    try:
+    with running(enroll(server, tmp_path, cool_phone)) as p:
         job_id = submit(server, p.job_spec(epochs=40))
         p.wait("a first step", lambda: job(server, job_id)["step"] >= 1)
         set_cpu_temp(cool_phone, 50.0)  # above the job's max_temp_c 45
@@ -98,9 +90,6 @@ def test_the_thermal_guard_stops_steps_and_resumes_with_hysteresis(
         p.wait("the pause lifted", lambda: p.device()["pause_reason"] is None)
         p.wait("steps resumed", lambda: job(server, job_id)["step"] > frozen + 2)
         cancel(server, job_id)
-    finally:
-        code = p.stop()
-    assert code == 0, p.logs()
 
 
 def test_a_discharging_phone_below_min_battery_pauses(
@@ -108,8 +97,7 @@ def test_a_discharging_phone_below_min_battery_pauses(
     phone.set_value(cool_phone, "/sys/class/power_supply/battery/capacity", 12)
     phone.set_value(cool_phone, "/sys/class/power_supply/battery/status", "Discharging")
     phone.set_value(cool_phone, "/sys/class/power_supply/usb/online", 0)
-    p = enroll(server, tmp_path, cool_phone).start()
-    try:
+    with running(enroll(server, tmp_path, cool_phone)) as p:
         job_id = submit(server, p.job_spec())
         p.wait("a battery pause", lambda: p.device()["pause_reason"] == "battery")
         p.wait("ten heartbeats at 12%",
@@ -118,16 +106,12 @@ def test_a_discharging_phone_below_min_battery_pauses(
         phone.set_value(cool_phone, "/sys/class/power_supply/usb/online", 1)  # plugged in
         p.wait("training once plugged in", lambda: job(server, job_id)["step"] >= 1)
         cancel(server, job_id)
-    finally:
-        code = p.stop()
-    assert code == 0, p.logs()
 
 
 def test_shared_mode_pauses_while_the_screen_is_on(
         server: LiveServer, tmp_path: Path, cool_phone: Path) -> None:
     phone.write(cool_phone, "/sys/class/backlight/panel0-backlight/brightness", "128")
-    p = enroll(server, tmp_path, cool_phone, shared_mode=True).start()
-    try:
+    with running(enroll(server, tmp_path, cool_phone, shared_mode=True)) as p:
         job_id = submit(server, p.job_spec())
         p.wait("a busy pause", lambda: p.device()["pause_reason"] == "busy")
         assert any("screen on" in m for m in paused_events(p)), p.events()
@@ -136,9 +120,6 @@ def test_shared_mode_pauses_while_the_screen_is_on(
         phone.write(cool_phone, "/sys/class/backlight/panel0-backlight/brightness", "0")
         p.wait("training once the screen is off", lambda: job(server, job_id)["step"] >= 1)
         cancel(server, job_id)
-    finally:
-        code = p.stop()
-    assert code == 0, p.logs()
 
 
 def test_a_killed_agent_restarts_cleanly_and_never_uploads_a_shard_twice(

@@ -28,6 +28,17 @@ SPEC = {"name": "faults", "model": {"arch": "cnn"}, "dataset": "digits",
         "optimizer": {"lr": 0.1, "momentum": 0.9}, "placement": {"min_devices": 1, "max_devices": 8}}
 
 
+def run_job(cluster: Cluster, until_step: int) -> str:
+    """A server, a worker and three slowed phones training SPEC, until it reaches `until_step`."""
+    cluster.start_server()
+    cluster.start_worker()
+    for i in range(3):
+        cluster.start_agent(f"phone-{i}", {"PHALANX_AGENT_SLOWDOWN": "2"})
+    job_id = cluster.submit(SPEC)
+    cluster.wait_job(job_id, lambda j: j["step"] >= until_step, f"step {until_step}")
+    return job_id
+
+
 def assert_matches(job: dict, tmp_path: Path) -> None:
     ref = reference_metrics(SPEC, tmp_path / "reference")
     assert job["step"] == ref["steps"]
@@ -81,12 +92,7 @@ def test_redis_stopped_mid_job_and_started_empty_loses_nothing(
     reference trainer ends."""
     cluster = Cluster(tmp_path, pg_url, ADMIN_TOKEN, redis_url=private_redis.url)
     try:
-        cluster.start_server()
-        cluster.start_worker()
-        for i in range(3):
-            cluster.start_agent(f"phone-{i}", {"PHALANX_AGENT_SLOWDOWN": "2"})
-        job_id = cluster.submit(SPEC)
-        cluster.wait_job(job_id, lambda j: j["step"] >= 7, "a step past the first checkpoint")
+        job_id = run_job(cluster, until_step=7)  # past the first checkpoint
         private_redis.kill()
         time.sleep(20)  # the outage itself; nothing is asserted about time
         with cluster.client() as c:  # the control plane still answers what Postgres holds
@@ -170,12 +176,7 @@ def test_postgres_restarted_mid_job_answers_503_and_loses_nothing(
     the job ends where the reference trainer ends."""
     cluster = Cluster(tmp_path, private_postgres.url, ADMIN_TOKEN, redis_url=redis_url)
     try:
-        cluster.start_server()
-        cluster.start_worker()
-        for i in range(3):
-            cluster.start_agent(f"phone-{i}", {"PHALANX_AGENT_SLOWDOWN": "2"})
-        job_id = cluster.submit(SPEC)
-        cluster.wait_job(job_id, lambda j: j["step"] >= 3, "three steps")
+        job_id = run_job(cluster, until_step=3)
         private_postgres.crash()
         seen: list[tuple[int, str | None]] = []
         with cluster.client() as c:
