@@ -74,6 +74,17 @@ class Settings(BaseSettings):
     # bandwidth-delay product is larger (10 Gbit/s over more than ~0.4 ms)
     bulk_socket_buffer_bytes: int = Field(DEFAULT_SOCKET_BUFFER_BYTES, ge=0, le=64 * 1024 * 1024)
 
+    # production: upload bodies stay on the replica that received them, read by the step's
+    # applier from this port (api.steps.peer_listener, scheduler.bodies)
+    peer_port: int = Field(0, ge=-1, le=65535, description="port for the replica's upload "
+                           "bodies; 0: any free port; -1: off (bodies go through Redis)")
+    peer_host: str | None = Field(None, description="address workers and other replicas reach "
+                                  "this replica at; default: this host's name, resolved")
+    apply_on_replica: bool = Field(True, description="a replica applies the steps it "
+                                   "completes (scheduler.local_apply); false: workers only")
+    peer_shelf_bytes: int = Field(2 * 1024**3, ge=0, description="upload bodies a replica keeps "
+                                  "at most; past it they go through Redis")
+
     @property
     def resolved_database_url(self) -> str:
         if self.database_url:

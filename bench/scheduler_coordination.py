@@ -311,7 +311,7 @@ def main() -> None:
     results: list[dict] = []
     for mode in args.modes.split(","):
         for n in counts:
-            with tempfile.TemporaryDirectory() as tmp:
+            with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as tmp:
                 pg = fresh_pg(args.pg_url) if mode == "redis" else None
                 try:
                     row = run_phalanx(Path(tmp), mode, n, args.steps, pg, args.redis_url)

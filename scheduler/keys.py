@@ -9,6 +9,11 @@ TELEMETRY_PRUNED = "sched:telemetry:pruned"  # set for PRUNE_EVERY_S after a pru
 EVICTIONS = "sched:evictions"  # JSON list of recent NotReady eviction times (rate limit)
 
 
+def peer_down(address: str) -> str:
+    """Set for a while when a replica's peer port could not be reached (scheduler.bodies)."""
+    return f"sched:peer-down:{address}"
+
+
 def state(job_id: str, step: int) -> str:
     return f"job:{job_id}:state:{step}"
 

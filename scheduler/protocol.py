@@ -28,10 +28,12 @@ from engine.sampler import shard_indices
 from engine.step import ShardResult
 from scheduler import keys
 from scheduler.blobs import BlobStore
+from scheduler.bodies import drop_body, keep_body
 from scheduler.gradstore import offset_in, pack_ref, pack_result
 from scheduler.hotstate import decode_state
 from scheduler.jobinfo import JobInfo, job_info
 from scheduler.notify import current_version
+from scheduler.tasks.recovery import RECENT
 from scheduler.tasks.stragglers import uploaded_shards
 from wire.messages import WireError, decode_results, encode_weights
 
@@ -215,7 +217,8 @@ class StepProtocol:
             cached = self._weights.get((job_id, step))
             if cached is not None:
                 return cached
-            data = self.blobs.get(keys.weights(job_id, step)) or self._encode(job_id, step)
+            data = (RECENT.weights(job_id, step)  # this process applied it (scheduler.local_apply)
+                    or self.blobs.get(keys.weights(job_id, step)) or self._encode(job_id, step))
             self._weights.put((job_id, step), data)
             return data
 
@@ -272,14 +275,15 @@ class StepProtocol:
 
 def store_results(blobs: BlobStore, job_id: str, step: int, body: bytes | memoryview,
                   results: list[ShardResult]) -> tuple[list[int], list[int]]:
-    """Each shard's result under its key, first upload wins. The body is stored once as it
+    """Each shard's result under its key, first upload wins. The body is kept once as it
     came (before any reference to it), and each shard's key points into it; a body that
-    won no shard is deleted again."""
-    body_key = keys.upload_body(job_id, step, uuid.uuid4().hex)
+    won no shard is dropped again."""
     offsets = [(offset_in(r.grad_sum, body), offset_in(r.stats, body)) for r in results]
     by_ref = any(g is not None and s is not None for g, s in offsets)
-    if by_ref:
-        blobs.set(body_key, body)
+    body_key = ""
+    if by_ref:  # on this replica's shelf in production (scheduler.bodies), else in the store
+        body_key = keep_body(blobs, job_id, step, body,
+                             keys.upload_body(job_id, step, uuid.uuid4().hex))
     accepted, duplicates, referenced = [], [], False
     for r, (g_off, s_off) in sorted(zip(results, offsets), key=lambda x: x[0].shard):
         ref = g_off is not None and s_off is not None
@@ -290,7 +294,7 @@ def store_results(blobs: BlobStore, job_id: str, step: int, body: bytes | memory
         else:
             duplicates.append(r.shard)
     if by_ref and not referenced:
-        blobs.delete(body_key)
+        drop_body(blobs, body_key)
     return accepted, duplicates
 
 

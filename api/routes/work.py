@@ -33,9 +33,11 @@ from api.steps.handlers import (
     long_poll_work,
     serve_weights,
 )
+from api.steps.peer_listener import PeerListener, advertised_host
 from scheduler import celery_app, context
 from scheduler.blobs import blob_store_from_settings
 from scheduler.embedded import EmbeddedScheduler
+from scheduler.local_apply import LocalApplier
 from scheduler.notify import VersionWatch
 from scheduler.protocol import ProtocolError, StepProtocol
 
@@ -129,6 +131,37 @@ def install(app: FastAPI, settings: Settings) -> None:
         _run_embedded_scheduler(app)
     if settings.bulk_port is not None:
         _serve_bulk(app, settings)
+    if not settings.embedded and settings.peer_port >= 0:
+        _serve_peers(app, settings)
+
+
+def _serve_peers(app: FastAPI, settings: Settings) -> None:
+    """Wrap the app's lifespan: the peer port (and this replica's applier of the steps it
+    completes) runs while the app serves. A port that cannot be bound is logged and skipped:
+    upload bodies then go through Redis, and the workers apply every step."""
+    inner = app.router.lifespan_context
+
+    @asynccontextmanager
+    async def lifespan(a: FastAPI) -> AsyncIterator[Any]:
+        listener = PeerListener(advertised_host(settings.peer_host), settings.peer_port,
+                                capacity_bytes=settings.peer_shelf_bytes)
+        local = LocalApplier() if settings.apply_on_replica else None
+        try:
+            listener.start()
+            a.state.scheduler_hooks.local = local
+        except OSError as exc:
+            log.warning("peer port %s not available (%s): upload bodies go through Redis",
+                        settings.peer_port, exc)
+        try:
+            async with inner(a) as state:
+                yield state
+        finally:
+            a.state.scheduler_hooks.local = None
+            if local is not None:
+                await run_in_threadpool(local.stop)
+            await run_in_threadpool(listener.stop)
+
+    app.router.lifespan_context = lifespan
 
 
 def _serve_bulk(app: FastAPI, settings: Settings) -> None:

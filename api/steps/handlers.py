@@ -19,6 +19,7 @@ from api.errors import ApiError
 from api.metrics import SHARD_RESULTS
 from api.schemas.common import parse_query
 from api.schemas.work import WorkOut
+from scheduler.local_apply import LocalApplier
 from scheduler.notify import bump_version
 from scheduler.protocol import ProtocolError, StateMissing
 from scheduler.tasks.reconcile import request_reconcile
@@ -94,6 +95,7 @@ class SchedulerHooks:
 
     def __init__(self, ctx: Any) -> None:
         self.ctx = ctx
+        self.local: LocalApplier | None = None  # set while this replica applies its steps
 
     def job_changed(self, job_id: str) -> None:
         # the change is committed: step-protocol views cached under the old version go stale
@@ -104,7 +106,8 @@ class SchedulerHooks:
         self._safely(self._reconcile)
 
     def step_complete(self, job_id: str, step: int) -> None:
-        self._safely(lambda: enqueue_apply(self.ctx, job_id, step))
+        here = self.local.submit if self.local is not None else None
+        self._safely(lambda: enqueue_apply(self.ctx, job_id, step, here=here))
 
     def _bump(self) -> None:
         bump_version(self.ctx.blobs)

@@ -31,20 +31,28 @@ class RecentStates:
 
     def __init__(self, jobs: int = 16) -> None:
         self.jobs = jobs
-        self._states: dict[str, TrainState] = {}
+        self._states: dict[str, tuple[TrainState, bytes | memoryview | None]] = {}
         self._lock = threading.Lock()
 
-    def remember(self, job_id: str, state: TrainState) -> None:
+    def remember(self, job_id: str, state: TrainState,
+                 weights: bytes | memoryview | None = None) -> None:
+        """`weights`: the weights message of the same step, for the API of this process (a
+        replica that applied the step serves it without a Redis GET)."""
         with self._lock:
             self._states.pop(job_id, None)
-            self._states[job_id] = state
+            self._states[job_id] = (state, weights)
             while len(self._states) > self.jobs:
                 self._states.pop(next(iter(self._states)))
 
     def get(self, job_id: str, step: int) -> TrainState | None:
         with self._lock:
-            state = self._states.get(job_id)
+            state, _ = self._states.get(job_id, (None, None))
         return state if state is not None and state.step == step else None
+
+    def weights(self, job_id: str, step: int) -> bytes | memoryview | None:
+        with self._lock:
+            state, weights = self._states.get(job_id, (None, None))
+        return weights if state is not None and state.step == step else None
 
 
 RECENT = RecentStates()

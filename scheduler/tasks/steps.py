@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from api.metrics_tasks import observe_task
@@ -29,6 +30,7 @@ from engine.runner import final_metrics
 from engine.step import ShardResult, StepMetrics, TrainState
 from engine.step import apply_step as engine_apply_step
 from scheduler import keys, store_ops
+from scheduler.bodies import fetch_bodies
 from scheduler.celery_app import app
 from scheduler.checkpoints import WrittenCheckpoint, write_checkpoint
 from scheduler.context import SchedulerContext, get_context
@@ -55,11 +57,15 @@ def apply_step(job_id: str, step: int) -> str:
         observe_task("apply_step", time.perf_counter() - started, ok)
 
 
-def enqueue_apply(ctx: SchedulerContext, job_id: str, step: int, force: bool = False) -> bool:
-    """Send apply_step once per claim period (the claim key expires, so a lost task is resent)."""
+def enqueue_apply(ctx: SchedulerContext, job_id: str, step: int, force: bool = False,
+                  here: Callable[[str, int], None] | None = None) -> bool:
+    """Send apply_step once per claim period (the claim key expires, so a lost task is resent
+    to the workers). `here`: run a claimed step in this process instead (scheduler.local_apply)."""
     claimed = ctx.blobs.set_if_absent(keys.apply_claim(job_id, step), b"1",
                                       ttl=ctx.tuning.apply_claim_ttl_s)
-    if claimed or force:
+    if claimed and here is not None:
+        here(job_id, step)
+    elif claimed or force:
         apply_step.apply_async((job_id, step), queue="steps")
     return claimed
 
@@ -70,15 +76,14 @@ def step_complete(ctx: SchedulerContext, job_id: str, step: int, shards: int) ->
 
 def load_results(ctx: SchedulerContext, job_id: str, step: int, info: JobInfo) -> list[ShardResult] | None:
     """Every shard's stored result of `step` (views of the stored uploads), or None when one is
-    missing; results that are corrupted or whose upload body is gone are deleted, so their
-    devices see those shards as to do again."""
+    missing; results that are corrupted or whose upload body is gone (a replica that held it
+    died) are deleted, so their devices see those shards as to do again."""
     shard_keys = [keys.grad(job_id, step, shard) for shard in range(info.spec.shards)]
     stored = ctx.blobs.get_many(shard_keys)
     if any(data is None for data in stored):
         return None
     refs = [_body_key(data) for data in stored]
-    body_keys = sorted({ref for ref in refs if ref})
-    bodies = dict(zip(body_keys, ctx.blobs.get_many(body_keys)))
+    bodies = fetch_bodies(ctx.blobs, sorted({ref for ref in refs if ref}))
     results, broken = [], []
     for key, data, ref in zip(shard_keys, stored, refs):
         try:  # a malformed reference (ref None) fails here too
@@ -87,7 +92,9 @@ def load_results(ctx: SchedulerContext, job_id: str, step: int, info: JobInfo) -
         except GradBlobError:
             broken.append(key)
     if broken:
-        ctx.blobs.delete(*broken)
+        # their devices see these shards as to do again; the claim goes too, so the upload
+        # that completes the step again enqueues this task at once, not after the claim's TTL
+        ctx.blobs.delete(*broken, keys.apply_claim(job_id, step))
         return None
     return results
 
@@ -139,8 +146,9 @@ def run_apply_step(ctx: SchedulerContext, job_id: str, step: int) -> str:
     blob.params[:] = message.params
     blob.buffers[:] = message.buffers
     ctx.blobs.set(keys.state(job_id, step + 1), blob.data)
-    RECENT.remember(job_id, new_state)  # the next step reads it from here, if still stored
-    ctx.blobs.set(keys.weights(job_id, step + 1), message.seal())
+    sealed = message.seal()
+    ctx.blobs.set(keys.weights(job_id, step + 1), sealed)
+    RECENT.remember(job_id, new_state, sealed)  # the next step reads it from here, if still stored
     if ctx.tuning.apply_pause_s:
         time.sleep(ctx.tuning.apply_pause_s)  # tests: widen the crash window on purpose
     final = new_state.step >= info.total_steps

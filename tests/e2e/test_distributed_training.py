@@ -138,7 +138,9 @@ def straggle(cluster: Cluster, tmp_path: Path) -> None:
 
 def test_a_worker_killed_between_state_write_and_commit_loses_nothing(
         tmp_path: Path, pg_url: str, redis_url: str) -> None:
-    c = Cluster(tmp_path, pg_url, ADMIN, redis_url=redis_url)
+    # the workers apply every step here (a replica applies those it completes by default)
+    c = Cluster(tmp_path, pg_url, ADMIN, redis_url=redis_url,
+                server_env={"PHALANX_APPLY_ON_REPLICA": "false"})
     try:
         c.start_server()
         first = c.start_worker({"PHALANX_SCHED_APPLY_PAUSE_S": "2.0"})
