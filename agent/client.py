@@ -7,7 +7,7 @@ exception tree (after httpx).
     └── StatusError             the server answered 4xx/5xx (.status, .detail)
         ├── Unauthorized        401: token revoked or device deleted: stop
         ├── Conflict            409: e.g. a step that is no longer current
-        └── ServerError         5xx: retry with backoff
+        └── ServerError         5xx or 429: retry with backoff
 
 Low-level errors (socket errors, timeouts, HTTPException, bad JSON) are translated in `_send`
 only. `Backoff` is full-jitter exponential backoff (AWS architecture blog): a delay drawn
@@ -93,7 +93,7 @@ def _status_error(status: int, detail: Any, url: str) -> StatusError:
         return Unauthorized(status, detail, url)
     if status == 409:
         return Conflict(status, detail, url)
-    if status >= 500:
+    if status >= 500 or status == 429:  # 429: the server is busy with this device's others
         return ServerError(status, detail, url)
     return StatusError(status, detail, url)
 

@@ -73,6 +73,15 @@ class Settings(BaseSettings):
     # ~0.9x the CPU of autotuning (bench/socket_buffers.py); raise it, or use 0, for links whose
     # bandwidth-delay product is larger (10 Gbit/s over more than ~0.4 ms)
     bulk_socket_buffer_bytes: int = Field(DEFAULT_SOCKET_BUFFER_BYTES, ge=0, le=64 * 1024 * 1024)
+    # what one client may hold of the bulk listener (api.steps.bulk_listener.Bounds)
+    bulk_max_connections: int = Field(1024, ge=1, description="connections the bulk listener "
+                                      "serves at once (a thread each); more are closed at once")
+    bulk_header_timeout_s: float = Field(30.0, gt=0, description="a request's headers, or the "
+                                         "wait for the next one on a kept-alive connection")
+    bulk_stall_s: float = Field(10.0, gt=0, description="each MiB of an upload or a weights "
+                                "answer must move within this")
+    bulk_bodies_per_device: int = Field(2, ge=1, description="upload bodies one device may "
+                                        "have in flight; more are answered 429")
 
     # production: upload bodies stay on the replica that received them, read by the step's
     # applier from this port (api.steps.peer_listener, scheduler.bodies)

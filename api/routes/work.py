@@ -22,7 +22,7 @@ from api.limits import BodySizeLimit
 from api.schemas.work import UploadOut, WorkOut
 from api.settings import Settings
 from api.steps import bulk_body
-from api.steps.bulk_listener import BulkListener
+from api.steps.bulk_listener import Bounds, BulkListener
 from api.steps.handlers import (
     MAX_WAIT_S,
     WEIGHTS_HEADERS,
@@ -174,7 +174,11 @@ def _serve_bulk(app: FastAPI, settings: Settings) -> None:
         listener = BulkListener(a.state, settings.bulk_host, int(settings.bulk_port or 0),
                                 settings.max_upload_bytes, reuse_port=settings.bulk_reuse_port,
                                 public_url=settings.bulk_public_url,
-                                socket_buffer_bytes=settings.bulk_socket_buffer_bytes)
+                                socket_buffer_bytes=settings.bulk_socket_buffer_bytes,
+                                bounds=Bounds(settings.bulk_max_connections,
+                                              settings.bulk_header_timeout_s,
+                                              settings.bulk_stall_s,
+                                              settings.bulk_bodies_per_device))
         a.state.bulk_listener = None
         try:
             listener.start()

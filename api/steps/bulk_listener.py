@@ -24,6 +24,7 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, BinaryIO
@@ -36,6 +37,7 @@ from api.deps import check_device
 from api.error_responses import error_response
 from api.errors import ApiError
 from api.limits import BodyTooLarge
+from api.metrics import BULK_REFUSED_CONNECTIONS as REFUSED_CONNECTIONS
 from api.metrics import HTTP_LATENCY, HTTP_REQUESTS, UNMATCHED
 from api.schemas.common import parse_query
 from api.steps.bulk_body import MAX_BODIES
@@ -79,31 +81,104 @@ def content_length(value: str | None, limit: int) -> int:
     return length
 
 
-def read_exactly(rfile: BinaryIO, length: int, sock: socket.socket) -> memoryview | None:
+PIECE = 1024 * 1024  # a body arrives in pieces this big, each within the stall deadline
+
+
+def read_exactly(rfile: BinaryIO, length: int, sock: socket.socket,
+                 progress: Callable[[], None] | None = None) -> memoryview | None:
     """`length` bytes into one buffer (None when the client goes away or stalls first).
 
     What `rfile` has buffered past the headers is taken first; the rest arrives from `sock`
-    (the blocking connection under `rfile`) in one `recv_into(..., MSG_WAITALL)`: the kernel
-    fills the buffer as the data comes, and the thread takes the GIL back once, not once per
-    socket buffer's worth (hundreds of times for 12.9 MB, each a wait while other threads run).
+    (the blocking connection under `rfile`) in `recv_into(..., MSG_WAITALL)` calls of a MiB:
+    the kernel fills the buffer as the data comes, and the thread takes the GIL back once per
+    MiB, not once per socket buffer's worth (hundreds of times for 12.9 MB, each a wait while
+    other threads run). `progress` is called after each piece (the connection's deadline moves
+    on: a body must keep coming, not merely have started).
     """
     view = new_buffer(length)
     if not length:
         return view
     try:
+        if progress is not None:
+            progress()
         first = rfile.read1(length)  # type: ignore[attr-defined]
         if not first:
             return None
         view[:len(first)] = first
         got = len(first)
         while got < length:
-            n = sock.recv_into(view[got:], length - got, socket.MSG_WAITALL)
+            if progress is not None:
+                progress()
+            n = sock.recv_into(view[got:], min(PIECE, length - got), socket.MSG_WAITALL)
             if not n:
                 return None
             got += n
-    except OSError:  # reset, or silent past the socket timeout
+    except OSError:  # reset, shut down past its deadline, or silent past the socket timeout
         return None
     return view
+
+
+class Deadlines:
+    """Each connection's deadline, kept by one thread: past it the socket is shut down, which
+    ends the blocking recv or send its handler thread is in (a per-call timeout cannot stop a
+    client that sends one byte per call, or reads one)."""
+
+    def __init__(self, tick_s: float = 0.1) -> None:
+        self.tick_s = tick_s
+        self._due: dict[socket.socket, float] = {}
+        self._lock = threading.Lock()
+        self._stopped = threading.Event()
+        threading.Thread(target=self._run, name="bulk-deadlines", daemon=True).start()
+
+    def set(self, sock: socket.socket, seconds: float) -> None:
+        with self._lock:
+            self._due[sock] = time.monotonic() + seconds
+
+    def clear(self, sock: socket.socket) -> None:
+        with self._lock:
+            self._due.pop(sock, None)
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    def _run(self) -> None:
+        while not self._stopped.wait(self.tick_s):
+            now = time.monotonic()
+            with self._lock:
+                late = [sock for sock, due in self._due.items() if due <= now]
+                for sock in late:
+                    del self._due[sock]
+            for sock in late:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+
+class DeviceBodies:
+    """Upload bodies in flight per device: one device cannot take every body slot."""
+
+    def __init__(self, per_device: int) -> None:
+        self.per_device = per_device
+        self._held: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def take(self, device_id: str) -> bool:
+        with self._lock:
+            if self._held.get(device_id, 0) >= self.per_device:
+                return False
+            self._held[device_id] = self._held.get(device_id, 0) + 1
+            return True
+
+    def give_back(self, device_id: str) -> None:
+        with self._lock:
+            left = self._held.pop(device_id, 1) - 1
+            if left > 0:
+                self._held[device_id] = left
+
+
+class TooManyUploads(ApiError):
+    status_code = 429
 
 
 class BulkListener:
@@ -111,19 +186,24 @@ class BulkListener:
 
     def __init__(self, state: Any, host: str, port: int, limit: int, *,
                  reuse_port: bool = False, public_url: str | None = None,
-                 max_bodies: int = MAX_BODIES, socket_buffer_bytes: int = 0) -> None:
+                 max_bodies: int = MAX_BODIES, socket_buffer_bytes: int = 0,
+                 bounds: Bounds | None = None) -> None:
         self.state, self.host, self.requested_port, self.limit = state, host, port, limit
         self.reuse_port, self.public_url = reuse_port, public_url
         self.socket_buffer_bytes = socket_buffer_bytes
+        self.bounds = bounds or Bounds()
         # a fleet uploads at the same step boundary: bound the bodies held at once, not the
         # connections (a waiting upload holds its socket, not a model-sized buffer)
         self.bodies = threading.BoundedSemaphore(max_bodies)
+        self.device_bodies = DeviceBodies(self.bounds.bodies_per_device)
+        self.deadlines: Deadlines | None = None
         self.port: int | None = None
         self._server: _Server | None = None
         self._thread: threading.Thread | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> int:
+        self.deadlines = Deadlines()
         self._server = _Server((self.host, self.requested_port), _Handler, self)
         self.port = self._server.server_address[1]
         self._thread = threading.Thread(target=self._server.serve_forever, name="bulk-listener",
@@ -137,6 +217,8 @@ class BulkListener:
             self._server.shutdown()
             self._server.server_close()
             self._server = None
+        if self.deadlines is not None:
+            self.deadlines.stop()
 
     def url_for(self, scheme: str, hostname: str | None) -> str | None:
         """Where an agent that reached the API as `scheme://hostname` fetches weights and sends
@@ -173,16 +255,32 @@ class BulkListener:
             length = content_length(headers.get("Content-Length"), self.limit)
         except Exception as exc:  # noqa: BLE001 - mapped like the API's handlers, else a 500
             return _refusal(exc, close=upload is not None)
-        with self.bodies:
-            body = read_exactly(rfile, length, sock)
-            if body is None:
-                return None
-            try:
-                status, payload = accept_upload(self.state, principal.device_id,
-                                                unquote(upload.group(1)), int(upload.group(2)), body)
-            except Exception as exc:  # noqa: BLE001
-                return _refusal(exc, close=False)
+        device = principal.device_id
+        if not self.device_bodies.take(device):  # refused before a byte of the body is read
+            return _refusal(TooManyUploads(
+                f"device {device} already has {self.bounds.bodies_per_device} uploads in "
+                "flight: send the next when one is answered"), close=True)
+        try:
+            with self.bodies:
+                body = read_exactly(rfile, length, sock, progress=self._stall_deadline(sock))
+                if self.deadlines is not None:
+                    self.deadlines.clear(sock)  # in whole: what follows is the server's work
+                if body is None:
+                    return None
+                try:
+                    status, payload = accept_upload(self.state, device, unquote(upload.group(1)),
+                                                    int(upload.group(2)), body)
+                except Exception as exc:  # noqa: BLE001
+                    return _refusal(exc, close=False)
+        finally:
+            self.device_bodies.give_back(device)
         return Reply(status, payload, {"Retry-After": "1"} if status == 503 else {})
+
+    def _stall_deadline(self, sock: socket.socket) -> Callable[[], None]:
+        def moved() -> None:
+            if self.deadlines is not None:
+                self.deadlines.set(sock, self.bounds.stall_s)
+        return moved
 
     def _device(self, headers: Any) -> Any:
         auth = self.state.authenticator
@@ -203,6 +301,17 @@ class _WeightsQuery(BaseModel):
     step: int = Field(ge=0)
 
 
+@dataclass(frozen=True)
+class Bounds:
+    """What one client may hold of the listener (issue: a thread per idle connection, a body
+    trickled forever, one device taking every body slot)."""
+
+    max_connections: int = 1024  # past it a new connection is refused at once, without a thread
+    header_timeout_s: float = 30.0  # a request's headers (or a kept-alive wait) within this
+    stall_s: float = 10.0  # each MiB of a body or an answer within this (>= ~100 KiB/s)
+    bodies_per_device: int = 2  # upload bodies one device may have in flight
+
+
 def _refusal(exc: Exception, close: bool) -> Reply:
     mapped = error_response(exc)
     if mapped is None:
@@ -218,7 +327,29 @@ class _Server(ThreadingHTTPServer):
 
     def __init__(self, address: tuple[str, int], handler: type, listener: BulkListener) -> None:
         self.listener = listener
+        self.open_connections = 0
+        self._count = threading.Lock()
         super().__init__(address, handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        """A thread per connection, up to the bound; past it the connection is closed at once
+        (the client retries), so idle connections cannot pile up threads."""
+        with self._count:
+            full = self.open_connections >= self.listener.bounds.max_connections
+            if not full:
+                self.open_connections += 1
+        if full:
+            REFUSED_CONNECTIONS.inc()
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            with self._count:
+                self.open_connections -= 1
 
     def server_bind(self) -> None:
         # several uvicorn worker processes each run a listener on the same port
@@ -237,6 +368,9 @@ class _Handler(BaseHTTPRequestHandler):
 
     def setup(self) -> None:
         super().setup()
+        self.deadlines = self.server.listener.deadlines
+        self.bounds = self.server.listener.bounds
+        self._await_request()
         # A client that stalls mid-request frees its thread after SOCKET_TIMEOUT_S, kept by the
         # kernel (SO_RCVTIMEO/SO_SNDTIMEO) on a blocking socket:
         # a 12.9 MB answer is then one send() and a body one MSG_WAITALL recv, where Python's
@@ -251,8 +385,19 @@ class _Handler(BaseHTTPRequestHandler):
 
     do_GET = do_PUT = do_DELETE = do_PATCH = do_HEAD = do_POST  # noqa: N815
 
+    def _await_request(self) -> None:
+        if self.deadlines is not None:
+            self.deadlines.set(self.connection, self.bounds.header_timeout_s)
+
+    def finish(self) -> None:
+        if self.deadlines is not None:
+            self.deadlines.clear(self.connection)
+        super().finish()
+
     def _serve(self) -> None:
         started = time.perf_counter()
+        if self.deadlines is not None:  # headers in; the body and the answer set their own
+            self.deadlines.clear(self.connection)  # (waiting for a body slot is not the client's)
         reply = self.server.listener.handle(self.command, self.path, self.headers, self.rfile,
                                             self.connection)
         if reply is None:
@@ -273,9 +418,13 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             self.end_headers()
             if self.command != "HEAD":
+                if self.deadlines is not None:  # an answer must keep going out too
+                    pieces = max(1, -(-len(body) // PIECE))
+                    self.deadlines.set(self.connection, self.bounds.stall_s * pieces)
                 self.wfile.write(body)
         except OSError:  # the agent went away mid-answer (killed, network lost): nothing to do
             self.close_connection = True
+        self._await_request()  # the next request on this kept-alive connection
         route = ROUTES.get(self.command, UNMATCHED) if reply.status not in (404, 405) else UNMATCHED
         HTTP_REQUESTS.labels(self.command, route, str(reply.status)).inc()
         HTTP_LATENCY.labels(self.command, route).observe(time.perf_counter() - started)

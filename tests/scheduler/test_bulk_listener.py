@@ -346,3 +346,132 @@ def test_a_step_number_past_int64_is_404_not_a_500(app_client: TestClient) -> No
     assert r.status_code == 404, r.text
     assert httpx.get(listener_url(app_client) + f"/v1/jobs/{job_id}/weights",
                      params={"step": 0}, headers=hdr, timeout=30).status_code == 200
+
+
+# -- what one client may hold (issue 19: threads, trickled bodies, one device's slots) -----
+
+def _upload_head(job_id: str, hdr: dict[str, str], length: int) -> bytes:
+    return (f"POST {gradients(job_id)} HTTP/1.1\r\nHost: x\r\nAuthorization: "
+            f"{hdr['Authorization']}\r\nContent-Length: {length}\r\n\r\n").encode()
+
+
+def _closed_by_server(sock: socket.socket) -> bool:
+    """Whether the server closed the connection (waits up to 30 s for it to say so)."""
+    sock.settimeout(30)
+    try:
+        while True:
+            data = sock.recv(65536)
+            if not data:
+                return True
+            if data.startswith(b"HTTP/1.1 4") or data.startswith(b"HTTP/1.1 5"):
+                continue  # an answer, then the close
+    except (ConnectionResetError, BrokenPipeError):
+        return True
+    except TimeoutError:
+        return False
+
+
+def test_connections_past_the_bound_are_closed_at_once_without_a_thread(
+        sqlite_url: str, tmp_path: Path) -> None:
+    import threading
+
+    from api.metrics import BULK_REFUSED_CONNECTIONS
+
+    with make_client(sqlite_url, tmp_path, bulk_port=0, bulk_max_connections=4) as client:
+        port = client.app.state.bulk_listener.port
+        idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(4)]
+        server = client.app.state.bulk_listener._server
+        wait_for("the four to be served", lambda: server.open_connections == 4)
+        threads = threading.active_count()
+        refused_before = BULK_REFUSED_CONNECTIONS._value.get()
+        extra = [socket.create_connection(("127.0.0.1", port)) for _ in range(20)]
+        assert all(_closed_by_server(s) for s in extra)
+        assert threading.active_count() <= threads  # no thread was started for them
+        assert BULK_REFUSED_CONNECTIONS._value.get() - refused_before == 20
+        for s in idle + extra:
+            s.close()
+        wait_for("the idle ones to be let go", lambda: server.open_connections == 0)
+        with socket.create_connection(("127.0.0.1", port)) as again:
+            again.sendall(b"GET /nowhere HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert again.recv(100).startswith(b"HTTP/1.1 404")
+    context.reset()
+
+
+def test_headers_that_never_finish_are_cut_at_the_header_deadline(
+        sqlite_url: str, tmp_path: Path) -> None:
+    """Without the deadline the kernel's per-recv timeout (120 s) would hold the thread: a
+    client sending a byte now and then would hold it for ever."""
+    with make_client(sqlite_url, tmp_path, bulk_port=0, bulk_header_timeout_s=0.5) as client:
+        port = client.app.state.bulk_listener.port
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            sock.sendall(b"POST /v1/jobs/j/steps/0/gradients HTTP/1.1\r\nHost: x\r\n")
+            assert _closed_by_server(sock)
+        with socket.create_connection(("127.0.0.1", port)) as sock:  # a kept-alive wait too
+            sock.sendall(b"GET /nowhere HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert sock.recv(100).startswith(b"HTTP/1.1 404")
+            assert _closed_by_server(sock)
+    context.reset()
+
+
+def _trickle(sock: socket.socket, every_s: float) -> None:
+    """One byte at a time until the server cuts the connection."""
+    import time
+
+    try:
+        while True:
+            sock.sendall(b"x")
+            time.sleep(every_s)
+    except OSError:
+        return
+
+
+def test_a_trickled_body_is_cut_and_frees_its_slot_for_the_next_upload(
+        sqlite_url: str, tmp_path: Path) -> None:
+    """A body that arrives a byte every 0.1 s keeps every recv alive, so only a deadline per
+    piece of the body ends it; the upload waiting for its one body slot then goes through."""
+    import threading
+
+    with make_client(sqlite_url, tmp_path, bulk_port=0, bulk_stall_s=0.5) as client:
+        listener = client.app.state.bulk_listener
+        listener.bodies = threading.BoundedSemaphore(1)
+        job_id, [(dev, hdr), (other, other_hdr)] = running_job(client)
+        blobs = shard_result_blobs(context.get_context(), job_id, 0)
+        trickler = socket.create_connection(("127.0.0.1", listener.port))
+        trickler.sendall(_upload_head(job_id, hdr, 3_000_000))
+        feeding = threading.Thread(target=_trickle, args=(trickler, 0.1), daemon=True)
+        feeding.start()
+        wait_for("the trickled body to take the one slot",
+                 lambda: listener.device_bodies._held.get(dev) == 1)
+        mine = shards_of(job_id, other)[0]
+        answer = httpx.post(listener_url(client) + gradients(job_id), content=blobs[mine],
+                            headers=other_hdr, timeout=60)
+        assert answer.status_code == 200 and answer.json()["accepted"] == [mine]
+        feeding.join(30)
+        assert not feeding.is_alive()  # the trickler was cut off
+        trickler.close()
+    context.reset()
+
+
+def test_one_device_cannot_take_every_body_slot(sqlite_url: str, tmp_path: Path) -> None:
+    with make_client(sqlite_url, tmp_path, bulk_port=0, bulk_bodies_per_device=1) as client:
+        listener = client.app.state.bulk_listener
+        job_id, [(dev, hdr), (other, other_hdr)] = running_job(client)
+        blobs = shard_result_blobs(context.get_context(), job_id, 0)
+        slow = socket.create_connection(("127.0.0.1", listener.port))
+        slow.sendall(_upload_head(job_id, hdr, 3_000_000) + b"x" * 1000)  # holds its slot
+        wait_for("the slow upload to hold its slot",
+                 lambda: listener.device_bodies._held.get(dev) == 1)
+        second = httpx.post(listener_url(client) + gradients(job_id),
+                            content=blobs[shards_of(job_id, dev)[0]], headers=hdr, timeout=60)
+        assert second.status_code == 429 and dev in second.json()["detail"]
+        assert second.headers.get("connection") == "close"
+        theirs = shards_of(job_id, other)[0]
+        answer = httpx.post(listener_url(client) + gradients(job_id), content=blobs[theirs],
+                            headers=other_hdr, timeout=60)
+        assert answer.status_code == 200  # another device is not held up
+        slow.close()
+        wait_for("the slot to be given back", lambda: not listener.device_bodies._held)
+        retry = httpx.post(listener_url(client) + gradients(job_id),
+                           content=blobs[shards_of(job_id, dev)[0]], headers=hdr, timeout=60)
+        assert retry.status_code == 200
+    context.reset()
