@@ -28,6 +28,11 @@ class BlobStore(Protocol):
 
     def get_many(self, keys: list[str]) -> list[bytes | None]: ...
 
+    def get_range(self, key: str, start: int, length: int) -> bytes | memoryview:
+        """`length` bytes of the value from `start`: fewer when the value is shorter, none
+        when the key is missing."""
+        ...
+
 
 class MemoryBlobStore:
     """A dict behind a lock; expiry is checked on read. Values are kept as given, without a
@@ -59,6 +64,11 @@ class MemoryBlobStore:
     def get_many(self, keys: list[str]) -> list[bytes | None]:
         with self._lock:
             return [self._live(key) for key in keys]
+
+    def get_range(self, key: str, start: int, length: int) -> bytes | memoryview:
+        with self._lock:
+            value = self._live(key)
+        return memoryview(value or b"")[start:start + length]
 
     def set(self, key: str, value: bytes, ttl: float | None = None) -> None:
         with self._lock:
@@ -118,6 +128,9 @@ class RedisBlobStore:
         for lo in range(0, len(keys), MGET_GROUP):
             out.extend(self._redis.mget(keys[lo:lo + MGET_GROUP]))
         return out
+
+    def get_range(self, key: str, start: int, length: int) -> bytes | memoryview:
+        return self._redis.getrange(key, start, start + length - 1) if length > 0 else b""
 
     def set(self, key: str, value: bytes, ttl: float | None = None) -> None:
         self._redis.set(key, value, px=_ms(ttl))

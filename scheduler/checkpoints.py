@@ -33,16 +33,21 @@ def checkpoint_path(artifacts_dir: Path, job_id: str, step: int) -> Path:
 
 
 def write_checkpoint(artifacts_dir: Path, job_id: str, model: Model, state: TrainState) -> WrittenCheckpoint:
-    """Write atomically (temp file + rename): a reader never sees half a checkpoint."""
+    """Write atomically (temp file + rename): a reader never sees half a checkpoint, and a write
+    that fails (a full disk) leaves nothing behind and raises OSError."""
     data = save_npz(state_to_arrays(model, state))
     path = checkpoint_path(artifacts_dir, job_id, state.step)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp-{os.getpid()}")
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except OSError:  # a full disk: leave no half-written file behind
+        tmp.unlink(missing_ok=True)
+        raise
     return WrittenCheckpoint(state.step, str(path), hashlib.sha256(data).hexdigest(), len(data))
 
 

@@ -11,6 +11,7 @@ import struct
 import numpy as np
 
 from engine.step import TrainState
+from scheduler.blobs import BlobStore
 from wire.messages import new_buffer
 
 MAGIC = b"PHLXS1"
@@ -42,6 +43,23 @@ def encode_state(state: TrainState) -> bytes:
         raise StateError("momentum and params differ in size")
     head = _HEADER.pack(MAGIC, int(state.step), params.size, buffers.size)
     return b"".join((head, *(memoryview(a).cast("B") for a in (params, momentum, buffers))))
+
+
+def read_weights(blobs: BlobStore, key: str, expect_step: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """The params and buffers of the state under `key`, read by range (its header, then the
+    two arrays: not the momentum, a third of the blob); None when it is gone or changed
+    meanwhile."""
+    head = bytes(blobs.get_range(key, 0, _HEADER.size))
+    if len(head) != _HEADER.size:
+        return None
+    magic, step, n_params, n_buffers = _HEADER.unpack(head)
+    if magic != MAGIC or step != expect_step:
+        return None
+    params = blobs.get_range(key, _HEADER.size, 4 * n_params)
+    buffers = blobs.get_range(key, _HEADER.size + 8 * n_params, 4 * n_buffers)
+    if len(params) != 4 * n_params or len(buffers) != 4 * n_buffers:
+        return None
+    return np.frombuffer(params, "<f4"), np.frombuffer(buffers, "<f4")
 
 
 def decode_state(data: bytes, expect_step: int | None = None) -> TrainState:

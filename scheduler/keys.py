@@ -18,11 +18,6 @@ def state(job_id: str, step: int) -> str:
     return f"job:{job_id}:state:{step}"
 
 
-def weights(job_id: str, step: int) -> str:
-    """The weights message (wire.messages) of step t, encoded once by the apply_step that made t."""
-    return f"job:{job_id}:weights:{step}"
-
-
 def grad(job_id: str, step: int, shard: int) -> str:
     return f"job:{job_id}:grad:{step}:{shard}"
 
@@ -70,7 +65,7 @@ def slow_factor(job_id: str, device_id: str) -> str:
 
 
 def step_of_key(key: str) -> int | None:
-    """The step number in a `job:{id}:state:{t}`, `...:weights:{t}`, `...:grad:{t}:{k}` or
+    """The step number in a `job:{id}:state:{t}`, `...:grad:{t}:{k}` or
     `...:body:{t}:{upload}` key."""
     parts = key.split(":")
     if len(parts) >= 4 and parts[2] in ("state", "weights", "grad", "body", "apply"):

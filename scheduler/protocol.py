@@ -30,7 +30,7 @@ from scheduler import keys
 from scheduler.blobs import BlobStore
 from scheduler.bodies import drop_body, keep_body
 from scheduler.gradstore import offset_in, pack_ref, pack_result
-from scheduler.hotstate import decode_state
+from scheduler.hotstate import read_weights
 from scheduler.jobinfo import JobInfo, job_info
 from scheduler.notify import current_version
 from scheduler.tasks.recovery import RECENT
@@ -217,19 +217,19 @@ class StepProtocol:
             cached = self._weights.get((job_id, step))
             if cached is not None:
                 return cached
-            data = (RECENT.weights(job_id, step)  # this process applied it (scheduler.local_apply)
-                    or self.blobs.get(keys.weights(job_id, step)) or self._encode(job_id, step))
+            # made by this process's apply (scheduler.local_apply), else from the state
+            data = RECENT.weights(job_id, step) or self._encode(job_id, step)
             self._weights.put((job_id, step), data)
             return data
 
     def _encode(self, job_id: str, step: int) -> bytes:
-        """The weights message from the state itself: for a state restored from a checkpoint
-        (apply_step stores the message with every state it makes)."""
-        raw = self.blobs.get(keys.state(job_id, step))
-        if raw is None:
+        """The weights message from the state in the blob store: when another process applied
+        the step, or the state was restored from a checkpoint. Only its params and buffers
+        are read (two thirds of the state's bytes), once per step and process."""
+        arrays = read_weights(self.blobs, keys.state(job_id, step), expect_step=step)
+        if arrays is None:
             raise StateMissing(f"weights of step {step} are being restored; retry shortly")
-        state = decode_state(raw, expect_step=step)
-        return encode_weights(job_id, step, state.params, state.buffers)
+        return encode_weights(job_id, step, *arrays)
 
     # -- GET /v1/jobs/{id}/shards/{k}/data ----------------------------------------------------
     def shard_data(self, device_id: str, job_id: str, shard: int) -> bytes:

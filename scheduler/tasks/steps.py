@@ -4,7 +4,7 @@ Order of effects, so that a crash anywhere repeats or repairs rather than corrup
 1. read state t and every shard's result for t from the blob store (missing: return);
 2. compute step t+1 with the engine's apply_step (sorted by shard, float64: the same function
    as the reference trainer);
-3. write state t+1 and its weights message to the blob store (and a checkpoint file when
+3. write state t+1 to the blob store (and a checkpoint file when
    due) BEFORE the commit;
 4. commit `UPDATE jobs SET step=t+1 WHERE id=:id AND step=t` with the step's metrics; the loser
    of a race (or a retry after the commit) matches no row and changes nothing;
@@ -113,6 +113,21 @@ class Outcome:
     GONE = "gone"
     INCOMPLETE = "incomplete"
     FAILED = "failed"
+    RETRY = "retry"  # not committed on purpose: applied again when the claim expires
+
+
+def checkpoint_failed(ctx: SchedulerContext, job: Job, step: int, exc: OSError, final: bool) -> None:
+    """The operator's trace of a checkpoint that could not be written (a full disk): the job
+    goes on without it, or, for the final one, waits for it."""
+    what = ("the final checkpoint is written again when the step is retried (free space on the "
+            "artifacts volume)" if final else "training goes on; the next checkpoint is tried "
+            "at its turn")
+    log.warning("checkpoint of step %d of %s not written: %s", step, job.id, exc)
+    with transaction(ctx.session_factory) as session:
+        store_ops.record_event(session, "CheckpointFailed",
+                               f"checkpoint of step {step} not written ({exc.strerror or exc}): "
+                               + what, now=ctx.clock(), job_id=job.id, kind="Warning",
+                               data={"step": step, "final": final})
 
 
 def run_apply_step(ctx: SchedulerContext, job_id: str, step: int) -> str:
@@ -146,15 +161,21 @@ def run_apply_step(ctx: SchedulerContext, job_id: str, step: int) -> str:
     blob.params[:] = message.params
     blob.buffers[:] = message.buffers
     ctx.blobs.set(keys.state(job_id, step + 1), blob.data)
-    sealed = message.seal()
-    ctx.blobs.set(keys.weights(job_id, step + 1), sealed)
-    RECENT.remember(job_id, new_state, sealed)  # the next step reads it from here, if still stored
+    # the next step reads the state from here, if still stored, and this process's API serves
+    # the message as it is; other processes encode it from the state (one message per step
+    # and process instead of 12.9 MB more through Redis on every step's critical path)
+    RECENT.remember(job_id, new_state, message.seal())
     if ctx.tuning.apply_pause_s:
         time.sleep(ctx.tuning.apply_pause_s)  # tests: widen the crash window on purpose
     final = new_state.step >= info.total_steps
     ckpt = None
     if final or new_state.step % checkpoint_every(ctx, job) == 0:
-        ckpt = write_checkpoint(ctx.settings.artifacts_dir, job_id, info.model, new_state)
+        try:
+            ckpt = write_checkpoint(ctx.settings.artifacts_dir, job_id, info.model, new_state)
+        except OSError as exc:
+            checkpoint_failed(ctx, job, new_state.step, exc, final)
+            if final:  # the job's result: not done without it; applied again when the claim
+                return Outcome.RETRY  # expires (state t+1 is stored), e.g. once space is freed
     if not commit_step(ctx, job, info, metrics, new_state, ckpt, final):
         return Outcome.STALE
     drop_step_keys(ctx, job_id, keep_state=step + 1)

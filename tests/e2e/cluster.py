@@ -152,9 +152,9 @@ class Cluster:
         deployment's beat) with the cluster's settings; returns once it logged "ready"."""
         assert self.redis_url, "a separate worker needs Redis"
         env = self.install.env()
-        env.update(PHALANX_DATABASE_URL=self.database_url, PHALANX_REDIS_URL=self.redis_url,
-                   PHALANX_DATA_DIR=str(self.data_dir), PHALANX_ADMIN_TOKEN=self.admin_token,
-                   **self.server_env, **(extra_env or {}))
+        env.update({"PHALANX_DATABASE_URL": self.database_url, "PHALANX_REDIS_URL": self.redis_url,
+                    "PHALANX_DATA_DIR": str(self.data_dir), "PHALANX_ADMIN_TOKEN": self.admin_token,
+                    **self.server_env, **(extra_env or {})})  # the worker's own settings win
         log_path = self.root / f"worker-{len(self.workers)}.log"
         cmd = [self.install.python, "-m", "phalanx.cli.main", "worker", "--concurrency", "2",
                *(["--beat"] if beat else [])]

@@ -191,3 +191,79 @@ def test_postgres_restarted_mid_job_answers_503_and_loses_nothing(
         cluster.stop()
     assert (503, "1") in seen and all(code in (200, 503) for code, _ in seen), seen
     assert_matches(job, tmp_path)
+
+
+def test_a_replica_killed_while_phones_long_poll_it_behind_a_load_balancer(
+        private_redis: PrivateRedis, pg_url: str, tmp_path: Path) -> None:
+    """Two API replicas behind a load balancer (a TCP proxy spreading new connections over the
+    replicas that accept them, as a Kubernetes Service does); phones know only the balancer.
+    One replica is SIGKILLed mid-job, holding phones' long polls and the bodies of uploads it
+    received: the phones move to the other replica by their own retry, the results whose
+    bodies died with it are computed again, and the job ends where the reference ends."""
+    from types import SimpleNamespace
+
+    from tests.support.proxy import TcpProxy
+
+    cluster = Cluster(tmp_path, pg_url, ADMIN_TOKEN, redis_url=private_redis.url)
+    balancer = None
+    try:
+        doomed, survivor = cluster.start_server(), cluster.start_server()
+        balancer = TcpProxy([("127.0.0.1", int(r.url.rsplit(":", 1)[1]))
+                             for r in (doomed, survivor)])
+        cluster.start_worker()
+        front = SimpleNamespace(url=balancer.url)
+        for i in range(4):
+            cluster.start_agent(f"phone-{i}", {"PHALANX_AGENT_SLOWDOWN": "2"}, server=front)
+        job_id = cluster.submit(SPEC)
+        cluster.wait_job(job_id, lambda j: j["step"] >= 4, "step 4")
+        doomed.stop(kill=True)
+        cluster.replicas.remove(doomed)
+        cluster.server = survivor
+        job = cluster.wait_done(job_id, timeout=300)
+    finally:
+        cluster.stop()
+        if balancer is not None:
+            balancer.close()
+    assert job["state"] == "Succeeded", job
+    assert_matches(job, tmp_path)
+
+
+def test_a_partition_between_the_worker_and_redis_heals_and_loses_nothing(
+        private_redis: PrivateRedis, pg_url: str, tmp_path: Path) -> None:
+    """The worker reaches Redis (broker and hot state) through a link that is cut for 20 s
+    mid-job: every connection reset, new ones refused. The workers apply every step here, so
+    the job waits for the link; once it heals, the worker reconnects (one that exited is
+    started again, as its supervisor would) and the job ends where the reference ends."""
+    from tests.support.proxy import TcpProxy
+
+    link = TcpProxy([("127.0.0.1", private_redis.port)])
+    cluster = Cluster(tmp_path, pg_url, ADMIN_TOKEN, redis_url=private_redis.url,
+                      server_env={"PHALANX_APPLY_ON_REPLICA": "false"})
+    worker_env = {"PHALANX_REDIS_URL": link.redis_url()}
+    try:
+        cluster.start_server()
+        cluster.start_worker(worker_env)
+        for i in range(3):
+            cluster.start_agent(f"phone-{i}", {"PHALANX_AGENT_SLOWDOWN": "2"})
+        job_id = cluster.submit(SPEC)
+        cluster.wait_job(job_id, lambda j: j["step"] >= 3, "step 3")
+        link.cut()
+        time.sleep(20)  # the partition itself; nothing is asserted about time
+        cut_at = cluster.job(job_id)["step"]
+        link.heal()
+
+        def supervised_until_done() -> dict | None:
+            for worker in [w for w in cluster.workers if w.process.poll() is not None]:
+                cluster.workers.remove(worker)
+                cluster.start_worker(worker_env)
+            job = cluster.job(job_id)
+            return job if job["state"] in ("Succeeded", "Failed", "Cancelled") else None
+
+        job = wait_for("the job to finish", supervised_until_done, timeout=300, every=0.5,
+                       on_fail=cluster.diagnostics)
+    finally:
+        cluster.stop()
+        link.close()
+    assert job["state"] == "Succeeded", job
+    assert cut_at < job["step"]  # steps went on after the partition
+    assert_matches(job, tmp_path)

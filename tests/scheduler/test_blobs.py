@@ -40,6 +40,14 @@ def test_get_many_answers_in_order_with_none_for_missing_across_groups(store: Bl
     assert store.get_many([]) == []
 
 
+def test_get_range_reads_part_of_a_value_and_nothing_of_a_missing_key(store: BlobStore) -> None:
+    store.set("r", bytes(range(100)))
+    assert bytes(store.get_range("r", 10, 5)) == bytes(range(10, 15))
+    assert bytes(store.get_range("r", 95, 10)) == bytes(range(95, 100))  # shorter at the end
+    assert bytes(store.get_range("r", 0, 0)) == b""
+    assert bytes(store.get_range("missing", 0, 10)) == b""
+
+
 def test_first_set_if_absent_wins(store: BlobStore) -> None:
     assert store.set_if_absent("g", b"first")
     assert not store.set_if_absent("g", b"second")

@@ -20,7 +20,7 @@ from engine.data import load_dataset
 from engine.sampler import shard_indices
 from scheduler import context, keys
 from scheduler.jobinfo import job_info
-from scheduler.protocol import ForeignShard
+from scheduler.protocol import ForeignShard, StateMissing
 from scheduler.tasks.reconcile import run_reconcile, run_reconcile_job
 from scheduler.tasks.steps import run_apply_step
 from tests.scheduler.helpers import (
@@ -176,10 +176,16 @@ def test_a_device_with_nothing_to_do_gets_null_after_the_wait(app_client: TestCl
     assert r.status_code == 200 and r.json() == {"assignment": None}
 
 
-def test_weights_are_the_message_apply_step_stored_or_encoded_from_a_restored_state(
-        app_client: TestClient) -> None:
+@pytest.mark.parametrize("store", ["memory", "redis"])
+def test_weights_are_the_message_apply_step_made_or_encoded_from_the_stored_state(
+        app_client: TestClient, store: str, request: pytest.FixtureRequest) -> None:
+    """The process that applied a step serves the message it made; any other process (another
+    replica, or after a restore from a checkpoint) encodes the same bytes from the state's
+    params and buffers in the blob store."""
+    from scheduler.blobs import RedisBlobStore
     from scheduler.hotstate import decode_state
     from scheduler.protocol import StepProtocol
+    from scheduler.tasks.recovery import RECENT
     from tests.scheduler.helpers import upload_all
     from wire.messages import encode_weights
 
@@ -187,16 +193,22 @@ def test_weights_are_the_message_apply_step_stored_or_encoded_from_a_restored_st
     ctx = context.get_context()
     upload_all(ctx, job_id, 0)
     assert run_apply_step(ctx, job_id, 0) == "applied"
-    stored = ctx.blobs.get(keys.weights(job_id, 1))
+    made = bytes(RECENT.weights(job_id, 1))
     state = decode_state(ctx.blobs.get(keys.state(job_id, 1)), expect_step=1)
-    assert stored == encode_weights(job_id, 1, state.params, state.buffers)
+    assert made == encode_weights(job_id, 1, state.params, state.buffers)
     served = app_client.get(f"/v1/jobs/{job_id}/weights", params={"step": 1}, headers=hdr)
-    assert served.status_code == 200 and served.content == stored
-    assert ctx.blobs.get(keys.weights(job_id, 0)) is None  # step 0's keys are dropped
-    # a state restored from a checkpoint comes without the message: it is encoded from the state
-    ctx.blobs.delete(keys.weights(job_id, 1))
-    fresh = StepProtocol(ctx.session_factory, ctx.blobs, ctx.settings.data_dir, ctx.clock)
-    assert fresh.weights(dev, job_id, 1) == stored
+    assert served.status_code == 200 and served.content == made
+    blobs = ctx.blobs
+    if store == "redis":  # the state as another replica finds it in Redis
+        blobs = RedisBlobStore(request.getfixturevalue("redis_url"))
+        blobs.set(keys.state(job_id, 1), ctx.blobs.get(keys.state(job_id, 1)))
+    RECENT.remember(job_id, state)  # as if another process had applied it: no message here
+    other = StepProtocol(ctx.session_factory, blobs, ctx.settings.data_dir, ctx.clock)
+    assert bytes(other.weights(dev, job_id, 1)) == made
+    blobs.delete(keys.state(job_id, 1))  # gone (Redis restarted): 503, retry shortly
+    with pytest.raises(StateMissing):
+        StepProtocol(ctx.session_factory, blobs, ctx.settings.data_dir, ctx.clock).weights(
+            dev, job_id, 1)
 
 
 def test_concurrent_first_weight_requests_encode_once(app_client: TestClient,

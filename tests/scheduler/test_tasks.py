@@ -415,3 +415,53 @@ def test_a_result_whose_upload_body_was_lost_is_recomputed_not_applied(ctx) -> N
     assert len(ctx.blobs.keys(keys.grad_prefix(job_id, 0))) < job(ctx, job_id).spec["shards"]
     upload_all(ctx, job_id, 0)  # the devices upload the missing shards again
     assert run_apply_step(ctx, job_id, 0) == "applied"
+
+
+def _disk_full_for(ctx, job_id: str, step: int) -> Path:
+    """The checkpoint of `step` will be written into /dev/full: the kernel answers its write
+    with ENOSPC, exactly as a full disk does (the temp file apply_step writes first is this
+    process's, so it is named here)."""
+    import os
+
+    from scheduler.checkpoints import checkpoint_path
+
+    path = checkpoint_path(ctx.settings.artifacts_dir, job_id, step)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp-{os.getpid()}")
+    tmp.symlink_to("/dev/full")
+    return tmp
+
+
+def test_a_full_disk_skips_a_checkpoint_with_a_warning_and_waits_for_the_final_one(ctx) -> None:
+    from api.store.models import Checkpoint, Event
+    from scheduler.checkpoints import checkpoint_path, read_checkpoint
+
+    job_id = start(ctx, tiny_spec(checkpoint_every=2))
+    info = job_info(job_id, job(ctx, job_id).spec, ctx.settings.data_dir)
+    total = info.total_steps
+    run_to(ctx, job_id, 1)
+    full = _disk_full_for(ctx, job_id, 2)
+    upload_all(ctx, job_id, 1)
+    assert run_apply_step(ctx, job_id, 1) == "applied"  # the job goes on without it
+    assert job(ctx, job_id).step == 2
+    assert not full.exists() and not checkpoint_path(ctx.settings.artifacts_dir, job_id, 2).exists()
+    with ctx.session_factory() as s:
+        assert not s.query(Checkpoint).filter_by(job_id=job_id, step=2).all()  # never served
+        warned = [e for e in s.query(Event).filter_by(job_id=job_id, reason="CheckpointFailed")]
+    assert len(warned) == 1 and "No space left on device" in warned[0].message
+    assert warned[0].kind == "Warning" and warned[0].data == {"step": 2, "final": False}
+
+    run_to(ctx, job_id, total - 1)
+    _disk_full_for(ctx, job_id, total)
+    upload_all(ctx, job_id, total - 1)
+    assert run_apply_step(ctx, job_id, total - 1) == "retry"  # the result is not lost: it waits
+    assert job(ctx, job_id).state == "Running" and job(ctx, job_id).step == total - 1
+    assert "CheckpointFailed" in event_reasons(ctx, job_id)[-1:]
+    # space is back (the failed write left nothing behind): the retry finishes the job
+    assert run_apply_step(ctx, job_id, total - 1) == "applied"
+    assert job(ctx, job_id).state == "Succeeded"
+    with ctx.session_factory() as s:
+        final = s.query(Checkpoint).filter_by(job_id=job_id, step=total).one()
+        assert read_checkpoint(final, info.model) is not None
+    leftovers = list(checkpoint_path(ctx.settings.artifacts_dir, job_id, 0).parent.glob("*.tmp-*"))
+    assert not leftovers
