@@ -57,9 +57,11 @@ HTTP_REQUESTS = Counter("phalanx_http_requests", "HTTP requests by route templat
 HTTP_LATENCY = Histogram("phalanx_http_request_duration_seconds",
                          "HTTP request latency by route template", ["method", "route"],
                          buckets=REQUEST_BUCKETS, registry=REQUESTS)
+# labelled, so no process writes a series (a multiprocess file) before it refuses anything
 BULK_REFUSED_CONNECTIONS = Counter(
-    "phalanx_bulk_refused_connections", "Connections the bulk listener closed at once: it "
-    "already served its maximum (PHALANX_BULK_MAX_CONNECTIONS)", registry=REQUESTS)
+    "phalanx_bulk_refused_connections", "Connections the bulk listener closed at once, by "
+    "reason: max_connections (it already served PHALANX_BULK_MAX_CONNECTIONS)", ["reason"],
+    registry=REQUESTS)
 SHARD_RESULTS = Counter("phalanx_shard_results", "Shard results uploaded by devices: accepted "
                         "(the first of its shard and step) or duplicate (dropped: first wins)",
                         ["outcome"], registry=REQUESTS)

@@ -339,7 +339,7 @@ class _Server(ThreadingHTTPServer):
             if not full:
                 self.open_connections += 1
         if full:
-            REFUSED_CONNECTIONS.inc()
+            REFUSED_CONNECTIONS.labels("max_connections").inc()
             self.shutdown_request(request)
             return
         super().process_request(request, client_address)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Annotated, Optional
@@ -74,7 +76,10 @@ def sim(
                         interval_s=interval, enroll_token=enroll_token,
                         admin_token=target.token, concurrency=concurrency,
                         compute=compute or job is not None, cleanup=cleanup,
-                        labels=parse_labels(label), job=read_spec(job) if job else None)
+                        labels=parse_labels(label), job=read_spec(job) if job else None,
+                        stop=threading.Event())
+    # SIGTERM ends the run early as the duration would: the phones stop, the report is printed
+    signal.signal(signal.SIGTERM, lambda *_: opts.stop.set())  # type: ignore[union-attr]
     last = [0.0]
 
     def progress(stats: FleetStats) -> None:

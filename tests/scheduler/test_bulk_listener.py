@@ -383,11 +383,11 @@ def test_connections_past_the_bound_are_closed_at_once_without_a_thread(
         server = client.app.state.bulk_listener._server
         wait_for("the four to be served", lambda: server.open_connections == 4)
         threads = threading.active_count()
-        refused_before = BULK_REFUSED_CONNECTIONS._value.get()
+        refused_before = BULK_REFUSED_CONNECTIONS.labels("max_connections")._value.get()
         extra = [socket.create_connection(("127.0.0.1", port)) for _ in range(20)]
         assert all(_closed_by_server(s) for s in extra)
         assert threading.active_count() <= threads  # no thread was started for them
-        assert BULK_REFUSED_CONNECTIONS._value.get() - refused_before == 20
+        assert BULK_REFUSED_CONNECTIONS.labels("max_connections")._value.get() - refused_before == 20
         for s in idle + extra:
             s.close()
         wait_for("the idle ones to be let go", lambda: server.open_connections == 0)
