@@ -35,8 +35,8 @@ def validation_detail(errors: Any) -> list[dict[str, Any]]:
 
 def error_response(exc: Exception) -> tuple[int, Any, dict[str, str]] | None:
     """(status, detail, extra headers) for an exception the API answers; None otherwise."""
-    if isinstance(exc, ApiError):
-        return exc.status_code, exc.detail, {}
+    if isinstance(exc, ApiError):  # unavailable for a moment: say when to come back
+        return exc.status_code, exc.detail, {"Retry-After": "1"} if exc.status_code == 503 else {}
     if isinstance(exc, RequestValidationError):
         return 422, validation_detail(exc.errors()), {}
     if isinstance(exc, IntegrityError | psycopg.IntegrityError):

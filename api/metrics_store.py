@@ -20,6 +20,7 @@ from sqlalchemy import func, or_, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from api.store.models import Device, Event, Job, ShardAssignment, StepMetric, TelemetrySample
+from api.store.state_names import DeviceState
 from api.store.states import ACTIVE_STATES, DEVICE_STATES, JOB_STATES
 
 PAUSE_REASONS = ("thermal", "battery", "busy")
@@ -77,7 +78,7 @@ def fleet_metrics(session: Session) -> Iterable[Any]:
     readings: dict[str, list[float]] = defaultdict(list)
     for state, pause_reason, telemetry in rows:
         by_state[state] = by_state.get(state, 0) + 1
-        if state == "NotReady":
+        if state == DeviceState.NOT_READY:
             continue  # a silent phone's last reading is not the fleet's present
         if pause_reason:
             paused[pause_reason] = paused.get(pause_reason, 0) + 1

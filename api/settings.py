@@ -84,7 +84,7 @@ class Settings(BaseSettings):
                                         "have in flight; more are answered 429")
 
     # production: upload bodies stay on the replica that received them, read by the step's
-    # applier from this port (api.steps.peer_listener, scheduler.bodies)
+    # applier from this port (api.steps.peer_listener, hotstate.bodies)
     peer_port: int = Field(0, ge=-1, le=65535, description="port for the replica's upload "
                            "bodies; 0: any free port; -1: off (bodies go through Redis)")
     peer_host: str | None = Field(None, description="address workers and other replicas reach "

@@ -23,12 +23,12 @@ import numpy as np
 from api.settings import Settings
 from api.store.db import make_engine, make_session_factory, transaction, upgrade
 from api.store.models import Device, Job
+from engine.jobinfo import job_info
 from engine.step import ShardResult
-from scheduler import keys
-from scheduler.blobs import MemoryBlobStore
+from hotstate import keys
+from hotstate.blobs import MemoryBlobStore
+from hotstate.gradstore import pack_result
 from scheduler.context import SchedulerContext, Tuning
-from scheduler.gradstore import pack_result
-from scheduler.jobinfo import job_info
 from scheduler.tasks.reconcile import run_reconcile, run_reconcile_job
 from scheduler.tasks.steps import run_apply_step
 

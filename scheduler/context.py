@@ -19,7 +19,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from api.settings import Settings, get_settings
 from api.store.db import make_engine, make_session_factory
 from api.store.models import utcnow
-from scheduler.blobs import BlobStore, blob_store_from_settings
+from hotstate.blobs import BlobStore, blob_store_for
 
 
 class Tuning(BaseSettings):
@@ -65,7 +65,7 @@ def configure(
         _context = SchedulerContext(
             settings=settings,
             session_factory=session_factory,
-            blobs=blobs or blob_store_from_settings(settings),
+            blobs=blobs or blob_store_for(settings.redis_url),
             clock=clock or utcnow,
         )
         return _context

@@ -1,6 +1,6 @@
 """Steps applied by the API replica that received the upload completing them (production).
 
-The replica keeps the step's upload bodies (scheduler.bodies), so applying there reads them from
+The replica keeps the step's upload bodies (hotstate.bodies), so applying there reads them from
 its own memory, and the weights message it makes is served by the same process without a Redis
 GET. What the replica does not hold it reads from the other replicas' peer ports, as a worker
 would. Measured at 8 agents (docs/benchmarks.md): about a third of a step less than sending the

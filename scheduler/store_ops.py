@@ -13,11 +13,12 @@ from sqlalchemy import delete, select, update
 from sqlalchemy.orm import Session
 
 from api.store.models import Device, Event, Job, ShardAssignment
+from api.store.state_names import FINISHED_STATES
 from api.store.states import Event as StateEvent
 from api.store.states import JobState, transition
 from scheduler.policy.types import DeviceView
 
-TERMINAL = ("Succeeded", "Failed", "Cancelled")
+TERMINAL = FINISHED_STATES
 
 
 def _num(value: Any) -> float | None:

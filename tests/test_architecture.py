@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import grimp
 
-PACKAGES = ("agent", "engine", "wire", "api", "scheduler", "phalanx")
+PACKAGES = ("agent", "engine", "wire", "hotstate", "api", "scheduler", "phalanx")
 
 
 def import_cycles(graph: grimp.ImportGraph) -> list[list[str]]:

@@ -2,7 +2,7 @@
 
 `install(app, settings)` is called by `api.main.create_app`; it mounts the routes and wires the
 hot-state store, the scheduler hooks and, in embedded mode, the in-process worker and beat
-(see docs/contracts.md). The logic lives in `scheduler.protocol`; routes only translate.
+(see docs/contracts.md). The logic lives in `api.steps.protocol`; routes only translate.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from functools import partial
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Query, Request, Response
-from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from api.deps import DeviceDep
@@ -34,21 +33,16 @@ from api.steps.handlers import (
     serve_weights,
 )
 from api.steps.peer_listener import PeerListener, advertised_host
+from api.steps.protocol import StepProtocol
+from hotstate.blobs import blob_store_for
+from hotstate.version import VersionWatch
 from scheduler import celery_app, context
-from scheduler.blobs import blob_store_from_settings
 from scheduler.embedded import EmbeddedScheduler
 from scheduler.local_apply import LocalApplier
-from scheduler.notify import VersionWatch
-from scheduler.protocol import ProtocolError, StepProtocol
 
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1", tags=["step protocol"])
 OCTETS = "application/octet-stream"
-
-
-def _error(exc: Any) -> JSONResponse:
-    headers = {"Retry-After": "1"} if exc.status == 503 else None
-    return JSONResponse({"detail": exc.detail}, status_code=exc.status, headers=headers)
 
 
 @router.get("/devices/{device_id}/work", response_model=WorkOut)
@@ -62,21 +56,15 @@ async def work(device_id: str, request: Request, principal: DeviceDep,
 @router.get("/jobs/{job_id}/weights")
 async def weights(job_id: str, request: Request, principal: DeviceDep,
                   step: int = Query(..., ge=0)):
-    status, payload = await run_in_threadpool(serve_weights, request.app.state,
-                                              principal.device_id, job_id, step)
-    if status != 200:
-        headers = {"Retry-After": "1"} if status == 503 else None
-        return JSONResponse(payload, status_code=status, headers=headers)
+    payload = await run_in_threadpool(serve_weights, request.app.state, principal.device_id,
+                                      job_id, step)
     return Response(payload, media_type=OCTETS, headers=WEIGHTS_HEADERS)
 
 
 @router.get("/jobs/{job_id}/shards/{shard}/data")
 async def shard_data(job_id: str, shard: int, request: Request, principal: DeviceDep):
     proto = request.app.state.step_protocol
-    try:
-        data = await run_in_threadpool(proto.shard_data, principal.device_id, job_id, shard)
-    except ProtocolError as exc:
-        return _error(exc)
+    data = await run_in_threadpool(proto.shard_data, principal.device_id, job_id, shard)
     return Response(data, media_type=OCTETS)
 
 
@@ -85,12 +73,8 @@ async def upload_gradients(job_id: str, step: int, request: Request, principal: 
     """First upload of a shard wins; when the step's last shard arrives, apply_step is sent.
     The bulk listener (api.steps.bulk_listener) answers the same on its own port."""
     body = await _whole_body(request)
-    status, payload = await run_in_threadpool(accept_upload, request.app.state,
-                                              principal.device_id, job_id, step, body)
-    if status != 200:
-        headers = {"Retry-After": "1"} if status == 503 else None
-        return JSONResponse(payload, status_code=status, headers=headers)
-    return payload
+    return await run_in_threadpool(accept_upload, request.app.state, principal.device_id,
+                                   job_id, step, body)
 
 
 async def _whole_body(request: Request) -> bytes:
@@ -116,7 +100,7 @@ def _allow_big_gradients(app: FastAPI) -> None:
 def install(app: FastAPI, settings: Settings) -> None:
     """Mount the step-protocol routes on `app` and wire the scheduler into it."""
     app.state.celery = celery_app.configure(settings)
-    blobs = blob_store_from_settings(settings)
+    blobs = blob_store_for(settings.redis_url)
     ctx = context.configure(settings, app.state.session_factory, blobs, app.state.clock)
     app.state.blobs = blobs
     app.state.step_protocol = StepProtocol(app.state.session_factory, blobs, settings.data_dir,

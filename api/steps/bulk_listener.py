@@ -254,7 +254,9 @@ class BulkListener:
                 return reply
             length = content_length(headers.get("Content-Length"), self.limit)
         except Exception as exc:  # noqa: BLE001 - mapped like the API's handlers, else a 500
-            return _refusal(exc, close=upload is not None)
+            # an upload's body, or a body sent with a GET, is left unread: close after
+            return _refusal(exc, close=upload is not None
+                            or headers.get("Content-Length", "0") != "0")
         device = principal.device_id
         if not self.device_bodies.take(device):  # refused before a byte of the body is read
             return _refusal(TooManyUploads(
@@ -268,13 +270,13 @@ class BulkListener:
                 if body is None:
                     return None
                 try:
-                    status, payload = accept_upload(self.state, device, unquote(upload.group(1)),
-                                                    int(upload.group(2)), body)
+                    answer = accept_upload(self.state, device, unquote(upload.group(1)),
+                                           int(upload.group(2)), body)
                 except Exception as exc:  # noqa: BLE001
                     return _refusal(exc, close=False)
         finally:
             self.device_bodies.give_back(device)
-        return Reply(status, payload, {"Retry-After": "1"} if status == 503 else {})
+        return Reply(200, answer)
 
     def _stall_deadline(self, sock: socket.socket) -> Callable[[], None]:
         def moved() -> None:
@@ -291,9 +293,7 @@ class BulkListener:
 
     def _weights(self, device_id: str, job_id: str, query: str) -> Reply:
         step = parse_query(_WeightsQuery, query).step
-        status, payload = serve_weights(self.state, device_id, job_id, step)
-        if status != 200:
-            return Reply(status, payload, {"Retry-After": "1"} if status == 503 else {})
+        payload = serve_weights(self.state, device_id, job_id, step)  # refusals: raised
         return Reply(200, payload, {"Content-Type": "application/octet-stream", **WEIGHTS_HEADERS})
 
 

@@ -1,7 +1,7 @@
 """The step protocol's handlers, shared by the FastAPI routes (api.routes.work), the ASGI fast
 path (api.fast_path) and the bulk listener (api.steps.bulk_listener): the work long poll, the
 weights, an upload, and the API's calls into the scheduler (enqueue only). Blocking calls are
-marked; the logic of each lives in `scheduler.protocol`.
+marked; the logic of each lives in `api.steps.protocol`.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from api.errors import ApiError
 from api.metrics import SHARD_RESULTS
 from api.schemas.common import parse_query
 from api.schemas.work import WorkOut
+from api.steps.protocol import StateMissing
+from hotstate.version import bump_version
 from scheduler.local_apply import LocalApplier
-from scheduler.notify import bump_version
-from scheduler.protocol import ProtocolError, StateMissing
 from scheduler.tasks.reconcile import request_reconcile
 from scheduler.tasks.steps import enqueue_apply
 
@@ -65,29 +65,25 @@ def _bulk_url(state: Any, url: URL) -> str | None:
 WEIGHTS_HEADERS = {"Cache-Control": "private, max-age=86400"}
 
 
-def serve_weights(state: Any, device_id: str, job_id: str, step: int) -> tuple[int, Any]:
-    """The weights message of step `step` -> (200, bytes) or (status, error answer); blocking."""
+def serve_weights(state: Any, device_id: str, job_id: str, step: int) -> bytes:
+    """The weights message of step `step`; blocking. Refusals are `ApiError`s (one mapping to
+    HTTP per transport: api.error_responses)."""
     try:
-        return 200, state.step_protocol.weights(device_id, job_id, step)
-    except StateMissing as exc:
+        return state.step_protocol.weights(device_id, job_id, step)
+    except StateMissing:
         state.scheduler_hooks.job_changed(job_id)  # restore now, not at the next beat
-        return exc.status, {"detail": exc.detail}
-    except ProtocolError as exc:
-        return exc.status, {"detail": exc.detail}
+        raise
 
 
 def accept_upload(state: Any, device_id: str, job_id: str, step: int,
-                  body: bytes | memoryview) -> tuple[int, dict[str, Any]]:
-    """One device's upload for step `step` of `job_id` -> (status, answer); blocking."""
-    try:
-        accepted, duplicates, complete = state.step_protocol.upload(device_id, job_id, step, body)
-    except ProtocolError as exc:
-        return exc.status, {"detail": exc.detail}
+                  body: bytes | memoryview) -> dict[str, Any]:
+    """One device's upload for step `step` of `job_id` -> its answer; blocking."""
+    accepted, duplicates, complete = state.step_protocol.upload(device_id, job_id, step, body)
     SHARD_RESULTS.labels("accepted").inc(len(accepted))
     SHARD_RESULTS.labels("duplicate").inc(len(duplicates))
     if complete and accepted:
         state.scheduler_hooks.step_complete(job_id, step)
-    return 200, {"accepted": accepted, "duplicates": duplicates}
+    return {"accepted": accepted, "duplicates": duplicates}
 
 
 class SchedulerHooks:

@@ -1,4 +1,4 @@
-"""The replica's peer port: the upload bodies it keeps (scheduler.bodies), for whoever applies
+"""The replica's peer port: the upload bodies it keeps (hotstate.bodies), for whoever applies
 their steps. One path, `GET /bodies/{id}`; the id is the capability (128 random bits, known
 only through Redis). Not for phones: bind it where the workers and the other replicas reach it
 (`PHALANX_PEER_HOST`, by default this host's name as it resolves: the pod's or container's
@@ -15,7 +15,7 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from scheduler.bodies import SHELF, BodyShelf
+from hotstate.bodies import SHELF, BodyShelf
 
 log = logging.getLogger(__name__)
 BODY = re.compile(r"/bodies/([0-9a-f]{32})")

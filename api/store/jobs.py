@@ -57,7 +57,7 @@ def check_model(spec: dict[str, Any], info: Any) -> None:
 
 def submit_job(session: Session, spec: dict[str, Any], *, total_steps: int,
                owner_token_id: str | None, now: dt.datetime) -> Job:
-    job = Job(name=spec["name"], spec=spec, state="Pending", priority=spec["priority"], step=0,
+    job = Job(name=spec["name"], spec=spec, state=JobState.PENDING.value, priority=spec["priority"], step=0,
               total_steps=total_steps, metrics={}, owner_token_id=owner_token_id)
     session.add(job)
     session.flush()

@@ -28,6 +28,8 @@ from sqlalchemy import (
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
 
+from api.store.state_names import DeviceState, JobState
+
 NAMING_CONVENTION = {
     "ix": "ix_%(column_0_label)s",
     "uq": "uq_%(table_name)s_%(column_0_name)s",
@@ -83,7 +85,7 @@ class Device(Base):
     labels: Mapped[dict[str, Any]] = mapped_column(default=dict)
     spec: Mapped[dict[str, Any]] = mapped_column(default=dict)
     # Ready | NotReady | Cordoned | Draining (NotReady wins over the admin flags when shown)
-    state: Mapped[str] = mapped_column(String(20), default="Ready", index=True)
+    state: Mapped[str] = mapped_column(String(20), default=DeviceState.READY.value, index=True)
     cordoned: Mapped[bool] = mapped_column(Boolean, default=False)
     draining: Mapped[bool] = mapped_column(Boolean, default=False)
     # why the agent stopped taking steps (thermal | battery | busy), None while it trains
@@ -155,7 +157,7 @@ class Job(Base):
     name: Mapped[str] = mapped_column(String(200))
     spec: Mapped[dict[str, Any]] = mapped_column(default=dict)
     # Pending | Running | Succeeded | Failed | Cancelled
-    state: Mapped[str] = mapped_column(String(20), default="Pending", index=True)
+    state: Mapped[str] = mapped_column(String(20), default=JobState.PENDING.value, index=True)
     reason: Mapped[str | None] = mapped_column(Text, default=None)
     priority: Mapped[int] = mapped_column(Integer, default=0)
     # the next step to compute: weights of step `step` exist, `step` steps have been applied

@@ -12,7 +12,6 @@ from __future__ import annotations
 import datetime as dt
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any
 
 from sqlalchemy import update
@@ -20,28 +19,14 @@ from sqlalchemy.orm import Session
 
 from api.store import events
 from api.store.models import Job
-
-
-class JobState(str, Enum):
-    PENDING = "Pending"
-    RUNNING = "Running"
-    SUCCEEDED = "Succeeded"
-    FAILED = "Failed"
-    CANCELLED = "Cancelled"
-
-
-class DeviceState(str, Enum):
-    READY = "Ready"
-    NOT_READY = "NotReady"
-    CORDONED = "Cordoned"
-    DRAINING = "Draining"
-
-
-JOB_STATES: tuple[str, ...] = tuple(s.value for s in JobState)
-FINISHED_STATES: tuple[str, ...] = (JobState.SUCCEEDED.value, JobState.FAILED.value,
-                                    JobState.CANCELLED.value)
-ACTIVE_STATES: tuple[str, ...] = (JobState.PENDING.value, JobState.RUNNING.value)
-DEVICE_STATES: tuple[str, ...] = tuple(s.value for s in DeviceState)
+from api.store.state_names import (  # noqa: F401 - the states module names them too
+    ACTIVE_STATES,
+    DEVICE_STATES,
+    FINISHED_STATES,
+    JOB_STATES,
+    DeviceState,
+    JobState,
+)
 
 # from -> the states it may go to; a finished job never changes again
 ALLOWED: Mapping[JobState, frozenset[JobState]] = {

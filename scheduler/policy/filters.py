@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from api.store.state_names import DeviceState
 from scheduler.policy.types import DeviceView, PlacementRequest
 
 SUCCESS = "Success"
@@ -30,15 +31,15 @@ OK = FilterStatus(SUCCESS)
 
 
 def ready(device: DeviceView, req: PlacementRequest) -> FilterStatus:
-    if device.state == "Ready":
+    if device.state == DeviceState.READY:
         return OK
     return FilterStatus(UNSCHEDULABLE, f"not ready ({device.state})")
 
 
 def schedulable(device: DeviceView, req: PlacementRequest) -> FilterStatus:
-    if device.cordoned or device.state == "Cordoned":
+    if device.cordoned or device.state == DeviceState.CORDONED:
         return FilterStatus(UNRESOLVABLE, "cordoned")
-    if device.draining or device.state == "Draining":
+    if device.draining or device.state == DeviceState.DRAINING:
         return FilterStatus(UNRESOLVABLE, "draining")
     return OK
 

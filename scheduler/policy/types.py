@@ -7,13 +7,15 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+from api.store.state_names import DeviceState
+
 EMPTY: Mapping[str, str] = MappingProxyType({})
 
 
 @dataclass(frozen=True)
 class DeviceView:
     id: str
-    state: str = "Ready"
+    state: str = DeviceState.READY.value
     cordoned: bool = False
     draining: bool = False
     pause_reason: str | None = None

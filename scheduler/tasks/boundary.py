@@ -13,9 +13,10 @@ import datetime as dt
 from sqlalchemy.orm import Session
 
 from api.store.models import Job
-from scheduler import keys, locks, store_ops
+from engine.jobinfo import JobInfo
+from hotstate import keys, locks
+from scheduler import store_ops
 from scheduler.context import SchedulerContext
-from scheduler.jobinfo import JobInfo
 from scheduler.policy.placement import rebalance
 from scheduler.policy.scores import device_speed
 from scheduler.policy.shards import balance_shards, moved_shards

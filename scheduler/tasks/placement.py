@@ -17,11 +17,13 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
 from api.store.models import Job
+from api.store.state_names import DeviceState
 from api.store.states import Event as StateEvent
 from api.store.states import JobState, transition
-from scheduler import keys, store_ops
+from engine.jobinfo import job_info_or_reason
+from hotstate import keys
+from scheduler import store_ops
 from scheduler.context import SchedulerContext
-from scheduler.jobinfo import job_info_or_reason
 from scheduler.policy.eviction import EvictionLimits, allowed_evictions, prune
 from scheduler.policy.placement import feasible, keepable, place_gang, rebalance
 from scheduler.policy.preemption import plan_preemption
@@ -66,10 +68,10 @@ def placement_pass(ctx: SchedulerContext, session: Session, now: dt.datetime) ->
     result = PassResult()
     fleet = Fleet(store_ops.all_device_views(session))
     budget = EvictionBudget(ctx, fleet, now)
-    for job in store_ops.jobs_in(session, ["Running"]):
+    for job in store_ops.jobs_in(session, [JobState.RUNNING.value]):
         alone(session, job, now, partial(keep_running, ctx, session, job, fleet, budget, now,
                                          result))
-    for job in store_ops.jobs_in(session, ["Pending"]):
+    for job in store_ops.jobs_in(session, [JobState.PENDING.value]):
         alone(session, job, now, partial(place_pending, ctx, session, job, fleet, now, result))
     budget.save()
     return result
@@ -101,7 +103,7 @@ class EvictionBudget:
         self.recent: list[float] = prune(json.loads(raw) if raw else [], self.now, self.limits)
         views = fleet.all()
         self.fleet_size = len(views)
-        self.not_ready = sum(1 for d in views if d.state == "NotReady")
+        self.not_ready = sum(1 for d in views if d.state == DeviceState.NOT_READY)
 
     def take(self) -> bool:
         if allowed_evictions(self.fleet_size, self.not_ready, self.recent, self.now, self.limits) <= 0:
@@ -121,7 +123,7 @@ def keep_running(ctx: SchedulerContext, session: Session, job: Job, fleet: Fleet
     leaving = {d.id for d in holders if not keepable(req, d)}
     # lease loss is rate limited (a network blip is not a dead fleet); pause/drain/cordon is not
     held_back = frozenset(i for i in sorted(leaving)
-                          if fleet.by_id[i].state == "NotReady" and not budget.take())
+                          if fleet.by_id[i].state == DeviceState.NOT_READY and not budget.take())
     gone = leaving - held_back
     staying = [d for d in holders if d.id not in gone]
     complete = len(current) == req.shards and set(current.values()) <= {d.id for d in staying}
@@ -193,13 +195,13 @@ def place_pending(ctx: SchedulerContext, session: Session, job: Job, fleet: Flee
 
 def running_jobs(session: Session, fleet: Fleet) -> list[RunningJob]:
     return [RunningJob(j.id, j.priority, frozenset(d.id for d in fleet.of(j.id)))
-            for j in store_ops.jobs_in(session, ["Running"])]
+            for j in store_ops.jobs_in(session, [JobState.RUNNING.value])]
 
 
 def preempt(session: Session, victim_id: str, by: Job, fleet: Fleet, now: dt.datetime,
             result: PassResult) -> None:
     victim = session.get(Job, victim_id)
-    if victim is None or victim.state != "Running":
+    if victim is None or victim.state != JobState.RUNNING:
         return
     reason = f"preempted by {by.id} (priority {by.priority} > {victim.priority})"
     to_pending(session, victim, reason, now, "Preempted", result)

@@ -25,11 +25,13 @@ from api.store.db import transaction
 from api.store.devices import prune_telemetry
 from api.store.lifecycle import mark_stale_devices
 from api.store.models import Job
-from scheduler import keys, locks, store_ops
+from api.store.state_names import JobState
+from engine.jobinfo import job_info_or_reason
+from hotstate import keys, locks
+from hotstate.version import bump_version
+from scheduler import store_ops
 from scheduler.celery_app import app
 from scheduler.context import SchedulerContext, get_context
-from scheduler.jobinfo import job_info_or_reason
-from scheduler.notify import bump_version
 from scheduler.tasks import stragglers
 from scheduler.tasks.placement import placement_pass
 from scheduler.tasks.recovery import drop_step_keys, ensure_state
@@ -103,7 +105,7 @@ def prune_history(ctx: SchedulerContext, now: dt.datetime) -> int:
 
 def jobs_to_look_after(ctx: SchedulerContext) -> list[str]:
     with ctx.session_factory() as session:
-        running = [j.id for j in store_ops.jobs_in(session, ["Running"])]
+        running = [j.id for j in store_ops.jobs_in(session, [JobState.RUNNING.value])]
         leftovers = store_ops.jobs_with_assignments(session)
     return sorted(set(running) | set(leftovers))
 
@@ -117,7 +119,7 @@ def run_reconcile_job(ctx: SchedulerContext, job_id: str) -> str:
         return "gone"
     if job.state in store_ops.TERMINAL:
         return release_finished(ctx, job)
-    if job.state != "Running":
+    if job.state != JobState.RUNNING:
         return "pending"
     info, why = job_info_or_reason(job.id, job.spec, ctx.settings.data_dir)
     if info is None:

@@ -7,55 +7,22 @@ there; the math is a function of (spec, seed), so the rewound run ends where it 
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 from sqlalchemy import delete
 
 from api.store.db import transaction
 from api.store.models import Job, StepMetric
+from api.store.state_names import ACTIVE_STATES
+from engine.jobinfo import JobInfo
 from engine.step import TrainState, initial_state
-from scheduler import keys, store_ops
+from hotstate import keys
+from hotstate.recent import RECENT
+from hotstate.trainstate import StateError, decode_state, encode_state
+from hotstate.version import bump_version
+from scheduler import store_ops
 from scheduler.checkpoints import latest_checkpoint, read_checkpoint
 from scheduler.context import SchedulerContext
-from scheduler.hotstate import StateError, decode_state, encode_state
-from scheduler.jobinfo import JobInfo
-from scheduler.notify import bump_version
-
-
-class RecentStates:
-    """The state each job's last apply_step in this process wrote, so the next one reads it
-    from memory instead of the blob store (25.7 MB of Redis GET per step for mobilenet_v1).
-    Trusted only while the blob store still holds that key: a store that lost it (a Redis
-    restart) sends the job through the restore below exactly as without this cache."""
-
-    def __init__(self, jobs: int = 16) -> None:
-        self.jobs = jobs
-        self._states: dict[str, tuple[TrainState, bytes | memoryview | None]] = {}
-        self._lock = threading.Lock()
-
-    def remember(self, job_id: str, state: TrainState,
-                 weights: bytes | memoryview | None = None) -> None:
-        """`weights`: the weights message of the same step, for the API of this process (a
-        replica that applied the step serves it without a Redis GET)."""
-        with self._lock:
-            self._states.pop(job_id, None)
-            self._states[job_id] = (state, weights)
-            while len(self._states) > self.jobs:
-                self._states.pop(next(iter(self._states)))
-
-    def get(self, job_id: str, step: int) -> TrainState | None:
-        with self._lock:
-            state, _ = self._states.get(job_id, (None, None))
-        return state if state is not None and state.step == step else None
-
-    def weights(self, job_id: str, step: int) -> bytes | memoryview | None:
-        with self._lock:
-            state, weights = self._states.get(job_id, (None, None))
-        return weights if state is not None and state.step == step else None
-
-
-RECENT = RecentStates()
 
 
 def load_state(ctx: SchedulerContext, job_id: str, step: int) -> TrainState | None:
@@ -106,7 +73,7 @@ def ensure_state(ctx: SchedulerContext, job: Job, info: JobInfo) -> TrainState |
         return restored
     with transaction(ctx.session_factory) as session:
         won = store_ops.guarded_job_update(
-            session, job.id, {"step": job.step, "state": ("Running", "Pending")},
+            session, job.id, {"step": job.step, "state": ACTIVE_STATES},
             step=restored.step, step_started_at=now,
         )
         if not won:

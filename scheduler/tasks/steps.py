@@ -26,20 +26,22 @@ from api.store.models import Job, StepMetric
 from api.store.states import Event as StateEvent
 from api.store.states import JobState, transition
 from engine.data import load_dataset
+from engine.jobinfo import JobInfo, job_info_or_reason
 from engine.runner import final_metrics
 from engine.step import ShardResult, StepMetrics, TrainState
 from engine.step import apply_step as engine_apply_step
-from scheduler import keys, store_ops
-from scheduler.bodies import fetch_bodies
+from hotstate import keys
+from hotstate.bodies import fetch_bodies
+from hotstate.gradstore import GradBlobError, body_key_of, unpack
+from hotstate.recent import RECENT
+from hotstate.trainstate import StateBlob
+from hotstate.version import bump_version
+from scheduler import store_ops
 from scheduler.celery_app import app
 from scheduler.checkpoints import WrittenCheckpoint, write_checkpoint
 from scheduler.context import SchedulerContext, get_context
-from scheduler.gradstore import GradBlobError, body_key_of, unpack
-from scheduler.hotstate import StateBlob
-from scheduler.jobinfo import JobInfo, job_info_or_reason
-from scheduler.notify import bump_version
 from scheduler.tasks import boundary
-from scheduler.tasks.recovery import RECENT, drop_step_keys, ensure_state
+from scheduler.tasks.recovery import drop_step_keys, ensure_state
 from wire.messages import WeightsMessage
 
 log = logging.getLogger(__name__)
@@ -136,7 +138,7 @@ def run_apply_step(ctx: SchedulerContext, job_id: str, step: int) -> str:
         if job is None:
             return Outcome.GONE
         session.expunge(job)
-    if job.state != "Running" or job.step != step:
+    if job.state != JobState.RUNNING or job.step != step:
         return Outcome.STALE
     info, why = job_info_or_reason(job.id, job.spec, ctx.settings.data_dir)
     if info is None:
@@ -206,7 +208,7 @@ def commit_step(ctx: SchedulerContext, job: Job, info: JobInfo, m: StepMetrics,
                              expect={"step": m.step}, finished_at=now, reason=None, **values)
         else:
             won = store_ops.guarded_job_update(session, job.id,
-                                               {"step": m.step, "state": "Running"}, **values)
+                                               {"step": m.step, "state": JobState.RUNNING.value}, **values)
         if not won:
             return False
         devices_used = len(store_ops.job_devices(session, job.id))

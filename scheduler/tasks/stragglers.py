@@ -11,11 +11,12 @@ import json
 
 from api.store.db import transaction
 from api.store.models import Job
-from scheduler import keys, store_ops
-from scheduler.blobs import BlobStore
+from engine.jobinfo import JobInfo
+from hotstate import keys
+from hotstate.gradstore import uploaded_shards
+from hotstate.version import bump_version
+from scheduler import store_ops
 from scheduler.context import SchedulerContext
-from scheduler.jobinfo import JobInfo
-from scheduler.notify import bump_version
 from scheduler.policy.placement import keepable
 from scheduler.policy.scores import device_speed
 from scheduler.policy.straggler import expected_step_s, plan_backups, straggler_timeout
@@ -46,11 +47,6 @@ def measured_latencies(ctx: SchedulerContext, job_id: str, devices: list[str]) -
             except ValueError:
                 continue
     return out
-
-
-def uploaded_shards(blobs: BlobStore, job_id: str, step: int) -> set[int]:
-    prefix = keys.grad_prefix(job_id, step)
-    return {int(k[len(prefix):]) for k in blobs.keys(prefix) if k[len(prefix):].isdigit()}
 
 
 def back_up_late_devices(ctx: SchedulerContext, job: Job, info: JobInfo) -> int:

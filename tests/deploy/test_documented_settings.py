@@ -14,7 +14,7 @@ NAME = re.compile(r"PHALANX_[A-Z0-9_]*[A-Z0-9]")
 DOCS = [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").glob("*.md")),
         REPO_ROOT / "docker-compose.yml", *sorted((REPO_ROOT / "deploy").rglob("*.yaml")),
         REPO_ROOT / "deploy" / "Dockerfile"]
-CODE_DIRS = ("agent", "engine", "wire", "api", "scheduler", "phalanx", "scripts", "tests")
+CODE_DIRS = ("agent", "engine", "wire", "hotstate", "api", "scheduler", "phalanx", "scripts", "tests")
 
 
 def settings_names() -> set[str]:

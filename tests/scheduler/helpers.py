@@ -11,16 +11,16 @@ from fastapi.testclient import TestClient
 from sqlalchemy import select
 
 from api.settings import Settings
+from api.steps.protocol import store_results
 from api.store.db import make_engine, make_session_factory, transaction
 from api.store.models import Device, Event, Job, ShardAssignment
 from engine.data import load_dataset
+from engine.jobinfo import job_info
 from engine.sampler import select_microbatch, shard_indices
 from engine.step import compute_shard
+from hotstate.blobs import BlobStore, MemoryBlobStore
 from scheduler import context
-from scheduler.blobs import BlobStore, MemoryBlobStore
 from scheduler.context import SchedulerContext, Tuning
-from scheduler.jobinfo import job_info
-from scheduler.protocol import store_results
 from scheduler.tasks.reconcile import run_reconcile, run_reconcile_job
 from scheduler.tasks.recovery import load_state
 from tests.support.env import ADMIN_TOKEN

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from engine.step import TrainState
-from scheduler.blobs import MGET_GROUP, BlobStore, MemoryBlobStore, RedisBlobStore
-from scheduler.hotstate import StateError, decode_state, encode_state
-from scheduler.locks import acquire, release
+from hotstate.blobs import MGET_GROUP, BlobStore, MemoryBlobStore, RedisBlobStore
+from hotstate.locks import acquire, release
+from hotstate.trainstate import StateError, decode_state, encode_state
 
 
 @pytest.fixture(params=["memory", "redis"])

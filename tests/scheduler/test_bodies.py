@@ -1,4 +1,4 @@
-"""Upload bodies kept by the replica that received them (scheduler.bodies): the shelf's bounds,
+"""Upload bodies kept by the replica that received them (hotstate.bodies): the shelf's bounds,
 the peer port, and apply_step reading another replica's bodies, and recomputing when that
 replica is gone."""
 
@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from api.steps.peer_listener import PeerListener
-from scheduler import bodies, keys
-from scheduler.blobs import MemoryBlobStore, RedisBlobStore
-from scheduler.bodies import BodyShelf, fetch_bodies, keep_body, parse_peer_key, peer_key
+from hotstate import bodies, keys
+from hotstate.blobs import MemoryBlobStore, RedisBlobStore
+from hotstate.bodies import BodyShelf, fetch_bodies, keep_body, parse_peer_key, peer_key
 from scheduler.tasks.reconcile import run_reconcile, run_reconcile_job
 from scheduler.tasks.recovery import load_state
 from scheduler.tasks.steps import run_apply_step

@@ -16,7 +16,8 @@ from fastapi.testclient import TestClient
 
 from api.main import create_app
 from api.settings import Settings
-from scheduler import context, keys
+from hotstate import keys
+from scheduler import context
 from scheduler.tasks.steps import run_apply_step
 from tests.scheduler.helpers import admin, job, running_job, shard_result_blobs, shards_of
 from tests.support.env import ADMIN_TOKEN as ADMIN

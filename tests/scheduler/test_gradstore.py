@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from engine.step import ShardResult
-from scheduler.blobs import MemoryBlobStore
-from scheduler.gradstore import (
+from hotstate.blobs import MemoryBlobStore
+from hotstate.gradstore import (
     GradBlobError,
     body_key_of,
     offset_in,
@@ -67,7 +67,7 @@ def test_a_reference_whose_body_is_gone_or_short_is_refused() -> None:
 
 def test_a_state_blob_filled_in_place_is_byte_for_byte_encode_state() -> None:
     from engine.step import TrainState
-    from scheduler.hotstate import StateBlob, decode_state, encode_state
+    from hotstate.trainstate import StateBlob, decode_state, encode_state
 
     rng = np.random.default_rng(1)
     state = TrainState(4, rng.standard_normal(50).astype(np.float32),

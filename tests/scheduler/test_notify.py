@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 import threading
 
-from scheduler.blobs import MemoryBlobStore
-from scheduler.notify import VersionWatch, bump_version, current_version
+from hotstate.blobs import MemoryBlobStore
+from hotstate.version import VersionWatch, bump_version, current_version
 
 
 def test_a_bump_in_the_same_process_wakes_waiters_without_waiting_for_a_poll() -> None:
@@ -42,8 +42,8 @@ def test_without_a_bump_the_wait_times_out_with_the_old_value() -> None:
 
 
 def test_a_watcher_of_an_in_process_store_polls_rarely_and_of_redis_often() -> None:
-    from scheduler.blobs import RedisBlobStore
-    from scheduler.notify import LOCAL_POLL_S
+    from hotstate.blobs import RedisBlobStore
+    from hotstate.version import LOCAL_POLL_S
 
     assert VersionWatch.for_store(MemoryBlobStore(), 0.005).interval_s == LOCAL_POLL_S
     redis_store = RedisBlobStore("redis://127.0.0.1:1/0")  # never contacted here

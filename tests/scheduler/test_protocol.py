@@ -16,11 +16,12 @@ from fastapi.testclient import TestClient
 
 from api.main import create_app
 from api.settings import Settings
+from api.steps.protocol import ForeignShard, StateMissing
 from engine.data import load_dataset
+from engine.jobinfo import job_info
 from engine.sampler import shard_indices
-from scheduler import context, keys
-from scheduler.jobinfo import job_info
-from scheduler.protocol import ForeignShard, StateMissing
+from hotstate import keys
+from scheduler import context
 from scheduler.tasks.reconcile import run_reconcile, run_reconcile_job
 from scheduler.tasks.steps import run_apply_step
 from tests.scheduler.helpers import (
@@ -139,7 +140,7 @@ def test_a_multi_shard_upload_is_stored_per_shard(app_client: TestClient) -> Non
 
 
 def stored_result(ctx: Any, job_id: str, step: int, shard: int) -> Any:
-    from scheduler.gradstore import body_key_of, unpack
+    from hotstate.gradstore import body_key_of, unpack
 
     info = job_info(job_id, job(ctx, job_id).spec, ctx.settings.data_dir)
     data = ctx.blobs.get(keys.grad(job_id, step, shard))
@@ -182,10 +183,10 @@ def test_weights_are_the_message_apply_step_made_or_encoded_from_the_stored_stat
     """The process that applied a step serves the message it made; any other process (another
     replica, or after a restore from a checkpoint) encodes the same bytes from the state's
     params and buffers in the blob store."""
-    from scheduler.blobs import RedisBlobStore
-    from scheduler.hotstate import decode_state
-    from scheduler.protocol import StepProtocol
-    from scheduler.tasks.recovery import RECENT
+    from api.steps.protocol import StepProtocol
+    from hotstate.blobs import RedisBlobStore
+    from hotstate.recent import RECENT
+    from hotstate.trainstate import decode_state
     from tests.scheduler.helpers import upload_all
     from wire.messages import encode_weights
 
@@ -215,8 +216,8 @@ def test_concurrent_first_weight_requests_encode_once(app_client: TestClient,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
-    from scheduler import protocol
-    from scheduler.protocol import StepProtocol
+    from api.steps import protocol
+    from api.steps.protocol import StepProtocol
 
     job_id, [(dev, _), _] = running_job(app_client)
     ctx = context.get_context()
@@ -242,9 +243,9 @@ def test_a_step_reads_the_store_once_per_device_and_sees_changes_after_a_bump(
     for all devices."""
     from sqlalchemy import event, update
 
+    from api.steps.protocol import StepProtocol
     from api.store.models import ShardAssignment
-    from scheduler.notify import bump_version
-    from scheduler.protocol import StepProtocol
+    from hotstate.version import bump_version
 
     job_id, [(dev, _), (other, _)] = running_job(app_client)
     ctx = context.get_context()

@@ -12,16 +12,17 @@ from sqlalchemy import func, select
 
 from api.store.db import transaction
 from api.store.models import Job, StepMetric, TelemetrySample
+from engine.jobinfo import job_info
 from engine.step import apply_step as engine_apply_step
 from engine.step import initial_state
+from hotstate import keys
+from hotstate.blobs import MemoryBlobStore, RedisBlobStore
+from hotstate.recent import RECENT
+from hotstate.trainstate import decode_state
 from phalanx.train_local import run_reference
-from scheduler import keys
-from scheduler.blobs import MemoryBlobStore, RedisBlobStore
-from scheduler.hotstate import decode_state
-from scheduler.jobinfo import job_info
 from scheduler.tasks import steps
 from scheduler.tasks.reconcile import run_reconcile, run_reconcile_job
-from scheduler.tasks.recovery import RECENT, load_state
+from scheduler.tasks.recovery import load_state
 from scheduler.tasks.steps import run_apply_step
 from tests.scheduler.helpers import (
     Clock,

@@ -11,7 +11,7 @@ import struct
 import numpy as np
 
 from engine.step import TrainState
-from scheduler.blobs import BlobStore
+from hotstate.blobs import BlobStore
 from wire.messages import new_buffer
 
 MAGIC = b"PHLXS1"

@@ -13,8 +13,8 @@ import time
 import uuid
 import weakref
 
-from scheduler import keys
-from scheduler.blobs import BlobStore, MemoryBlobStore
+from hotstate import keys
+from hotstate.blobs import BlobStore, MemoryBlobStore
 
 _WATCHERS: weakref.WeakSet[VersionWatch] = weakref.WeakSet()
 

@@ -10,8 +10,6 @@ import threading
 import time
 from typing import Any, Protocol
 
-from api.settings import Settings
-
 
 class BlobStore(Protocol):
     def get(self, key: str) -> bytes | None: ...
@@ -183,12 +181,13 @@ _STORES: dict[str, BlobStore] = {}
 _STORES_LOCK = threading.Lock()
 
 
-def blob_store_from_settings(settings: Settings) -> BlobStore:
-    """One store per process and URL, so the embedded API and worker threads share one dict."""
-    key = settings.redis_url or "memory://"
+def blob_store_for(redis_url: str | None) -> BlobStore:
+    """One store per process and URL (None: in memory), so the embedded API and worker threads
+    share one dict."""
+    key = redis_url or "memory://"
     with _STORES_LOCK:
         store = _STORES.get(key)
         if store is None:
-            store = RedisBlobStore(key) if settings.redis_url else MemoryBlobStore()
+            store = RedisBlobStore(key) if redis_url else MemoryBlobStore()
             _STORES[key] = store
         return store

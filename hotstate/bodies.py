@@ -30,8 +30,8 @@ from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from scheduler import keys
-from scheduler.blobs import BlobStore
+from hotstate import keys
+from hotstate.blobs import BlobStore
 from wire.messages import new_buffer
 
 log = logging.getLogger(__name__)

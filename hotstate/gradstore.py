@@ -20,6 +20,8 @@ import struct
 import numpy as np
 
 from engine.step import ShardResult
+from hotstate import keys
+from hotstate.blobs import BlobStore
 
 MAGIC = b"PHLXG1"
 REF_MAGIC = b"PHLXR1"
@@ -91,3 +93,8 @@ def unpack(data: bytes | memoryview, n_params: int, n_stats: int,
     grad = np.frombuffer(body, dtype="<f4", count=p, offset=g_off)
     stats = np.frombuffer(body, dtype="<f4", count=s, offset=s_off)
     return ShardResult(int(shard), grad, float(loss_sum), int(correct), int(count), stats)
+
+
+def uploaded_shards(blobs: BlobStore, job_id: str, step: int) -> set[int]:
+    prefix = keys.grad_prefix(job_id, step)
+    return {int(k[len(prefix):]) for k in blobs.keys(prefix) if k[len(prefix):].isdigit()}

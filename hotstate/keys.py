@@ -10,7 +10,7 @@ EVICTIONS = "sched:evictions"  # JSON list of recent NotReady eviction times (ra
 
 
 def peer_down(address: str) -> str:
-    """Set for a while when a replica's peer port could not be reached (scheduler.bodies)."""
+    """Set for a while when a replica's peer port could not be reached (hotstate.bodies)."""
     return f"sched:peer-down:{address}"
 
 

@@ -22,50 +22,43 @@ import numpy as np
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
+from api.errors import ApiError, Conflict, Forbidden, NotFound, Unavailable
 from api.store.models import Job, ShardAssignment
+from api.store.state_names import JobState
 from engine.data import load_dataset
+from engine.jobinfo import JobInfo, job_info
 from engine.sampler import shard_indices
 from engine.step import ShardResult
-from scheduler import keys
-from scheduler.blobs import BlobStore
-from scheduler.bodies import drop_body, keep_body
-from scheduler.gradstore import offset_in, pack_ref, pack_result
-from scheduler.hotstate import read_weights
-from scheduler.jobinfo import JobInfo, job_info
-from scheduler.notify import current_version
-from scheduler.tasks.recovery import RECENT
-from scheduler.tasks.stragglers import uploaded_shards
+from hotstate import keys
+from hotstate.blobs import BlobStore
+from hotstate.bodies import drop_body, keep_body
+from hotstate.gradstore import offset_in, pack_ref, pack_result, uploaded_shards
+from hotstate.recent import RECENT
+from hotstate.trainstate import read_weights
+from hotstate.version import current_version
 from wire.messages import WireError, decode_results, encode_weights
 
 
-class ProtocolError(Exception):
-    status = 400
-
-    def __init__(self, detail: str) -> None:
-        super().__init__(detail)
-        self.detail = detail
+class StaleStep(Conflict):
+    """Not the job's current step (it moved on, or the job is not running)."""
 
 
-class StaleStep(ProtocolError):
-    status = 409
+class ForeignShard(Forbidden):
+    """A shard, or a job, this device holds nothing of."""
 
 
-class ForeignShard(ProtocolError):
-    status = 403
+class BadUpload(ApiError):
+    """A results message that does not decode or does not fit the job's model."""
+
+    status_code = 422
 
 
-class BadUpload(ProtocolError):
-    status = 422
+class NotThere(NotFound):
+    pass
 
 
-class NotThere(ProtocolError):
-    status = 404
-
-
-class StateMissing(ProtocolError):
+class StateMissing(Unavailable):
     """The hot state is being restored (e.g. Redis restarted empty): retry shortly."""
-
-    status = 503
 
 
 @dataclass(frozen=True)
@@ -113,7 +106,7 @@ class Holdings:
     """Every device's view as of one version value: read in one pass when the key moves, not
     once per device (every bump wakes every waiting agent, and each would re-read its own).
     Every change to assignments or to a job's state or step is committed before the version
-    key is bumped (scheduler.notify), so holdings read under version v stay right until the key
+    key is bumped (hotstate.version), so holdings read under version v stay right until the key
     moves on; the step's requests (work, weights, upload) then cost no query."""
 
     version: bytes
@@ -190,7 +183,7 @@ class StepProtocol:
         if job_id is None:
             return None
         job, held = view.jobs.get(job_id), view.held[job_id]
-        if job is None or job.state != "Running":
+        if job is None or job.state != JobState.RUNNING:
             return None
         if not self.blobs.exists(keys.state(job.id, job.step)):
             return None  # being restored; reconcile wakes us when the weights are back
@@ -254,7 +247,7 @@ class StepProtocol:
         job, held = self._job_and_held(device_id, job_id)
         if job is None:
             raise NotThere(f"job {job_id} not found")
-        if job.step != step or job.state != "Running":
+        if job.step != step or job.state != JobState.RUNNING:
             raise StaleStep(f"job is at step {job.step} ({job.state}), not {step}: result dropped")
         info = self.info(job)
         try:
@@ -281,7 +274,7 @@ def store_results(blobs: BlobStore, job_id: str, step: int, body: bytes | memory
     offsets = [(offset_in(r.grad_sum, body), offset_in(r.stats, body)) for r in results]
     by_ref = any(g is not None and s is not None for g, s in offsets)
     body_key = ""
-    if by_ref:  # on this replica's shelf in production (scheduler.bodies), else in the store
+    if by_ref:  # on this replica's shelf in production (hotstate.bodies), else in the store
         body_key = keep_body(blobs, job_id, step, body,
                              keys.upload_body(job_id, step, uuid.uuid4().hex))
     accepted, duplicates, referenced = [], [], False

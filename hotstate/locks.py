@@ -10,7 +10,7 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from scheduler.blobs import BlobStore
+from hotstate.blobs import BlobStore
 
 
 def acquire(blobs: BlobStore, key: str, ttl: float) -> str | None:
