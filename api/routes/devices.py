@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+from typing import Any
 
 from fastapi import APIRouter, Query, Request, Response
 
@@ -37,8 +38,27 @@ def register(body: DeviceRegister, request: Request, session: SessionDep, settin
             "lease_grace_s": settings.lease_grace_s}
 
 
+def _inlined(schema: dict[str, Any]) -> dict[str, Any]:
+    """A pydantic JSON schema with its `$defs` written in place: a `#/$defs/...` reference
+    inside the OpenAPI document resolves against the document's root, where there are none
+    (client generators and schemathesis skipped the heartbeat's telemetry for it)."""
+    defs = schema.get("$defs", {})
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#/$defs/"):
+                return walk(defs[ref.removeprefix("#/$defs/")])
+            return {k: walk(v) for k, v in node.items() if k != "$defs"}
+        if isinstance(node, list):
+            return [walk(v) for v in node]
+        return node
+
+    return walk(schema)
+
+
 HEARTBEAT_BODY = {"requestBody": {"required": True, "content": {
-    "application/json": {"schema": HeartbeatIn.model_json_schema()}}}}
+    "application/json": {"schema": _inlined(HeartbeatIn.model_json_schema())}}}}
 
 
 @router.post("/{device_id}/heartbeat", response_model=HeartbeatOut, openapi_extra=HEARTBEAT_BODY)
