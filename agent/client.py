@@ -27,6 +27,8 @@ from typing import Any
 
 from agent import __version__
 from agent.transport import Body, KeepAliveTransport, Transport
+from wire.assignment import Assignment
+from wire.messages import WireError
 from wire.sockopts import DEFAULT_SOCKET_BUFFER_BYTES
 
 
@@ -143,10 +145,19 @@ class Client:
     def heartbeat(self, device_id: str, body: dict[str, Any]) -> dict[str, Any]:
         return self._send("POST", f"/v1/devices/{_q(device_id)}/heartbeat", json_body=body).json()
 
-    def work(self, device_id: str, wait_s: float) -> dict[str, Any] | None:
+    def work(self, device_id: str, wait_s: float) -> Assignment | None:
+        """This step's work for the device, or None; an assignment this agent cannot read is
+        a TransportError naming what differs (retried: a server mid-upgrade)."""
         resp = self._send("GET", f"/v1/devices/{_q(device_id)}/work?wait={wait_s:g}",
                           timeout_s=wait_s + self.timeout_s)
-        return resp.json().get("assignment")
+        answer = resp.json()
+        found = answer.get("assignment") if isinstance(answer, dict) else None
+        if found is None:
+            return None
+        try:
+            return Assignment.from_json(found)
+        except WireError as exc:
+            raise TransportError(f"unreadable work assignment: {exc}") from None
 
     def weights(self, job_id: str, step: int, bulk_url: str | None = None) -> bytes:
         """From the API, or from the bulk listener at `bulk_url` (the assignment names it)."""

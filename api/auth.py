@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import datetime as dt
 import hmac
+import os
 import threading
 import time
+from pathlib import Path
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
@@ -91,8 +93,10 @@ def parse_bearer(header: str | None) -> str:
     return secret.strip()
 
 
-def ensure_admin_token(factory: sessionmaker[Session], echo=print) -> str | None:
-    """When no admin token is configured: create one once, print it once, keep only its hash.
+def ensure_admin_token(factory: sessionmaker[Session], token_file: Path,
+                       echo=print) -> str | None:
+    """When no admin token is configured: create one once, write it to `token_file` (mode
+    0600: not to stdout, which ends up in container logs) and keep only its hash.
 
     Returns the new secret, or None when an admin token already exists.
     """
@@ -104,8 +108,21 @@ def ensure_admin_token(factory: sessionmaker[Session], echo=print) -> str | None
             return None
         secret = new_secret("admin")
         session.add(ApiToken(kind="admin", name="generated", token_hash=hash_token(secret)))
-    echo(f"phalanx: generated admin token (shown once, stored hashed): {secret}")
+    write_private(token_file, secret + "\n")
+    echo(f"phalanx: generated an admin token, written to {token_file} (readable by this user "
+         "only; the server keeps only its hash): read it, keep it, then delete the file")
     return secret
+
+
+def write_private(path: Path, text: str) -> None:
+    """`text` in a file only its owner can read, created that way (never world-readable, not
+    even for a moment) and replaced atomically."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(text)
+    os.replace(tmp, path)
 
 
 def expires_in(clock, seconds: float | None) -> dt.datetime | None:

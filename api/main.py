@@ -86,7 +86,7 @@ def create_app(settings: Settings | None = None, clock: Callable[[], dt.datetime
     app.state.scheduler_hooks = NoopHooks()
     admin = settings.admin_token.get_secret_value() if settings.admin_token else None
     if admin is None:
-        ensure_admin_token(factory)
+        ensure_admin_token(factory, settings.admin_token_file)
     app.state.authenticator = Authenticator(factory, admin, clock=clock)
     app.state.heartbeats = _heartbeat_writer(app, settings, engine, clock)
     app.add_middleware(BodySizeLimit, default_limit=settings.max_body_bytes,

@@ -102,6 +102,11 @@ class Settings(BaseSettings):
         return f"sqlite:///{self.data_dir / 'phalanx.sqlite'}"
 
     @property
+    def admin_token_file(self) -> Path:
+        """Where a generated admin token is written (mode 0600), once."""
+        return self.data_dir / "admin-token"
+
+    @property
     def artifacts_dir(self) -> Path:
         return self.data_dir / "artifacts"
 

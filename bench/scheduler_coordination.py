@@ -154,20 +154,20 @@ def one_step(c: Any, device: str, log: Any) -> None:
     if a is None:
         return
     got_work = time.time()
-    job, step = a["job_id"], a["step"]
+    job, step = a.job_id, a.step
     try:
-        c.weights(job, step, bulk_url=a.get("bulk_url"))
+        c.weights(job, step, bulk_url=a.bulk_url)
     except Conflict:
         return
     got_weights = time.time()
     t0 = time.perf_counter()
-    stats = np.zeros(a["n_stats"], np.float32)
-    m = a["spec"]["global_batch_size"] // a["spec"]["shards"]
+    stats = np.zeros(a.n_stats, np.float32)
+    m = a.spec["global_batch_size"] // a.spec["shards"]
     body = encode_results_parts(job, step, [ShardResult(k, _GRAD, 1.0, 0, m, stats)
-                                            for k in a["shards"]])
+                                            for k in a.shards])
     local = time.perf_counter() - t0
     upload_start = time.time()
-    c.upload_gradients(job, step, body, bulk_url=a.get("bulk_url"))
+    c.upload_gradients(job, step, body, bulk_url=a.bulk_url)
     log.put((step, local, (got_work, got_weights, upload_start, time.time())))
 
 

@@ -26,6 +26,7 @@ from agent.runtime.guard import Limits
 from agent.runtime.ledger import UploadLedger
 from agent.runtime.monitor import Monitor
 from agent.runtime.state import AgentState
+from wire.assignment import Assignment
 
 log = logging.getLogger(__name__)
 CHUNK_TARGET_S = 2.0  # compute this long between guard checks and uploads
@@ -78,13 +79,13 @@ class WorkLoop:
         if a is None:
             quick = time.monotonic() - polled < 0.5  # a server that does not hold the poll
             return 1.0 if quick else 0.0
-        job, step = str(a["job_id"]), int(a["step"])
+        job, step = a.job_id, a.step
         if job != self._job:
             self.cache.keep_only(job)
             self._job, self._per_shard_s = job, None
         self.ledger.forget_job(job, keep_from_step=step)
-        self.monitor.set_limits(Limits.from_job_spec(a.get("spec"), self.shared_default))
-        todo = [int(k) for k in a.get("shards") or [] if not self.ledger.uploaded(job, step, int(k))]
+        self.monitor.set_limits(Limits.from_job_spec(a.spec, self.shared_default))
+        todo = [k for k in a.shards if not self.ledger.uploaded(job, step, k)]
         if not todo:
             return 0.5  # everything of this step is in; wait for the next step
         while todo and not stop.is_set():
@@ -103,21 +104,21 @@ class WorkLoop:
             return 1
         return max(1, int(CHUNK_TARGET_S / self._per_shard_s))
 
-    def _request(self, a: dict[str, Any], job: str, step: int, shards: list[int]) -> dict[str, Any]:
+    def _request(self, a: Assignment, job: str, step: int, shards: list[int]) -> dict[str, Any]:
         weights = self.cache.weights(job, step, lambda: self._bulk(
             a, lambda url: self.client.weights(job, step, url)))
         paths = {str(k): str(self.cache.shard(job, k, lambda k=k: self.client.shard_data(job, k)))
                  for k in shards}
-        return {"job_id": job, "step": step, "spec": a.get("spec") or {},
-                "n_train": a.get("n_train"), "input_shape": a.get("input_shape"),
-                "num_classes": a.get("num_classes"), "weights_path": str(weights),
+        return {"job_id": job, "step": step, "spec": a.spec, "n_train": a.n_train,
+                "input_shape": a.input_shape, "num_classes": a.num_classes,
+                "weights_path": str(weights),
                 "shards": paths, "out_path": str(self.cache.result_path(job, step))}
 
-    def _bulk(self, a: dict[str, Any], call: Any) -> Any:
+    def _bulk(self, a: Assignment, call: Any) -> Any:
         """`call(bulk_url)` through the bulk port the assignment names (weights down, gradients
         up), else, and for good once that port fails to answer, `call(None)`: the API port. An
         upload that reached the bulk port before the failure comes back as a duplicate."""
-        bulk_url = a.get("bulk_url") if self._use_bulk else None
+        bulk_url = a.bulk_url if self._use_bulk else None
         if bulk_url:
             try:
                 return call(bulk_url)
@@ -127,11 +128,11 @@ class WorkLoop:
                 self._use_bulk = False
         return call(None)
 
-    def _ensure_choice(self, a: dict[str, Any], req: dict[str, Any]) -> None:
-        spec = a.get("spec") or {}
+    def _ensure_choice(self, a: Assignment, req: dict[str, Any]) -> None:
+        spec = a.spec
         arch = str(spec.get("model", {}).get("arch", "?"))
         backend = choice.job_backend(spec)
-        key = json.dumps([a["job_id"], spec.get("model"), backend], sort_keys=True)
+        key = json.dumps([a.job_id, spec.get("model"), backend], sort_keys=True)
         throttled = self.monitor.throttle_events > self._throttle_seen
         self._throttle_seen = self.monitor.throttle_events
         requested = self.state.take_profile_request(arch)
@@ -140,7 +141,7 @@ class WorkLoop:
             self.execution.profile(key, first, backend)
             self.state.set_profile(arch, self.execution.report())
 
-    def _compute_and_upload(self, a: dict[str, Any], job: str, step: int,
+    def _compute_and_upload(self, a: Assignment, job: str, step: int,
                             shards: list[int]) -> bool:
         try:
             req = self._request(a, job, step, shards)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from typing import Any
 
 from pydantic import BaseModel, Field
@@ -51,7 +52,7 @@ async def long_poll_work(state: Any, device_id: str, wait: float, url: URL) -> d
         found = await run_in_threadpool(state.step_protocol.work, device_id)
         remaining = deadline - time.monotonic()
         if found is not None:
-            return {"assignment": {**found, "bulk_url": _bulk_url(state, url)}}
+            return {"assignment": replace(found, bulk_url=_bulk_url(state, url))}
         if remaining <= 0:
             return {"assignment": None}
         await state.version_watch.wait_change(since, remaining)

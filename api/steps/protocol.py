@@ -36,6 +36,7 @@ from hotstate.gradstore import offset_in, pack_ref, pack_result, uploaded_shards
 from hotstate.recent import RECENT
 from hotstate.trainstate import read_weights
 from hotstate.version import current_version
+from wire.assignment import Assignment
 from wire.messages import WireError, decode_results, encode_weights
 
 
@@ -176,7 +177,7 @@ class StepProtocol:
         return job_info(job.id, job.spec, self.data_dir)
 
     # -- GET /v1/devices/{id}/work ------------------------------------------------------------
-    def work(self, device_id: str) -> dict[str, Any] | None:
+    def work(self, device_id: str) -> Assignment | None:
         """The shards of the current step this device must still upload; None: nothing now."""
         view = self.view(device_id)
         job_id = view.first_job()
@@ -190,8 +191,8 @@ class StepProtocol:
         todo = sorted(held - uploaded_shards(self.blobs, job.id, job.step))
         if not todo:
             return None
-        return {"job_id": job.id, "step": job.step, "shards": todo, "spec": job.spec,
-                **self.info(job).assignment_facts()}
+        return Assignment(job_id=job.id, step=job.step, shards=todo, spec=job.spec,
+                          **self.info(job).assignment_facts())
 
     # -- GET /v1/jobs/{id}/weights?step=t -----------------------------------------------------
     def weights(self, device_id: str, job_id: str, step: int) -> bytes:

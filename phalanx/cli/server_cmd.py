@@ -10,7 +10,8 @@ db_app = typer.Typer(help="Database schema commands.", no_args_is_help=True)
 
 
 def _prepare() -> tuple[object, str]:
-    """Migrate the schema and make sure an admin token exists (printed once when generated)."""
+    """Migrate the schema and make sure an admin token exists (written to a private file when
+    generated)."""
     from api.auth import ensure_admin_token
     from api.store.db import make_engine, make_session_factory, upgrade
 
@@ -19,7 +20,8 @@ def _prepare() -> tuple[object, str]:
     upgrade(url)
     if settings.admin_token is None:
         engine = make_engine(url)
-        ensure_admin_token(make_session_factory(engine), echo=lambda m: typer.echo(m, err=False))
+        ensure_admin_token(make_session_factory(engine), settings.admin_token_file,
+                           echo=lambda m: typer.echo(m, err=True))
         engine.dispose()
     return settings, url
 

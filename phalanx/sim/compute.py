@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from engine.runner import JobModel, job_model, shard_arrays, shard_gradient
+from wire.assignment import Assignment
 from wire.messages import WireError, decode_weights, encode_results
 
 if TYPE_CHECKING:  # the fleet calls take_work; a phone is only its argument here
@@ -34,11 +35,10 @@ class SharedEngine:
         self.weights: dict[tuple[str, int], tuple[np.ndarray, np.ndarray]] = {}
         self.shards: dict[tuple[str, int], tuple[np.ndarray, np.ndarray]] = {}
 
-    def model(self, a: dict[str, Any]) -> JobModel:
-        key = json.dumps([a["job_id"], a["spec"]], sort_keys=True)
+    def model(self, a: Assignment) -> JobModel:
+        key = json.dumps([a.job_id, a.spec], sort_keys=True)
         if key not in self.models:
-            self.models[key] = job_model(a["spec"], a["n_train"], a["input_shape"],
-                                         a["num_classes"])
+            self.models[key] = job_model(a.spec, a.n_train, a.input_shape, a.num_classes)
         return self.models[key]
 
     def weights_of(self, job: str, step: int, data: bytes) -> tuple[np.ndarray, np.ndarray]:
@@ -69,9 +69,9 @@ async def _get(phone: LightPhone, endpoint: str, path: str, **kwargs: Any) -> An
     return await phone.call(endpoint, "GET", path, headers=headers, **kwargs)
 
 
-async def one_step(phone: LightPhone, a: dict[str, Any]) -> bool:
+async def one_step(phone: LightPhone, a: Assignment) -> bool:
     """Compute and upload this phone's shards of the assignment; False when it moved on."""
-    job, step, shards = str(a["job_id"]), int(a["step"]), [int(k) for k in a["shards"]]
+    job, step, shards = a.job_id, a.step, a.shards
     built = ENGINE.model(a)
     resp = await _get(phone, "weights", f"/v1/jobs/{job}/weights", params={"step": step},
                       expected=(409,))
@@ -112,13 +112,13 @@ async def take_work(phone: LightPhone) -> None:
         if resp.status_code != 200:
             await phone.fleet.sleep(phone.backoff.next_delay())
             continue
-        a = resp.json().get("assignment")
-        if not a or not a.get("shards"):
+        found = resp.json().get("assignment")
+        if not found or not found.get("shards"):
             phone.load = 0.05
             continue
         phone.load = 1.0
         try:
-            if not await one_step(phone, a):
+            if not await one_step(phone, Assignment.from_json(found)):
                 await phone.fleet.sleep(0.2)
         except (WireError, ValueError, KeyError) as exc:
             phone.fleet.stats.errors[f"compute: {type(exc).__name__}: {exc}"[:160]] += 1

@@ -81,14 +81,17 @@ def test_secrets_are_stored_only_as_hashes(api):
     assert {t["kind"] for t in listed} == {"user", "device"} and "token" not in listed[0]
 
 
-def test_generated_admin_token_is_printed_once_and_works(db_url, tmp_path, capsys):
+def test_generated_admin_token_is_written_once_and_works(db_url, tmp_path, capsys):
     settings = make_settings(db_url, tmp_path / "d").model_copy(update={"admin_token": None})
     first = create_app(settings)
     printed = capsys.readouterr().out
-    assert "generated admin token" in printed
-    secret = printed.strip().rsplit(" ", 1)[-1]
+    assert "generated an admin token" in printed
+    secret = settings.admin_token_file.read_text().strip()
+    assert secret not in printed
+    settings.admin_token_file.unlink()
     second = create_app(settings)
     assert "admin token" not in capsys.readouterr().out
+    assert not settings.admin_token_file.exists()  # generated once: never written again
     with TestClient(second) as client:
         ok = client.get("/v1/enrollment-tokens", headers={"Authorization": f"Bearer {secret}"})
         assert ok.status_code == 200

@@ -40,14 +40,20 @@ def _run_server_once(data_dir) -> str:
     return out
 
 
-def test_admin_token_is_generated_printed_once_and_stored(tmp_path):
+def test_a_generated_admin_token_goes_to_a_private_file_not_the_log(tmp_path):
+    import stat
+
     first = _run_server_once(tmp_path)
-    lines = [line for line in first.splitlines() if "generated admin token" in line]
-    assert len(lines) == 1, first
+    token_file = tmp_path / "admin-token"
+    lines = [line for line in first.splitlines() if "generated an admin token" in line]
+    assert len(lines) == 1 and str(token_file) in lines[0], first
+    secret = token_file.read_text().strip()
+    assert secret.startswith("phx-adm-") and secret not in first  # not in the output (logs)
+    assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
+    token_file.unlink()  # read and kept, as the line says
     second = _run_server_once(tmp_path)
-    assert "admin token" not in second
-    assert lines[0].rsplit(" ", 1)[-1] not in (tmp_path / "phalanx.sqlite").read_bytes().decode(
-        "latin-1")
+    assert "admin token" not in second and not token_file.exists()
+    assert secret not in (tmp_path / "phalanx.sqlite").read_bytes().decode("latin-1")
 
 
 def test_db_upgrade_command(tmp_path):

@@ -208,3 +208,26 @@ def test_results_in_parts_are_the_message_without_copying_float32_arrays(dtype):
     grad_parts = [np.frombuffer(p, np.uint8) for p in parts[1::2]]
     shared = [np.shares_memory(g, r.grad_sum) for g, r in zip(grad_parts, sent)]
     assert shared == [dtype == "float32"] * len(sent)
+
+
+def test_an_assignment_reads_back_what_the_server_sends_and_names_what_differs() -> None:
+    from dataclasses import fields
+
+    from api.schemas.work import WorkOut
+    from wire.assignment import Assignment
+
+    a = Assignment(job_id="job-1", step=3, shards=[0, 2], spec={"model": {"arch": "mlp"}},
+                   n_params=10, n_buffers=0, n_stats=0, total_steps=9, n_train=100,
+                   input_shape=[1, 8, 8], num_classes=10, bulk_url="http://h:8001")
+    sent = WorkOut(assignment=a).model_dump(mode="json")["assignment"]  # what the API answers
+    assert Assignment.from_json(sent) == a
+    assert Assignment.from_json({k: v for k, v in sent.items() if k != "bulk_url"}).bulk_url is None
+    schema = WorkOut.model_json_schema()
+    defined = next(iter(schema["$defs"].values()))["properties"]
+    assert set(defined) == {f.name for f in fields(Assignment)}  # one definition, both ends
+    for broken, problem in ((dict(sent, step="3"), "'step' must be an integer"),
+                            (dict(sent, shards=[0, True]), "'shards' must be a list of integers"),
+                            ({k: v for k, v in sent.items() if k != "n_train"}, "lacks 'n_train'"),
+                            ([], "must be a JSON object")):
+        with pytest.raises(WireError, match=problem):
+            Assignment.from_json(broken)

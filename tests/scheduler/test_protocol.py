@@ -258,10 +258,10 @@ def test_a_step_reads_the_store_once_per_device_and_sees_changes_after_a_bump(
 
     event.listen(engine, "before_cursor_execute", count)
     try:
-        mine = proto.work(dev)["shards"]
+        mine = proto.work(dev).shards
         assert statements, "the first request reads the device's holdings"
         statements.clear()
-        assert proto.work(dev)["shards"] == mine
+        assert proto.work(dev).shards == mine
         proto.weights(dev, job_id, 0)
         proto.shard_data(dev, job_id, mine[0])
         assert statements == []
@@ -272,11 +272,11 @@ def test_a_step_reads_the_store_once_per_device_and_sees_changes_after_a_bump(
                                                     ShardAssignment.shard == theirs)
                       .values(device_id=dev))
         bump_version(ctx.blobs)
-        assert proto.work(dev)["shards"] == sorted([*mine, theirs])
+        assert proto.work(dev).shards == sorted([*mine, theirs])
         assert statements, "a new version re-reads the holdings"
         # ... once for every device: the other agent woken by the same bump reads nothing
         statements.clear()
-        assert theirs not in proto.work(other)["shards"]
+        assert theirs not in proto.work(other).shards
         assert statements == []
     finally:
         event.remove(engine, "before_cursor_execute", count)

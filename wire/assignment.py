@@ -1,0 +1,75 @@
+"""The work a device is given for one step (`GET /v1/devices/{id}/work`): one definition for the
+server that builds it (api.steps.protocol; its OpenAPI schema comes from this class), the phone
+agent and the simulator that read it. Stdlib only: it ships to phones."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+from wire.messages import WireError
+
+
+@dataclass(frozen=True)
+class Assignment:
+    job_id: str
+    step: int
+    shards: list[int]  # this device's shards of the step still to upload
+    spec: dict[str, Any]  # the job's spec as submitted (model, optimizer, batch sizes, ...)
+    n_params: int
+    n_buffers: int
+    n_stats: int
+    total_steps: int
+    n_train: int
+    input_shape: list[int]
+    num_classes: int
+    bulk_url: str | None = field(default=None)  # weights and uploads there; else the API port
+
+    @classmethod
+    def from_json(cls, data: Any) -> Assignment:
+        """From the decoded JSON answer; a field missing or of the wrong kind is a WireError
+        naming it (an agent older or newer than the server learns what differs)."""
+        if not isinstance(data, dict):
+            raise WireError(f"assignment must be a JSON object, not {type(data).__name__}")
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            if f.name not in data:
+                if f.name == "bulk_url":
+                    continue
+                raise WireError(f"assignment lacks {f.name!r}")
+            values[f.name] = _checked(f.name, data[f.name])
+        return cls(**values)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+_INTS = {"step", "n_params", "n_buffers", "n_stats", "total_steps", "n_train", "num_classes"}
+
+
+def _checked(name: str, value: Any) -> Any:
+    def bad(kind: str) -> WireError:
+        return WireError(f"assignment field {name!r} must be {kind}, got {value!r:.80}")
+
+    if name in _INTS:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise bad("an integer")
+        return value
+    if name in ("shards", "input_shape"):
+        if not isinstance(value, list) or any(isinstance(v, bool) or not isinstance(v, int)
+                                              for v in value):
+            raise bad("a list of integers")
+        return list(value)
+    if name == "spec":
+        if not isinstance(value, dict):
+            raise bad("an object")
+        return value
+    if name == "job_id":
+        if not isinstance(value, str) or not value:
+            raise bad("a non-empty string")
+        return value
+    if name == "bulk_url":
+        if value is not None and not isinstance(value, str):
+            raise bad("a string or null")
+        return value
+    return value
