@@ -107,8 +107,10 @@ def ensure_admin_token(factory: sessionmaker[Session], token_file: Path,
         if exists:
             return None
         secret = new_secret("admin")
+        # the file first: if it cannot be written, nothing is committed and the next start
+        # tries again (a hash stored for a secret nobody has would lock the admin out)
+        write_private(token_file, secret + "\n")
         session.add(ApiToken(kind="admin", name="generated", token_hash=hash_token(secret)))
-    write_private(token_file, secret + "\n")
     echo(f"phalanx: generated an admin token, written to {token_file} (readable by this user "
          "only; the server keeps only its hash): read it, keep it, then delete the file")
     return secret
@@ -119,7 +121,8 @@ def write_private(path: Path, text: str) -> None:
     even for a moment) and replaced atomically."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    tmp.unlink(missing_ok=True)  # O_EXCL below: never a stale file's mode
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as fh:
         fh.write(text)
     os.replace(tmp, path)

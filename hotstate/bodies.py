@@ -38,7 +38,8 @@ log = logging.getLogger(__name__)
 
 PEER_PREFIX = "peer:"
 PEER_DOWN_TTL_S = 60.0  # how long replicas store bodies in Redis after a peer fetch failed
-FETCH_TIMEOUT_S = 30.0
+PEER_HEADER = "X-Phalanx-Peer"  # every peer-port answer names its replica
+FETCH_TIMEOUT_S = 10.0  # well below the apply claim (15 s): a stuck peer must not double an apply
 
 
 def peer_key(address: str, body_id: str) -> str:
@@ -195,6 +196,8 @@ def _fetch_from(address: str, wanted: list[tuple[str, str]]) -> dict[str, memory
         for key, body_id in wanted:
             conn.request("GET", f"/bodies/{body_id}")
             resp = conn.getresponse()
+            if resp.getheader(PEER_HEADER) != address:  # not the replica the key names
+                return None
             if resp.status != 200:
                 resp.read()
                 got[key] = None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,7 +39,8 @@ def write_checkpoint(artifacts_dir: Path, job_id: str, model: Model, state: Trai
     data = save_npz(state_to_arrays(model, state))
     path = checkpoint_path(artifacts_dir, job_id, state.step)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp-{os.getpid()}")
+    # unique across processes and pods (pids repeat across containers sharing the volume)
+    tmp = path.with_suffix(f".tmp-{uuid.uuid4().hex}")
     try:
         with open(tmp, "wb") as fh:
             fh.write(data)

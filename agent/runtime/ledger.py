@@ -1,9 +1,10 @@
-"""What this device has uploaded, persisted, so a restarted agent never uploads a shard twice.
+"""What this device has uploaded, persisted across restarts.
 
 An append-only file of JSON lines `{"job", "step", "shard"}`, appended and fsynced after the
-server accepted an upload. A line torn by a kill mid-write is skipped on load; that shard was
-accepted, so the server no longer lists it in the device's work, and would answer a repeat as a
-duplicate anyway.
+server accepted an upload. A line torn by a kill mid-write is skipped on load. The server's work
+list decides what is computed (a shard it accepted is not listed, so a restarted agent does not
+upload it twice); a shard listed again although recorded here lost its result on the server (a
+replica that held the upload died, Redis restarted) and is computed again, and the agent says so.
 """
 
 from __future__ import annotations

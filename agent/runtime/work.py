@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
+import socket
 import threading
 import time
 from typing import Any
@@ -85,7 +87,13 @@ class WorkLoop:
             self._job, self._per_shard_s = job, None
         self.ledger.forget_job(job, keep_from_step=step)
         self.monitor.set_limits(Limits.from_job_spec(a.spec, self.shared_default))
-        todo = [k for k in a.shards if not self.ledger.uploaded(job, step, k)]
+        # the server's list is authoritative: a shard it lists again lost its result (the
+        # replica holding the upload died, Redis restarted) and must be computed again
+        todo = list(a.shards)
+        again = [k for k in todo if self.ledger.uploaded(job, step, k)]
+        if again:
+            log.info("server lists shards %s of %s step %d again (their results were lost): "
+                     "computing them again", again, job, step)
         if not todo:
             return 0.5  # everything of this step is in; wait for the next step
         while todo and not stop.is_set():
@@ -123,6 +131,10 @@ class WorkLoop:
             try:
                 return call(bulk_url)
             except TransportError as exc:
+                if not _nothing_listens(exc):  # reset, cut off, busy: this call only
+                    log.info("bulk port %s failed this time (%s): this request goes to the API "
+                             "port", bulk_url, exc)
+                    return call(None)
                 log.warning("bulk port %s unreachable (%s): using the API port from now on",
                             bulk_url, exc)
                 self._use_bulk = False
@@ -169,3 +181,12 @@ class WorkLoop:
         self.ledger.record(job, step, done or shards)
         self.uploaded_shards += len(done or shards)
         return True
+
+
+def _nothing_listens(exc: BaseException) -> bool:
+    """Whether a failed request found nothing at the address (refused, no route, unknown
+    name): a port that will not answer. A reset or a timeout mid-request is a busy or
+    restarting server, not a reason to leave its bulk port for good."""
+    cause = exc.__cause__
+    return isinstance(cause, (ConnectionRefusedError, socket.gaierror)) or (
+        isinstance(cause, OSError) and cause.errno in (errno.EHOSTUNREACH, errno.ENETUNREACH))

@@ -321,6 +321,12 @@ def _refusal(exc: Exception, close: bool) -> Reply:
     return Reply(status, {"detail": detail}, extra, close=close)
 
 
+_BUSY_BODY = b'{"detail":"the bulk port serves its maximum of connections: retry shortly"}'
+BUSY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+        b"Retry-After: 1\r\nConnection: close\r\nContent-Length: "
+        + str(len(_BUSY_BODY)).encode() + b"\r\n\r\n" + _BUSY_BODY)
+
+
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
     request_queue_size = 256  # a whole fleet uploads at the same step boundary
@@ -340,9 +346,19 @@ class _Server(ThreadingHTTPServer):
                 self.open_connections += 1
         if full:
             REFUSED_CONNECTIONS.labels("max_connections").inc()
+            try:  # a 503 the agent retries (a bare close would read as a port that is gone)
+                request.settimeout(0.1)
+                request.sendall(BUSY)
+            except OSError:
+                pass
             self.shutdown_request(request)
             return
-        super().process_request(request, client_address)
+        try:
+            super().process_request(request, client_address)
+        except BaseException:  # no thread started: this connection is not open after all
+            with self._count:
+                self.open_connections -= 1
+            raise
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         try:

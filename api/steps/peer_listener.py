@@ -15,11 +15,12 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from hotstate.bodies import SHELF, BodyShelf
+from hotstate.bodies import PEER_HEADER, SHELF, BodyShelf
 
 log = logging.getLogger(__name__)
 BODY = re.compile(r"/bodies/([0-9a-f]{32})")
 SEND_TIMEOUT_S = 60.0
+MAX_CONNECTIONS = 256
 
 
 def advertised_host(configured: str | None) -> str:
@@ -65,7 +66,29 @@ class _Server(ThreadingHTTPServer):
 
     def __init__(self, address: tuple[str, int], handler: type, shelf: BodyShelf) -> None:
         self.shelf = shelf
+        self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         super().__init__(address, handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        """A thread per connection up to MAX_CONNECTIONS (appliers keep one per replica);
+        past it the connection is closed at once."""
+        if not self.slots.acquire(blocking=False):
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self.slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        log.debug("peer connection from %s ended", client_address, exc_info=True)
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -86,10 +109,12 @@ class _Handler(BaseHTTPRequestHandler):
         body = self.server.shelf.get(match.group(1)) if match else None
         if body is None:
             self.send_response(404)
+            self._identify()
             self.send_header("Content-Length", "0")
             self.end_headers()
             return
         self.send_response(200)
+        self._identify()
         self.send_header("Content-Type", "application/octet-stream")
         self.send_header("Content-Length", str(body.nbytes))
         try:
@@ -97,6 +122,11 @@ class _Handler(BaseHTTPRequestHandler):
             self.wfile.write(body)
         except OSError:
             self.close_connection = True
+
+    def _identify(self) -> None:
+        """Which replica answers: a fetcher that reached something else (a wrong advertised
+        address) treats the replica as unreachable instead of its bodies as gone."""
+        self.send_header(PEER_HEADER, self.server.shelf.address or "")
 
     def do_POST(self) -> None:  # noqa: N802
         self.send_response(405)

@@ -20,9 +20,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from sqlalchemy import select
+
 from api.metrics_tasks import observe_task
 from api.store.db import transaction
-from api.store.models import Job, StepMetric
+from api.store.models import Event, Job, StepMetric
 from api.store.states import Event as StateEvent
 from api.store.states import JobState, transition
 from engine.data import load_dataset
@@ -125,9 +127,14 @@ def checkpoint_failed(ctx: SchedulerContext, job: Job, step: int, exc: OSError, 
             "artifacts volume)" if final else "training goes on; the next checkpoint is tried "
             "at its turn")
     log.warning("checkpoint of step %d of %s not written: %s", step, job.id, exc)
+    told = f"checkpoint of step {step} not written"
     with transaction(ctx.session_factory) as session:
+        if session.scalar(select(Event.id).where(  # once per step, not once per retry
+                Event.job_id == job.id, Event.reason == "CheckpointFailed",
+                Event.message.startswith(told)).limit(1)) is not None:
+            return
         store_ops.record_event(session, "CheckpointFailed",
-                               f"checkpoint of step {step} not written ({exc.strerror or exc}): "
+                               f"{told} ({exc.strerror or exc}): "
                                + what, now=ctx.clock(), job_id=job.id, kind="Warning",
                                data={"step": step, "final": final})
 
@@ -163,10 +170,6 @@ def run_apply_step(ctx: SchedulerContext, job_id: str, step: int) -> str:
     blob.params[:] = message.params
     blob.buffers[:] = message.buffers
     ctx.blobs.set(keys.state(job_id, step + 1), blob.data)
-    # the next step reads the state from here, if still stored, and this process's API serves
-    # the message as it is; other processes encode it from the state (one message per step
-    # and process instead of 12.9 MB more through Redis on every step's critical path)
-    RECENT.remember(job_id, new_state, message.seal())
     if ctx.tuning.apply_pause_s:
         time.sleep(ctx.tuning.apply_pause_s)  # tests: widen the crash window on purpose
     final = new_state.step >= info.total_steps
@@ -180,6 +183,10 @@ def run_apply_step(ctx: SchedulerContext, job_id: str, step: int) -> str:
                 return Outcome.RETRY  # expires (state t+1 is stored), e.g. once space is freed
     if not commit_step(ctx, job, info, metrics, new_state, ckpt, final):
         return Outcome.STALE
+    # committed: the next step reads the state from here, if still stored, and this process's
+    # API serves the message as made; other processes encode it from the state (one message
+    # per step and process instead of 12.9 MB more through Redis on the step's critical path)
+    RECENT.remember(job_id, new_state, message.seal())
     drop_step_keys(ctx, job_id, keep_state=step + 1)
     bump_version(ctx.blobs)
     return Outcome.APPLIED

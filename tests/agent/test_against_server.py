@@ -182,13 +182,18 @@ def test_a_revoked_device_token_stops_the_agent(
 def test_an_unreachable_bulk_port_falls_back_to_the_api(tmp_path: Path, cool_phone: Path) -> None:
     """The assignment names an upload URL nothing listens on (a firewall, a missing port
     mapping): the agent says so once, uploads through the API port, and the job finishes."""
-    from tests.support.server import free_port
+    import socket
 
+    # a port held bound but not listening: connecting is refused, and no server started here
+    # can be given it (a port merely found free once was, now and then, the server's own)
+    dead = socket.socket()
+    dead.bind(("127.0.0.1", 0))
+    dead_url = f"http://127.0.0.1:{dead.getsockname()[1]}"
     root = tmp_path / "server"
     root.mkdir()
     srv = start_server(database_url=migrated_sqlite(root / "phalanx.sqlite"), data_dir=root / "data",
                        admin_token=ADMIN_TOKEN, extra_env={
-                           **SERVER_ENV, "PHALANX_BULK_PUBLIC_URL": f"http://127.0.0.1:{free_port()}"})
+                           **SERVER_ENV, "PHALANX_BULK_PUBLIC_URL": dead_url})
     home, log = tmp_path / "phone", tmp_path / "agent.log"
     try:
         device_id = enroll(srv, home, cool_phone)
@@ -215,6 +220,7 @@ def test_an_unreachable_bulk_port_falls_back_to_the_api(tmp_path: Path, cool_pho
             proc.wait(timeout=30)
     finally:
         srv.stop()
+        dead.close()
     text = log.read_text()
     assert text.count("unreachable") == 1 and "using the API port from now on" in text
     assert "Traceback" not in text

@@ -17,6 +17,7 @@ from engine.step import initial_state
 from phalanx.sim import compute as sim
 from phalanx.train_local import run_reference
 from tests.support.arrays import npz_bytes
+from wire.assignment import Assignment
 from wire.messages import decode_results, encode_weights
 
 SPEC = {"name": "cnn", "model": {"arch": "cnn"}, "dataset": "digits", "global_batch_size": 64,
@@ -61,9 +62,11 @@ def test_the_worker_the_simulator_and_the_reference_give_the_same_shard_bytes(
         worker.handle(worker.Engine("numpy"), request)
         phone = decode_results((tmp_path / "r.bin").read_bytes())[0]
         # the simulator: the shard as the server serves it, the model from the assignment
-        built = sim.ENGINE.model({"job_id": "job-x", "spec": SPEC, "n_train": len(data.y_train),
-                                  "input_shape": list(data.input_shape),
-                                  "num_classes": data.num_classes})
+        built = sim.ENGINE.model(Assignment(
+            job_id="job-x", step=STEP, shards=[SHARD], spec=SPEC, n_params=job.model.n_params,
+            n_buffers=job.model.n_buffers, n_stats=job.model.n_stats, total_steps=1,
+            n_train=len(data.y_train), input_shape=list(data.input_shape),
+            num_classes=data.num_classes))
         simulated = sim._compute(built, state.params, state.buffers,
                                  {SHARD: runner.shard_arrays(npz)}, STEP)[0]
     assert calls == [(STEP, SHARD)] * 3  # each of the three went through the runner

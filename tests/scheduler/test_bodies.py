@@ -137,3 +137,31 @@ def test_apply_step_reads_another_replicas_bodies_and_recomputes_when_it_is_gone
     assert not redis_store.exists(keys.apply_claim(job_id, 2))  # re-enqueued at completion
     upload_all(ctx, job_id, 2)  # the devices upload again, to a replica that is up
     assert run_apply_step(ctx, job_id, 2) == "applied"
+
+
+def test_an_address_that_is_not_the_replica_counts_as_unreachable(
+        redis_store: RedisBlobStore) -> None:
+    """A wrong advertised address that reaches some other HTTP service (its 404 is not "the
+    body is gone"): the replica is marked down, so bodies go through Redis meanwhile."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class NotAPeer(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802
+            self.send_response(404)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    other = ThreadingHTTPServer(("127.0.0.1", 0), NotAPeer)
+    threading.Thread(target=other.serve_forever, daemon=True).start()
+    try:
+        address = f"127.0.0.1:{other.server_address[1]}"
+        key = peer_key(address, "ab" * 16)
+        assert fetch_bodies(redis_store, [key]) == {key: None}
+        assert redis_store.exists(keys.peer_down(address))
+    finally:
+        other.shutdown()
+        other.server_close()

@@ -386,6 +386,9 @@ def test_connections_past_the_bound_are_closed_at_once_without_a_thread(
         threads = threading.active_count()
         refused_before = BULK_REFUSED_CONNECTIONS.labels("max_connections")._value.get()
         extra = [socket.create_connection(("127.0.0.1", port)) for _ in range(20)]
+        extra[0].settimeout(30)
+        busy = extra[0].recv(4096)  # a 503 the agent retries, not a port that seems gone
+        assert busy.startswith(b"HTTP/1.1 503") and b"Retry-After: 1" in busy
         assert all(_closed_by_server(s) for s in extra)
         assert threading.active_count() <= threads  # no thread was started for them
         assert BULK_REFUSED_CONNECTIONS.labels("max_connections")._value.get() - refused_before == 20

@@ -420,22 +420,26 @@ def test_a_result_whose_upload_body_was_lost_is_recomputed_not_applied(ctx) -> N
 
 def _disk_full_for(ctx, job_id: str, step: int) -> Path:
     """The checkpoint of `step` will be written into /dev/full: the kernel answers its write
-    with ENOSPC, exactly as a full disk does (the temp file apply_step writes first is this
-    process's, so it is named here)."""
-    import os
-
+    with ENOSPC, exactly as a full disk does (the temp file's random part is fixed to "full"
+    by the test, so the temp file can be named here)."""
     from scheduler.checkpoints import checkpoint_path
 
     path = checkpoint_path(ctx.settings.artifacts_dir, job_id, step)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp-{os.getpid()}")
+    tmp = path.with_suffix(".tmp-full")
     tmp.symlink_to("/dev/full")
     return tmp
 
 
-def test_a_full_disk_skips_a_checkpoint_with_a_warning_and_waits_for_the_final_one(ctx) -> None:
+def test_a_full_disk_skips_a_checkpoint_with_a_warning_and_waits_for_the_final_one(
+        ctx, monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import SimpleNamespace
+
     from api.store.models import Checkpoint, Event
+    from scheduler import checkpoints
     from scheduler.checkpoints import checkpoint_path, read_checkpoint
+
+    monkeypatch.setattr(checkpoints, "uuid", SimpleNamespace(uuid4=lambda: SimpleNamespace(hex="full")))
 
     job_id = start(ctx, tiny_spec(checkpoint_every=2))
     info = job_info(job_id, job(ctx, job_id).spec, ctx.settings.data_dir)
