@@ -77,8 +77,11 @@ def test_demo_trains_through_faults_and_leaves_a_checkpoint(tmp_path: Path) -> N
     env.update(PYTHONUNBUFFERED="1", COLUMNS="160")
     cmd = [sys.executable, "-m", "phalanx.cli.main", "demo", "--phones", "3", "--job", str(spec),
            "--data-dir", str(tmp_path / "demo"), "--keep-running"]
+    # Ctrl-C as at a terminal: a suite started in the background by a non-interactive shell
+    # inherits SIGINT ignored, and so would the demo (it then never stopped: seen)
     proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+                            stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     out = Reader(proc)
     try:
         out.wait_for(r"admin token: (\S+)", proc, timeout_s=240)
