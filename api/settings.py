@@ -56,6 +56,8 @@ class Settings(BaseSettings):
     # scheduler
     reconcile_interval_s: float = 2.0
     checkpoint_every_steps: int = 50
+    checkpoints_kept: int = Field(3, ge=1, description="checkpoints kept per job, newest first; "
+                                  "older files and rows are deleted as new ones are written")
     work_long_poll_max_s: float = 30.0
     # how long a Python thread of the server may hold the GIL while others wait (CPython's
     # default is 5 ms): the step's data-plane threads wake for every socket read and write

@@ -74,3 +74,22 @@ def read_checkpoint(row: Checkpoint, model: Model) -> TrainState | None:
         return state_from_arrays(model, load_npz(data))
     except (ValueError, KeyError, OSError):
         return None
+
+
+def prune_checkpoints(session: Session, job_id: str, keep: int) -> list[str]:
+    """Delete all but the `keep` newest checkpoint rows of a job; returns their files' paths
+    for the caller to remove once the deletion is committed (a row never points at a file
+    already gone because of this)."""
+    old = session.scalars(
+        select(Checkpoint).where(Checkpoint.job_id == job_id)
+        .order_by(Checkpoint.step.desc(), Checkpoint.id.desc()).offset(keep)
+    ).all()
+    paths = [row.path for row in old]
+    for row in old:
+        session.delete(row)
+    return paths
+
+
+def remove_files(paths: list[str]) -> None:
+    for path in paths:
+        Path(path).unlink(missing_ok=True)

@@ -40,7 +40,12 @@ from hotstate.trainstate import StateBlob
 from hotstate.version import bump_version
 from scheduler import store_ops
 from scheduler.celery_app import app
-from scheduler.checkpoints import WrittenCheckpoint, write_checkpoint
+from scheduler.checkpoints import (
+    WrittenCheckpoint,
+    prune_checkpoints,
+    remove_files,
+    write_checkpoint,
+)
 from scheduler.context import SchedulerContext, get_context
 from scheduler.tasks import boundary
 from scheduler.tasks.recovery import drop_step_keys, ensure_state
@@ -201,6 +206,7 @@ def commit_step(ctx: SchedulerContext, job: Job, info: JobInfo, m: StepMetrics,
                 new_state: TrainState, ckpt: WrittenCheckpoint | None, final: bool) -> bool:
     now = ctx.clock()
     devices_used = 0
+    pruned: list[str] = []
     summary = {"train_loss": m.train_loss, "train_accuracy": m.train_accuracy, "lr": m.lr}
     finished = final_summary(ctx, job, info, m, new_state) if final else None
     with transaction(ctx.session_factory) as session:
@@ -226,11 +232,14 @@ def commit_step(ctx: SchedulerContext, job: Job, info: JobInfo, m: StepMetrics,
                                devices=devices_used))
         if ckpt is not None:
             session.add(ckpt.row(job.id))
+            session.flush()
+            pruned = prune_checkpoints(session, job.id, ctx.settings.checkpoints_kept)
         if final:
             session.flush()
             store_ops.release(session, job.id)
         else:
             boundary.at_step_boundary(ctx, session, job, info, new_state.step, now)
+    remove_files(pruned)  # after the commit: no row is left pointing at a removed file
     return True
 
 

@@ -470,3 +470,22 @@ def test_a_full_disk_skips_a_checkpoint_with_a_warning_and_waits_for_the_final_o
         assert read_checkpoint(final, info.model) is not None
     leftovers = list(checkpoint_path(ctx.settings.artifacts_dir, job_id, 0).parent.glob("*.tmp-*"))
     assert not leftovers
+
+
+def test_only_the_newest_checkpoints_are_kept_and_a_restore_still_finds_one(ctx) -> None:
+    from api.store.models import Checkpoint
+    from scheduler.checkpoints import checkpoint_path
+
+    ctx.settings = ctx.settings.model_copy(update={"checkpoints_kept": 2})
+    job_id = start(ctx, tiny_spec(checkpoint_every=1))
+    run_to(ctx, job_id, 4)
+    with ctx.session_factory() as s:
+        rows = sorted(r.step for r in s.query(Checkpoint).filter_by(job_id=job_id))
+    assert rows == [3, 4]
+    on_disk = {k for k in range(1, 5)
+               if checkpoint_path(ctx.settings.artifacts_dir, job_id, k).exists()}
+    assert on_disk == {3, 4}  # the files of deleted rows are gone too
+    ctx.blobs.delete(keys.state(job_id, 4))  # Redis lost the hot state: restore from disk
+    assert load_state(ctx, job_id, 4) is None
+    assert run_reconcile_job(ctx, job_id) == "ok"
+    assert job(ctx, job_id).step == 4 and load_state(ctx, job_id, 4) is not None
