@@ -26,7 +26,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any, BinaryIO
 from urllib.parse import unquote, urlsplit
 
@@ -41,6 +41,7 @@ from api.metrics import BULK_REFUSED_CONNECTIONS as REFUSED_CONNECTIONS
 from api.metrics import HTTP_LATENCY, HTTP_REQUESTS, UNMATCHED
 from api.schemas.common import parse_query
 from api.steps.bulk_body import MAX_BODIES
+from api.steps.capped_server import CappedThreadingHTTPServer
 from api.steps.handlers import WEIGHTS_HEADERS, accept_upload, serve_weights
 from wire.messages import new_buffer
 from wire.sockopts import set_socket_buffers
@@ -327,45 +328,20 @@ BUSY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n
         + str(len(_BUSY_BODY)).encode() + b"\r\n\r\n" + _BUSY_BODY)
 
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
+class _Server(CappedThreadingHTTPServer):
     request_queue_size = 256  # a whole fleet uploads at the same step boundary
 
     def __init__(self, address: tuple[str, int], handler: type, listener: BulkListener) -> None:
         self.listener = listener
-        self.open_connections = 0
-        self._count = threading.Lock()
-        super().__init__(address, handler)
+        super().__init__(address, handler, listener.bounds.max_connections)
 
-    def process_request(self, request: Any, client_address: Any) -> None:
-        """A thread per connection, up to the bound; past it the connection is closed at once
-        (the client retries), so idle connections cannot pile up threads."""
-        with self._count:
-            full = self.open_connections >= self.listener.bounds.max_connections
-            if not full:
-                self.open_connections += 1
-        if full:
-            REFUSED_CONNECTIONS.labels("max_connections").inc()
-            try:  # a 503 the agent retries (a bare close would read as a port that is gone)
-                request.settimeout(0.1)
-                request.sendall(BUSY)
-            except OSError:
-                pass
-            self.shutdown_request(request)
-            return
-        try:
-            super().process_request(request, client_address)
-        except BaseException:  # no thread started: this connection is not open after all
-            with self._count:
-                self.open_connections -= 1
-            raise
-
-    def process_request_thread(self, request: Any, client_address: Any) -> None:
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            with self._count:
-                self.open_connections -= 1
+    def refuse(self, request: socket.socket) -> None:
+        REFUSED_CONNECTIONS.labels("max_connections").inc()
+        try:  # a 503 the agent retries (a bare close would read as a port that is gone)
+            request.settimeout(0.1)
+            request.sendall(BUSY)
+        except OSError:
+            pass
 
     def server_bind(self) -> None:
         # several uvicorn worker processes each run a listener on the same port

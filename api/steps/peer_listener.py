@@ -12,9 +12,10 @@ import re
 import socket
 import struct
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 
+from api.steps.capped_server import CappedThreadingHTTPServer
 from hotstate.bodies import PEER_HEADER, SHELF, BodyShelf
 
 log = logging.getLogger(__name__)
@@ -60,32 +61,14 @@ class PeerListener:
             self._server = None
 
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
+class _Server(CappedThreadingHTTPServer):
+    """Appliers keep one connection per replica: MAX_CONNECTIONS is plenty."""
+
     request_queue_size = 64
 
     def __init__(self, address: tuple[str, int], handler: type, shelf: BodyShelf) -> None:
         self.shelf = shelf
-        self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
-        super().__init__(address, handler)
-
-    def process_request(self, request: Any, client_address: Any) -> None:
-        """A thread per connection up to MAX_CONNECTIONS (appliers keep one per replica);
-        past it the connection is closed at once."""
-        if not self.slots.acquire(blocking=False):
-            self.shutdown_request(request)
-            return
-        try:
-            super().process_request(request, client_address)
-        except BaseException:
-            self.slots.release()
-            raise
-
-    def process_request_thread(self, request: Any, client_address: Any) -> None:
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self.slots.release()
+        super().__init__(address, handler, MAX_CONNECTIONS)
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         log.debug("peer connection from %s ended", client_address, exc_info=True)
