@@ -23,6 +23,7 @@ from typing import Any
 
 from starlette.concurrency import run_in_threadpool
 
+from api.app_state import AppState
 from api.auth import parse_bearer
 from api.deps import check_device
 from api.error_responses import error_response
@@ -42,7 +43,7 @@ class Call:
     """What a fast route's reply function gets: the app's state, the path's device id, the
     Authorization header, the body (empty for a GET) and the ASGI scope."""
 
-    state: Any
+    state: AppState
     device_id: str
     authorization: str | None
     body: bytes
@@ -57,7 +58,7 @@ class FastRoute:
     reply: Callable[[Call], Awaitable[bytes]]  # the answer's JSON, or raises an API error
 
 
-async def heartbeat_reply(state: Any, device_id: str, authorization: str | None,
+async def heartbeat_reply(state: AppState, device_id: str, authorization: str | None,
                           raw_body: bytes) -> bytes:
     """Authenticate, validate, queue for the group commit, and return the reply's JSON once the
     batch is committed. The token is checked inside the batch's statement; the cache only
@@ -97,7 +98,7 @@ class _Disconnected(Exception):
 
 
 class FastPath:
-    def __init__(self, app: Any, state: Any, body_limit: int,
+    def __init__(self, app: Any, state: AppState, body_limit: int,
                  routes: tuple[FastRoute, ...] = ROUTES) -> None:
         self.app, self.state, self.body_limit, self.routes = app, state, body_limit, routes
 
@@ -158,9 +159,3 @@ class FastPath:
             chunks.append(chunk)
             if not message.get("more_body", False):
                 return b"".join(chunks)
-
-
-def install(app: Any, body_limit: int) -> None:
-    """Put the fast path in front of the app's middleware stack, whenever Starlette builds it."""
-    build = app.build_middleware_stack
-    app.build_middleware_stack = lambda: FastPath(build(), app.state, body_limit)

@@ -1,4 +1,6 @@
-"""The app factory: wiring, exception handlers, the body-size limit (see docs/contracts.md)."""
+"""The composition root: every service the control plane runs is built here, once, into a typed
+`AppState`; the ASGI chain and the one lifespan (what runs while the app serves) are written
+here, in order. Routes, the fast path and the listeners only use what this hands them."""
 
 from __future__ import annotations
 
@@ -6,38 +8,91 @@ import datetime as dt
 import logging
 import sys
 from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
-from typing import Any
+from contextlib import AsyncExitStack, asynccontextmanager
+from functools import partial
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from sqlalchemy import Engine
+from starlette.concurrency import run_in_threadpool
+from starlette.types import ASGIApp
 
-from api import fast_path, metrics
+from api import metrics, metrics_tasks
+from api.app_state import AppState
 from api.auth import Authenticator, ensure_admin_token
 from api.error_responses import HANDLED, error_response
+from api.fast_path import FastPath
 from api.heartbeat_writer_pg import AsyncPgHeartbeatWriter
 from api.heartbeats import HeartbeatWriter
 from api.limits import BodySizeLimit
 from api.routes import agent_dist, datasets, devices, health, jobs, tokens, work
+from api.scheduler_hooks import SchedulerHooks
 from api.settings import Settings
+from api.steps.bulk_body import WholeBodyReader
+from api.steps.bulk_listener import Bounds, BulkListener
+from api.steps.handlers import carries_device_token, is_gradient_upload
+from api.steps.peer_listener import PeerListener, advertised_host
+from api.steps.protocol import StepProtocol
 from api.store.db import make_engine, make_session_factory
 from api.store.models import utcnow
+from hotstate.blobs import blob_store_for
+from hotstate.version import VersionWatch
+from scheduler import celery_app, context
+from scheduler.embedded import EmbeddedScheduler
+from scheduler.local_apply import LocalApplier
 
 log = logging.getLogger(__name__)
 
 
-class NoopHooks:
-    """Default scheduler hooks; `api.routes.work.install` replaces them."""
+def create_app(settings: Settings | None = None, clock: Callable[[], dt.datetime] | None = None,
+               start_scheduler: bool = False) -> FastAPI:
+    """Build the control plane. `start_scheduler`: embedded mode's in-process worker and beat."""
+    settings = settings or Settings()
+    clock = clock or utcnow
+    app = FastAPI(title="Phalanx control plane", version="0.1.0", docs_url="/docs",
+                  openapi_url="/openapi.json",
+                  lifespan=partial(_serving, settings=settings, start_scheduler=start_scheduler))
+    app.state = _build_state(app, settings, clock)  # type: ignore[assignment]
+    _install_error_handlers(app)
+    for module in (health, tokens, devices, jobs, datasets, agent_dist, work, metrics):
+        app.include_router(module.router)
+    _asgi_chain(app, app.state, settings)  # type: ignore[arg-type]
+    return app
 
-    def job_changed(self, job_id: str) -> None:
-        pass
 
-    def device_changed(self, device_id: str) -> None:
-        pass
+def _build_state(app: FastAPI, settings: Settings, clock: Callable[[], dt.datetime]) -> AppState:
+    engine = make_engine(settings.resolved_database_url)
+    factory = make_session_factory(engine)
+    admin = settings.admin_token.get_secret_value() if settings.admin_token else None
+    if admin is None:
+        ensure_admin_token(factory, settings.admin_token_file)
+    blobs = blob_store_for(settings.redis_url)
+    ctx = context.configure(settings, factory, blobs, clock)
+    return AppState(
+        settings=settings, clock=clock, engine=engine, session_factory=factory,
+        authenticator=Authenticator(factory, admin, clock=clock),
+        # through app.state, so a test may swap the hooks after the app is built
+        heartbeats=_heartbeat_writer(settings, engine, clock,
+                                     lambda device_id: app.state.scheduler_hooks.device_changed(device_id)),
+        celery=celery_app.configure(settings),
+        blobs=blobs,
+        step_protocol=StepProtocol(factory, blobs, settings.data_dir, clock),
+        version_watch=VersionWatch.for_store(blobs, ctx.tuning.long_poll_interval_s),
+        scheduler_hooks=SchedulerHooks(ctx),
+    )
 
 
-def install_error_handlers(app: FastAPI) -> None:
+def _heartbeat_writer(settings: Settings, engine: Engine, clock: Callable[[], dt.datetime],
+                      changed: Callable[[str], None]) -> HeartbeatWriter | AsyncPgHeartbeatWriter:
+    """Postgres: the asyncio group commit; SQLite: one writer thread (one writer at a time)."""
+    options = {"clock": clock, "grace_s": settings.lease_grace_s,
+               "interval_s": settings.heartbeat_interval_s, "on_device_changed": changed}
+    if engine.dialect.name == "postgresql":
+        return AsyncPgHeartbeatWriter(settings.resolved_database_url, engine, **options)
+    return HeartbeatWriter(make_engine(settings.resolved_database_url), threads=1, **options)
+
+
+def _install_error_handlers(app: FastAPI) -> None:
     async def _answer(_: Request, exc: Exception) -> JSONResponse:
         status, detail, headers = error_response(exc) or (500, "internal server error", {})
         return JSONResponse({"detail": detail}, status_code=status, headers=headers or None)
@@ -46,56 +101,91 @@ def install_error_handlers(app: FastAPI) -> None:
         app.add_exception_handler(kind, _answer)
 
 
-def _include_routers(app: FastAPI) -> None:
-    for module in (health, tokens, devices, jobs, datasets, agent_dist):
-        app.include_router(module.router)
-    if hasattr(metrics, "router"):
-        app.include_router(metrics.router)
+class _UploadPaths(tuple):
+    """Paths that get the upload size limit: dataset uploads, plus gradient uploads."""
+
+    def __contains__(self, path: object) -> bool:
+        return is_gradient_upload(path) or tuple.__contains__(self, path)
 
 
-def _heartbeat_writer(app: FastAPI, settings: Settings, engine: Engine, clock: Callable) -> Any:
-    """Postgres: the asyncio group commit; SQLite: one writer thread (one writer at a time)."""
-    def changed(device_id: str) -> None:
-        app.state.scheduler_hooks.device_changed(device_id)
-
-    options = {"clock": clock, "grace_s": settings.lease_grace_s,
-               "interval_s": settings.heartbeat_interval_s, "on_device_changed": changed}
-    if engine.dialect.name == "postgresql":
-        return AsyncPgHeartbeatWriter(settings.resolved_database_url, engine, **options)
-    return HeartbeatWriter(make_engine(settings.resolved_database_url), threads=1, **options)
-
-
-def create_app(settings: Settings | None = None, clock: Callable[[], dt.datetime] | None = None,
-               start_scheduler: bool = False) -> FastAPI:
-    """Build the control plane. `start_scheduler` (embedded mode) is honoured by work.install."""
-    settings = settings or Settings()
-    clock = clock or utcnow
-    engine = make_engine(settings.resolved_database_url)
-    factory = make_session_factory(engine)
-
-    @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        yield
-        await app.state.heartbeats.aclose()
-
-    app = FastAPI(title="Phalanx control plane", version="0.1.0", lifespan=lifespan,
-                  docs_url="/docs", openapi_url="/openapi.json")
-    app.state.settings, app.state.clock = settings, clock
-    app.state.engine, app.state.session_factory = engine, factory
-    app.state.start_scheduler = start_scheduler
-    app.state.scheduler_hooks = NoopHooks()
-    admin = settings.admin_token.get_secret_value() if settings.admin_token else None
-    if admin is None:
-        ensure_admin_token(factory, settings.admin_token_file)
-    app.state.authenticator = Authenticator(factory, admin, clock=clock)
-    app.state.heartbeats = _heartbeat_writer(app, settings, engine, clock)
+def _asgi_chain(app: FastAPI, state: AppState, settings: Settings) -> None:
+    """A request passes, outermost first: RequestMetrics (counts every answer, 500s included)
+    -> WholeBodyReader (a gradient upload's body, read only for a valid device token) ->
+    FastPath (heartbeat and work long poll without FastAPI's routing) -> Starlette's
+    ServerErrorMiddleware -> BodySizeLimit -> ExceptionMiddleware -> the routes."""
     app.add_middleware(BodySizeLimit, default_limit=settings.max_body_bytes,
-                       upload_limit=settings.max_upload_bytes, upload_paths=("/v1/datasets",))
-    install_error_handlers(app)
-    _include_routers(app)
-    fast_path.install(app, body_limit=settings.max_body_bytes)
-    work.install(app, settings)
-    return app
+                       upload_limit=settings.max_upload_bytes,
+                       upload_paths=_UploadPaths(("/v1/datasets",)))
+    starlette_stack = app.build_middleware_stack
+
+    def build() -> ASGIApp:
+        inner = FastPath(starlette_stack(), state, settings.max_body_bytes)
+        inner = WholeBodyReader(inner, is_gradient_upload, settings.max_upload_bytes,
+                                partial(carries_device_token, state))
+        return metrics.RequestMetrics(inner)
+
+    app.build_middleware_stack = build  # type: ignore[method-assign]
+
+
+@asynccontextmanager
+async def _serving(app: FastAPI, *, settings: Settings,
+                   start_scheduler: bool) -> AsyncIterator[None]:
+    """What runs while the app serves, started in this order and stopped in the reverse: the
+    peer port and this replica's applier (production), the bulk port, the embedded worker and
+    beat; the heartbeat writer is flushed first at shutdown. A port that cannot be bound is
+    logged and skipped (see each helper)."""
+    state: AppState = app.state  # type: ignore[assignment]
+    metrics_tasks.use_redis_url(settings.redis_url)
+    async with AsyncExitStack() as stack:
+        if not settings.embedded and settings.peer_port >= 0:
+            await _serve_peers(stack, state, settings)
+        if settings.bulk_port is not None:
+            await _serve_bulk(stack, state, settings)
+        if start_scheduler:
+            scheduler = EmbeddedScheduler(settings)
+            await run_in_threadpool(scheduler.start)
+            stack.push_async_callback(run_in_threadpool, scheduler.stop)
+        stack.push_async_callback(state.heartbeats.aclose)
+        yield
+
+
+async def _serve_peers(stack: AsyncExitStack, state: AppState, settings: Settings) -> None:
+    """The peer port serves upload bodies kept on this replica; without it (port taken) bodies
+    go through Redis and the workers apply every step."""
+    listener = PeerListener(advertised_host(settings.peer_host), settings.peer_port,
+                            capacity_bytes=settings.peer_shelf_bytes)
+    local = LocalApplier() if settings.apply_on_replica else None
+    stack.push_async_callback(run_in_threadpool, listener.stop)
+    if local is not None:
+        stack.push_async_callback(run_in_threadpool, local.stop)
+    try:
+        listener.start()
+    except OSError as exc:
+        log.warning("peer port %s not available (%s): upload bodies go through Redis",
+                    settings.peer_port, exc)
+        return
+    state.scheduler_hooks.local = local
+    stack.callback(setattr, state.scheduler_hooks, "local", None)
+
+
+async def _serve_bulk(stack: AsyncExitStack, state: AppState, settings: Settings) -> None:
+    """Without the bulk port (taken) agents use the API port for everything."""
+    listener = BulkListener(state, settings.bulk_host, int(settings.bulk_port or 0),
+                            settings.max_upload_bytes, reuse_port=settings.bulk_reuse_port,
+                            public_url=settings.bulk_public_url,
+                            socket_buffer_bytes=settings.bulk_socket_buffer_bytes,
+                            bounds=Bounds(settings.bulk_max_connections,
+                                          settings.bulk_header_timeout_s, settings.bulk_stall_s,
+                                          settings.bulk_bodies_per_device))
+    stack.push_async_callback(run_in_threadpool, listener.stop)
+    try:
+        listener.start()
+    except OSError as exc:
+        log.warning("bulk port %s:%s not available (%s): weights and uploads go through "
+                    "the API port only", settings.bulk_host, settings.bulk_port, exc)
+        return
+    state.bulk_listener = listener
+    stack.callback(setattr, state, "bulk_listener", None)
 
 
 def app_from_env() -> FastAPI:

@@ -15,10 +15,10 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, MutableMapping
-from contextlib import asynccontextmanager
+from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from typing import Any
 
+import redis
 from fastapi import APIRouter, FastAPI, Request, Response
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -27,6 +27,7 @@ from prometheus_client import (
     Histogram,
     disable_created_metrics,
     generate_latest,
+    multiprocess,
 )
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -98,25 +99,6 @@ class RequestMetrics:
             HTTP_LATENCY.labels(method, route).observe(time.perf_counter() - started)
 
 
-def instrument(app: FastAPI) -> None:
-    """Wrap the app's built ASGI stack once (it runs outside every middleware, 500s included)."""
-    if getattr(app.state, "metrics_instrumented", False):
-        return
-    stack = app.middleware_stack or app.build_middleware_stack()
-    app.middleware_stack = RequestMetrics(stack)  # type: ignore[assignment]
-    app.state.metrics_instrumented = True
-
-
-@asynccontextmanager
-async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
-    # `create_app` includes `router`; FastAPI merges a router's lifespan into the app's, which is
-    # where the app (and its built middleware stack) is at hand.
-    settings = getattr(app.state, "settings", None)
-    metrics_tasks.use_redis_url(getattr(settings, "redis_url", None))
-    instrument(app)
-    yield
-
-
 class QueueCollector(Collector):
     """Celery queue depths: LLEN of each queue (and its priority lists) in the Redis broker."""
 
@@ -128,8 +110,6 @@ class QueueCollector(Collector):
         if self._url is None:  # embedded: the in-memory transport has no backlog to speak of
             return dict.fromkeys(QUEUES, 0)
         if self._client is None:
-            import redis
-
             self._client = redis.Redis.from_url(self._url, socket_connect_timeout=1,
                                                 socket_timeout=1)
         pipe = self._client.pipeline(transaction=False)
@@ -190,8 +170,6 @@ def build_registry(app: FastAPI) -> CollectorRegistry:
     settings = app.state.settings
     registry = CollectorRegistry(auto_describe=False)
     if multiprocess_dir():
-        from prometheus_client import multiprocess
-
         multiprocess.MultiProcessCollector(registry)
     else:
         registry.register(REQUESTS)
@@ -209,7 +187,7 @@ def render(app: FastAPI) -> bytes:
     return generate_latest(build_registry(app))
 
 
-router = APIRouter(tags=["metrics"], lifespan=_lifespan)
+router = APIRouter(tags=["metrics"])
 
 
 @router.get("/metrics", include_in_schema=False)

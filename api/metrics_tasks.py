@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import redis
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
@@ -83,8 +84,6 @@ class RedisTaskStats:
     """Production: one Redis hash per task name, updated in one pipelined round trip."""
 
     def __init__(self, url: str) -> None:
-        import redis
-
         self._redis = redis.Redis.from_url(url, socket_connect_timeout=1, socket_timeout=1)
 
     def add(self, name: str, seconds: float, ok: bool, now: float) -> None:

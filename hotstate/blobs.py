@@ -10,6 +10,9 @@ import threading
 import time
 from typing import Any, Protocol
 
+import redis
+from redis.connection import PythonRespSerializer
+
 
 class BlobStore(Protocol):
     def get(self, key: str) -> bytes | None: ...
@@ -109,8 +112,6 @@ class RedisBlobStore:
     """Redis strings; `keys` uses SCAN (never KEYS) so a big keyspace does not block Redis."""
 
     def __init__(self, url: str) -> None:
-        import redis
-
         self.url = url
         extra = {"connection_class": _big_value_connection()} if url.startswith("redis://") else {}
         self._redis = redis.Redis.from_url(url, socket_timeout=30, health_check_interval=30,
@@ -159,9 +160,6 @@ def _big_value_connection() -> type:
     gradient upload and every state the worker writes is such a SET). redis-py's own packer
     passes a value over its cutoff through as it is; replies still parse with hiredis.
     """
-    import redis
-    from redis.connection import PythonRespSerializer
-
     class BigValueConnection(redis.Connection):
         def _construct_command_packer(self, packer: Any) -> Any:
             return packer or PythonRespSerializer(self._buffer_cutoff, self.encoder.encode)

@@ -71,10 +71,3 @@ class WholeBodyReader:
                     return int(value)
                 return None
         return None
-
-
-def install(app: Any, wants: Callable[[str], bool], limit: int,
-            admits: Callable[[dict[str, Any]], Awaitable[bool]]) -> None:
-    """Put the reader in front of the app's middleware stack, whenever Starlette builds it."""
-    build = app.build_middleware_stack
-    app.build_middleware_stack = lambda: WholeBodyReader(build(), wants, limit, admits)

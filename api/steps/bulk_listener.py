@@ -32,6 +32,7 @@ from urllib.parse import unquote, urlsplit
 
 from pydantic import BaseModel, Field
 
+from api.app_state import AppState
 from api.auth import parse_bearer
 from api.deps import check_device
 from api.error_responses import error_response
@@ -185,7 +186,7 @@ class TooManyUploads(ApiError):
 class BulkListener:
     """Serves weights and uploads for the app whose `state` it is given (auth, protocol, hooks)."""
 
-    def __init__(self, state: Any, host: str, port: int, limit: int, *,
+    def __init__(self, state: AppState, host: str, port: int, limit: int, *,
                  reuse_port: bool = False, public_url: str | None = None,
                  max_bodies: int = MAX_BODIES, socket_buffer_bytes: int = 0,
                  bounds: Bounds | None = None) -> None:

@@ -1,7 +1,6 @@
 """The step protocol's handlers, shared by the FastAPI routes (api.routes.work), the ASGI fast
 path (api.fast_path) and the bulk listener (api.steps.bulk_listener): the work long poll, the
-weights, an upload, and the API's calls into the scheduler (enqueue only). Blocking calls are
-marked; the logic of each lives in `api.steps.protocol`.
+weights and an upload. Blocking calls are marked; the logic of each lives in `api.steps.protocol`.
 """
 
 from __future__ import annotations
@@ -15,16 +14,13 @@ from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import URL
 
+from api.app_state import AppState
 from api.deps import check_device, principal_for
 from api.errors import ApiError
 from api.metrics import SHARD_RESULTS
 from api.schemas.common import parse_query
 from api.schemas.work import WorkOut
 from api.steps.protocol import StateMissing
-from hotstate.version import bump_version
-from scheduler.local_apply import LocalApplier
-from scheduler.tasks.reconcile import request_reconcile
-from scheduler.tasks.steps import enqueue_apply
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +31,7 @@ class _WorkQuery(BaseModel):
     wait: float = Field(0.0, ge=0.0, le=MAX_WAIT_S)
 
 
-async def work_reply(state: Any, device_id: str, authorization: str | None,
+async def work_reply(state: AppState, device_id: str, authorization: str | None,
                      scope: dict[str, Any]) -> bytes:
     """The work route (api.routes.work) without FastAPI: the same token rule (DeviceDep), the same 422 for a
     bad `wait`, the same answer through the same response model."""
@@ -45,7 +41,7 @@ async def work_reply(state: Any, device_id: str, authorization: str | None,
     return WorkOut.model_validate(answer).model_dump_json().encode()
 
 
-async def long_poll_work(state: Any, device_id: str, wait: float, url: URL) -> dict[str, Any]:
+async def long_poll_work(state: AppState, device_id: str, wait: float, url: URL) -> dict[str, Any]:
     deadline = time.monotonic() + min(wait, state.settings.work_long_poll_max_s)
     while True:
         since = state.version_watch.snapshot()
@@ -58,15 +54,15 @@ async def long_poll_work(state: Any, device_id: str, wait: float, url: URL) -> d
         await state.version_watch.wait_change(since, remaining)
 
 
-def _bulk_url(state: Any, url: URL) -> str | None:
-    listener = getattr(state, "bulk_listener", None)
+def _bulk_url(state: AppState, url: URL) -> str | None:
+    listener = state.bulk_listener
     return listener.url_for(url.scheme, url.hostname) if listener else None
 
 
 WEIGHTS_HEADERS = {"Cache-Control": "private, max-age=86400"}
 
 
-def serve_weights(state: Any, device_id: str, job_id: str, step: int) -> bytes:
+def serve_weights(state: AppState, device_id: str, job_id: str, step: int) -> bytes:
     """The weights message of step `step`; blocking. Refusals are `ApiError`s (one mapping to
     HTTP per transport: api.error_responses)."""
     try:
@@ -76,7 +72,7 @@ def serve_weights(state: Any, device_id: str, job_id: str, step: int) -> bytes:
         raise
 
 
-def accept_upload(state: Any, device_id: str, job_id: str, step: int,
+def accept_upload(state: AppState, device_id: str, job_id: str, step: int,
                   body: bytes | memoryview) -> dict[str, Any]:
     """One device's upload for step `step` of `job_id` -> its answer; blocking."""
     accepted, duplicates, complete = state.step_protocol.upload(device_id, job_id, step, body)
@@ -87,41 +83,7 @@ def accept_upload(state: Any, device_id: str, job_id: str, step: int,
     return {"accepted": accepted, "duplicates": duplicates}
 
 
-class SchedulerHooks:
-    """The API's calls into the scheduler: enqueue only, never wait for a task."""
-
-    def __init__(self, ctx: Any) -> None:
-        self.ctx = ctx
-        self.local: LocalApplier | None = None  # set while this replica applies its steps
-
-    def job_changed(self, job_id: str) -> None:
-        # the change is committed: step-protocol views cached under the old version go stale
-        self._safely(self._bump)
-        self._safely(self._reconcile)
-
-    def device_changed(self, device_id: str) -> None:
-        self._safely(self._reconcile)
-
-    def step_complete(self, job_id: str, step: int) -> None:
-        here = self.local.submit if self.local is not None else None
-        self._safely(lambda: enqueue_apply(self.ctx, job_id, step, here=here))
-
-    def _bump(self) -> None:
-        bump_version(self.ctx.blobs)
-
-    def _reconcile(self) -> None:
-        request_reconcile(self.ctx)
-
-    @staticmethod
-    def _safely(call: Any) -> None:
-        # the change is committed; reconcile's next beat repairs a lost enqueue (broker down)
-        try:
-            call()
-        except Exception:  # noqa: BLE001
-            log.warning("could not enqueue a scheduler task", exc_info=True)
-
-
-async def carries_device_token(state: Any, scope: dict[str, Any]) -> bool:
+async def carries_device_token(state: AppState, scope: dict[str, Any]) -> bool:
     """Whether the request's headers hold a valid device token: only then is an upload's
     body read (a stranger's costs the server its headers)."""
     authorization = next((value.decode("latin-1") for name, value in scope["headers"]
