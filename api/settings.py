@@ -58,6 +58,11 @@ class Settings(BaseSettings):
     checkpoint_every_steps: int = 50
     checkpoints_kept: int = Field(3, ge=1, description="checkpoints kept per job, newest first; "
                                   "older files and rows are deleted as new ones are written")
+    # tenancy: what one user's jobs may hold at once (admins' jobs are not limited); a job over a
+    # limit waits Pending with the reason
+    user_max_running_jobs: int | None = Field(None, ge=1, description="running jobs per user")
+    user_max_devices: int | None = Field(None, ge=1, description="devices held by one user's "
+                                         "running jobs together")
     work_long_poll_max_s: float = 30.0
     # how long a Python thread of the server may hold the GIL while others wait (CPython's
     # default is 5 ms): the step's data-plane threads wake for every socket read and write

@@ -20,6 +20,7 @@ from api.settings import Settings, get_settings
 from api.store.db import make_engine, make_session_factory
 from api.store.models import utcnow
 from hotstate.blobs import BlobStore, blob_store_for
+from scheduler.policy.quota import UserLimits
 
 
 class Tuning(BaseSettings):
@@ -46,6 +47,10 @@ class SchedulerContext:
     blobs: BlobStore
     clock: Callable[[], dt.datetime] = utcnow
     tuning: Tuning = field(default_factory=Tuning)
+
+    @property
+    def user_limits(self) -> UserLimits:
+        return UserLimits(self.settings.user_max_running_jobs, self.settings.user_max_devices)
 
 
 _lock = threading.Lock()

@@ -16,6 +16,7 @@ from api.store.models import Device, Event, Job, ShardAssignment
 from api.store.state_names import FINISHED_STATES
 from api.store.states import Event as StateEvent
 from api.store.states import JobState, transition
+from scheduler.policy.quota import Usage
 from scheduler.policy.types import DeviceView
 
 TERMINAL = FINISHED_STATES
@@ -150,6 +151,16 @@ def job_devices(session: Session, job_id: str) -> list[str]:
         select(ShardAssignment.device_id).where(ShardAssignment.job_id == job_id).distinct()
     )
     return sorted(rows)
+
+
+def user_usage(session: Session, owner: str | None, views: Iterable[DeviceView],
+               except_job: str) -> Usage:
+    """What `owner`'s other running jobs hold: how many, and how many devices together."""
+    if owner is None:
+        return Usage()
+    running = set(session.scalars(select(Job.id).where(
+        Job.owner == owner, Job.state == JobState.RUNNING.value, Job.id != except_job)))
+    return Usage(len(running), sum(1 for d in views if d.job_id in running))
 
 
 def jobs_in(session: Session, states: Iterable[str]) -> list[Job]:

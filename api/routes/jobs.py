@@ -26,24 +26,24 @@ def submit(body: JobCreate, request: Request, principal: UserDep, settings: Sett
     spec = body.model_dump()
     total = jobs.plan_total_steps(spec, settings.data_dir)
     with session.begin():
-        job = jobs.submit_job(session, spec, total_steps=total, now=clock(),
-                              owner_token_id=principal.token_id)
+        job = jobs.submit_job(session, spec, total_steps=total, now=clock(), principal=principal)
     request.app.state.scheduler_hooks.job_changed(job.id)
     return _read(job)
 
 
 @router.get("", response_model=Page[JobRead])
-def list_jobs(_: UserDep, session: SessionDep, state: str | None = None, limit: int = Limit,
-              offset: int = Offset):
-    rows = list(jobs.list_jobs(session, states=jobs.parse_job_states(state), limit=limit,
-                               offset=offset))
+def list_jobs(principal: UserDep, session: SessionDep, state: str | None = None,
+              limit: int = Limit, offset: int = Offset):
+    """Newest first: an admin sees every job, a user their own."""
+    rows = list(jobs.list_jobs(session, principal=principal, states=jobs.parse_job_states(state),
+                               limit=limit, offset=offset))
     held = jobs.holdings_of(session, [job.id for job in rows])
     return page_of([_read(job, held[job.id]) for job in rows], limit, offset)
 
 
 @router.get("/{job_id}", response_model=JobRead)
-def get_job(job_id: str, _: UserDep, session: SessionDep):
-    job = jobs.get_job(session, job_id)
+def get_job(job_id: str, principal: UserDep, session: SessionDep):
+    job = jobs.get_job(session, job_id, principal)
     return _read(job, jobs.holdings_of(session, [job_id])[job_id])
 
 
@@ -59,17 +59,18 @@ def cancel(job_id: str, request: Request, principal: UserDep, session: SessionDe
 
 
 @router.get("/{job_id}/events", response_model=Page[EventRead])
-def job_events(job_id: str, _: UserDep, session: SessionDep, limit: int = Limit,
+def job_events(job_id: str, principal: UserDep, session: SessionDep, limit: int = Limit,
                offset: int = Offset):
-    jobs.get_job(session, job_id)
+    jobs.get_job(session, job_id, principal)
     rows = events.list_events(session, job_id=job_id, limit=limit, offset=offset)
     return page_of(list(rows), limit, offset)
 
 
 @router.get("/{job_id}/metrics", response_model=Page[StepMetricRead])
-def job_metrics(job_id: str, _: UserDep, session: SessionDep,
+def job_metrics(job_id: str, principal: UserDep, session: SessionDep,
                 since_step: int = Query(0, ge=0), limit: int = Query(10000, ge=1, le=100000)):
     """The per-step curve (loss, accuracy, lr, ...), oldest step first."""
+    jobs.get_job(session, job_id, principal)
     rows = list(jobs.step_metrics(session, job_id, since_step=since_step, limit=limit))
     more = len(rows) > limit
     return {"items": rows[:limit], "next_offset": rows[limit].step if more else None}
@@ -77,8 +78,9 @@ def job_metrics(job_id: str, _: UserDep, session: SessionDep,
 
 @router.get("/{job_id}/checkpoint", response_class=FileResponse,
             responses={200: {"content": {"application/octet-stream": {}}}})
-def checkpoint(job_id: str, _: UserDep, session: SessionDep, settings: SettingsDep):
+def checkpoint(job_id: str, principal: UserDep, session: SessionDep, settings: SettingsDep):
     """The latest checkpoint's weights as an .npz of named arrays."""
+    jobs.get_job(session, job_id, principal)
     row, path = jobs.latest_checkpoint(session, job_id, settings.data_dir)
     return FileResponse(path, media_type="application/octet-stream",
                         filename=f"{job_id}-step{row.step}.npz",

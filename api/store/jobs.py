@@ -11,7 +11,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from api.errors import Conflict, Forbidden, Invalid, NotFound
+from api.errors import Conflict, Invalid, NotFound
 from api.store import events
 from api.store.models import Checkpoint, Job, ShardAssignment, StepMetric
 from api.store.states import JOB_STATES, JobState, transition
@@ -56,9 +56,10 @@ def check_model(spec: dict[str, Any], info: Any) -> None:
 
 
 def submit_job(session: Session, spec: dict[str, Any], *, total_steps: int,
-               owner_token_id: str | None, now: dt.datetime) -> Job:
+               principal: Principal, now: dt.datetime) -> Job:
     job = Job(name=spec["name"], spec=spec, state=JobState.PENDING.value, priority=spec["priority"], step=0,
-              total_steps=total_steps, metrics={}, owner_token_id=owner_token_id)
+              total_steps=total_steps, metrics={}, owner_token_id=principal.token_id,
+              owner=principal.user)
     session.add(job)
     session.flush()
     events.record(session, "Submitted", f"{total_steps} steps on {spec['dataset']!r}",
@@ -66,11 +67,17 @@ def submit_job(session: Session, spec: dict[str, Any], *, total_steps: int,
     return job
 
 
-def get_job(session: Session, job_id: str) -> Job:
+def get_job(session: Session, job_id: str, principal: Principal | None = None) -> Job:
+    """The job, for a principal allowed to see it: an admin sees every job, a user only their
+    own (another user's job is answered as not found: its existence is not theirs to know)."""
     job = session.get(Job, job_id)
-    if job is None:
+    if job is None or (principal is not None and not may_see(job, principal)):
         raise NotFound(f"job {job_id} not found")
     return job
+
+
+def may_see(job: Job, principal: Principal) -> bool:
+    return principal.is_admin or (job.owner is not None and job.owner == principal.user)
 
 
 @dataclass
@@ -101,14 +108,6 @@ def holdings_of(session: Session, job_ids: list[str]) -> dict[str, Holdings]:
     return held
 
 
-def check_may_cancel(job: Job, principal: Principal) -> None:
-    """Admins cancel any job; a user only the jobs their token submitted."""
-    if principal.is_admin or (job.owner_token_id and job.owner_token_id == principal.token_id):
-        return
-    raise Forbidden(f"job {job.id} was submitted by another user: only its owner or an admin "
-                    "may cancel it")
-
-
 def parse_job_states(state: str | None) -> list[str]:
     states = [s.strip() for s in (state or "").split(",") if s.strip()]
     for value in states:
@@ -118,8 +117,12 @@ def parse_job_states(state: str | None) -> list[str]:
     return states
 
 
-def list_jobs(session: Session, *, states: list[str], limit: int, offset: int) -> Sequence[Job]:
+def list_jobs(session: Session, *, principal: Principal, states: list[str], limit: int,
+              offset: int) -> Sequence[Job]:
+    """Newest first: every job for an admin, a user's own for a user."""
     query = select(Job).order_by(Job.created.desc(), Job.id)
+    if not principal.is_admin:
+        query = query.where(Job.owner == principal.user)
     if states:
         query = query.where(Job.state.in_(states))
     return session.scalars(query.limit(limit + 1).offset(offset)).all()
@@ -128,8 +131,7 @@ def list_jobs(session: Session, *, states: list[str], limit: int, offset: int) -
 def cancel_job(session: Session, job_id: str, now: dt.datetime, principal: Principal) -> Job:
     """Pending/Running -> Cancelled with a guarded UPDATE; 403 for another user's job, 409 once
     the job has finished."""
-    job = get_job(session, job_id)
-    check_may_cancel(job, principal)
+    job = get_job(session, job_id, principal)
     by = principal.name or principal.kind
     cancelled = transition(session, job_id, JobState.CANCELLED,
                            StateEvent("Cancelled", f"cancelled by {by}"), now=now,

@@ -165,6 +165,9 @@ class Job(Base):
     total_steps: Mapped[int] = mapped_column(Integer, default=0)
     metrics: Mapped[dict[str, Any]] = mapped_column(default=dict)
     owner_token_id: Mapped[str | None] = mapped_column(String(40), default=None)
+    # the user (a user token's name, else its id) who sees, cancels and is limited by this
+    # job; None: submitted by an admin
+    owner: Mapped[str | None] = mapped_column(String(200), default=None, index=True)
     started_at: Mapped[dt.datetime | None] = mapped_column(default=None)
     finished_at: Mapped[dt.datetime | None] = mapped_column(default=None)
     # when the current step's work was handed out (stall and straggler detection)

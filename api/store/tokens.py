@@ -37,6 +37,14 @@ class Principal:
     def is_admin(self) -> bool:
         return self.kind == "admin"
 
+    @property
+    def user(self) -> str | None:
+        """The tenant this principal acts for: a user token's name (the tokens an admin gives one
+        name are one user, so a rotated token keeps its jobs), else its id; None for an admin."""
+        if self.kind != "user":
+            return None
+        return self.name or self.token_id
+
 
 def create_enrollment_token(session: Session, *, expires_at: dt.datetime, max_uses: int | None,
                             labels: dict[str, str], description: str | None

@@ -133,10 +133,11 @@ def metric(job: dict[str, Any], *names: str) -> float | None:
 
 def job_table(jobs: list[dict[str, Any]]) -> Table:
     table = Table(header_style="bold")
-    for col in ("ID", "NAME", "STATE", "STEP", "LOSS", "VAL ACC", "DEVICES", "AGE"):
+    for col in ("ID", "NAME", "OWNER", "STATE", "STEP", "LOSS", "VAL ACC", "DEVICES", "AGE"):
         table.add_column(col, no_wrap=True)
     for job in jobs:
-        table.add_row(dash(job.get("id")), dash(job.get("name")), styled(job.get("state")),
+        table.add_row(dash(job.get("id")), dash(job.get("name")), job.get("owner") or "(admin)",
+                      styled(job.get("state")),
                       f"{job.get('step', 0)}/{job.get('total_steps', '?')}",
                       dash(metric(job, "train_loss"), "{:.4f}"),
                       dash(metric(job, "val_accuracy"), "{:.2%}"),

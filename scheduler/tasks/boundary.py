@@ -17,6 +17,7 @@ from engine.jobinfo import JobInfo
 from hotstate import keys, locks
 from scheduler import store_ops
 from scheduler.context import SchedulerContext
+from scheduler.policy import quota
 from scheduler.policy.placement import rebalance
 from scheduler.policy.scores import device_speed
 from scheduler.policy.shards import balance_shards, moved_shards
@@ -41,8 +42,10 @@ def at_step_boundary(ctx: SchedulerContext, session: Session, job: Job, info: Jo
 def join_devices(ctx: SchedulerContext, session: Session, job: Job, step: int,
                  now: dt.datetime) -> list[str]:
     """Add free eligible devices to a running job, up to max_devices; returns those added."""
-    req = PlacementRequest.from_spec(job.id, job.spec, job.priority)
     views = store_ops.all_device_views(session)
+    usage = store_ops.user_usage(session, job.owner, views, job.id)
+    req = quota.within_limits(PlacementRequest.from_spec(job.id, job.spec, job.priority),
+                              job.owner, usage, ctx.user_limits)
     holders = [d for d in views if d.job_id == job.id]
     joiners = [d for d in views if d.job_id is None]
     current = store_ops.primaries(session, job.id)

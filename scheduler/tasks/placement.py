@@ -24,6 +24,7 @@ from engine.jobinfo import job_info_or_reason
 from hotstate import keys
 from scheduler import store_ops
 from scheduler.context import SchedulerContext
+from scheduler.policy import quota
 from scheduler.policy.eviction import EvictionLimits, allowed_evictions, prune
 from scheduler.policy.placement import feasible, keepable, place_gang, rebalance
 from scheduler.policy.preemption import plan_preemption
@@ -168,6 +169,13 @@ def place_pending(ctx: SchedulerContext, session: Session, job: Job, fleet: Flee
         store_ops.fail_job(session, job, why or "cannot run this spec", now)
         return
     req = PlacementRequest.from_spec(job.id, job.spec, job.priority)
+    usage = store_ops.user_usage(session, job.owner, fleet.all(), job.id)
+    over = quota.refusal(job.owner, usage, ctx.user_limits, req.min_devices)
+    if over is not None:  # never preempts: the user's own running jobs hold the room
+        if job.reason != over:
+            store_ops.guarded_job_update(session, job.id, {"state": "Pending"}, reason=over)
+        return
+    req = quota.within_limits(req, job.owner, usage, ctx.user_limits)
     plan = place_gang(req, fleet.all())
     if not plan.admitted:
         victims = plan_preemption(req, fleet.all(), running_jobs(session, fleet))

@@ -76,11 +76,11 @@ def add_devices(ctx: SchedulerContext, n: int, prefix: str = "dev", **fields: An
     return ids
 
 
-def submit(ctx: SchedulerContext, spec: dict[str, Any]) -> str:
+def submit(ctx: SchedulerContext, spec: dict[str, Any], owner: str | None = None) -> str:
     info = job_info("probe", spec, ctx.settings.data_dir)
     with transaction(ctx.session_factory) as s:
         job = Job(name=spec["name"], spec=spec, state="Pending", priority=spec.get("priority", 0),
-                  total_steps=info.total_steps)
+                  total_steps=info.total_steps, owner=owner)
         s.add(job)
         s.flush()
         return job.id

@@ -224,6 +224,33 @@ def test_a_higher_priority_gang_preempts_at_its_step(ctx) -> None:
     assert preempted.state == "Pending" and preempted.step == 1 and "preempted" in preempted.reason
 
 
+def test_a_users_jobs_wait_at_their_limits_and_never_preempt_but_admins_jobs_are_free(ctx) -> None:
+    ctx.settings = ctx.settings.model_copy(update={"user_max_running_jobs": 1,
+                                                   "user_max_devices": 3})
+    add_devices(ctx, 12)
+    alices = [submit(ctx, tiny_spec(name=f"a{i}", priority=i), owner="alice") for i in range(2)]
+    bobs = submit(ctx, tiny_spec(name="b"), owner="bob")
+    admins = submit(ctx, tiny_spec(name="admin"))
+    run_reconcile(ctx)
+    first, second = job(ctx, alices[1]), job(ctx, alices[0])  # the higher priority goes first
+    assert first.state == "Running" and len(devices_of(ctx, first.id)) == 3  # not 4: her limit
+    assert second.state == "Pending" and "PHALANX_USER_MAX_RUNNING_JOBS" in second.reason
+    assert "alice runs 1 job(s)" in second.reason
+    assert job(ctx, bobs).state == "Running" and len(devices_of(ctx, bobs)) == 3  # his own limit
+    assert job(ctx, admins).state == "Running" and len(devices_of(ctx, admins)) == 4
+    # a second running job is allowed now, but her devices are all in use
+    ctx.settings = ctx.settings.model_copy(update={"user_max_running_jobs": 2})
+    run_reconcile(ctx)
+    waiting = job(ctx, alices[0])
+    assert waiting.state == "Pending" and "PHALANX_USER_MAX_DEVICES" in waiting.reason
+    assert "hold 3 device(s)" in waiting.reason
+    assert job(ctx, first.id).state == "Running"  # never preempted by its owner's own job
+
+
+def devices_of(ctx, job_id: str) -> set[str]:
+    return {device for _, device, _ in assignments(ctx, job_id)}
+
+
 def test_a_preempted_jobs_accepted_results_count_when_it_resumes(ctx) -> None:
     low = start(ctx, tiny_spec(placement={"min_devices": 2}), devices=2)
     run_to(ctx, low, 1)
