@@ -34,9 +34,13 @@ def _labels(pairs: list[str]) -> dict[str, str]:
 def cmd_enroll(args: argparse.Namespace) -> int:
     path = resolve_path(args.config)
     name = args.name or socket.gethostname()
+    ca_file = str(Path(args.ca_file).expanduser().resolve()) if args.ca_file else None
+    if ca_file is not None and not Path(ca_file).is_file():
+        print(f"--ca-file {args.ca_file}: no such file", file=sys.stderr)
+        return 2
     spec = collect_spec()
     try:
-        reply = Client(args.server, timeout_s=30).register(args.token, name, _labels(args.label), spec)
+        reply = Client(args.server, timeout_s=30, ca_file=ca_file).register(args.token, name, _labels(args.label), spec)
     except StatusError as exc:
         print(f"enrollment refused: {exc.detail} (HTTP {exc.status})", file=sys.stderr)
         return 2
@@ -44,7 +48,8 @@ def cmd_enroll(args: argparse.Namespace) -> int:
         print(f"cannot reach {args.server}: {exc}", file=sys.stderr)
         return 1
     cfg = AgentConfig(server=args.server, device_id=str(reply["device_id"]),
-                      device_token=str(reply["device_token"]), name=name, labels=_labels(args.label))
+                      device_token=str(reply["device_token"]), name=name, labels=_labels(args.label),
+                      ca_file=ca_file or "")
     interval = reply.get("heartbeat_interval_s")
     if isinstance(interval, (int, float)):
         cfg.heartbeat_interval_s = float(interval)
@@ -93,6 +98,8 @@ def parser() -> argparse.ArgumentParser:
     enroll.add_argument("--token", required=True, help="enrollment token from an admin")
     enroll.add_argument("--name", help="device name (default: hostname)")
     enroll.add_argument("--label", action="append", default=[], metavar="K=V")
+    enroll.add_argument("--ca-file", help="PEM CA certificate of an https server signed by the "
+                        "lab's own CA (kept in the config for `run`)")
     enroll.add_argument("--config", help=help_config)
     enroll.set_defaults(func=cmd_enroll)
     run = sub.add_parser("run", help="heartbeat and train until stopped")

@@ -103,14 +103,15 @@ def _status_error(status: int, detail: Any, url: str) -> StatusError:
 class Client:
     def __init__(self, base_url: str, token: str | None = None, *, timeout_s: float = 30.0,
                  transport: Transport | None = None,
-                 socket_buffer_bytes: int = DEFAULT_SOCKET_BUFFER_BYTES) -> None:
+                 socket_buffer_bytes: int = DEFAULT_SOCKET_BUFFER_BYTES,
+                 ca_file: str | None = None) -> None:
         scheme = urllib.parse.urlsplit(base_url).scheme
         if scheme not in ("http", "https"):
             raise ValueError(f"server URL must be http(s)://..., got {base_url!r}")
         self.base_url = base_url.rstrip("/")
         self.token = token
         self.timeout_s = timeout_s
-        self.transport = transport or KeepAliveTransport(socket_buffer_bytes)
+        self.transport = transport or KeepAliveTransport(socket_buffer_bytes, ca_file)
         self._refused_downgrade = False
 
     # -- plumbing --------------------------------------------------------------------------

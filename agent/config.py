@@ -75,6 +75,7 @@ class AgentConfig:
     request_timeout_s: float = 30.0
     work_wait_s: float = 30.0  # long poll for work (the server holds it at most 30 s)
     socket_buffer_bytes: int = DEFAULT_SOCKET_BUFFER_BYTES  # kernel buffers each way; 0: autotune
+    ca_file: str = ""  # PEM CA that signed an https server's certificate; "": the system's CAs
 
     def state_path(self, config_path: Path) -> Path:
         if self.state_dir:

@@ -1,10 +1,12 @@
 #!/data/data/com.termux/files/usr/bin/bash
 # Install the Phalanx agent on a phone (Termux) and keep it running.
 #
-#   curl -fsSL https://<server>/install.sh | bash -s -- --server https://<server> --token <enroll-token>
-#   (the control plane serves this script and /agent.tar.gz, the agent's sources, without auth)
+#   curl -fsSLo install.sh <server>/install.sh && echo "<sha256>  install.sh" | sha256sum -c \
+#     && bash install.sh --server <server> --token <enroll-token> --sha256 <archive sha256>
+#   (the control plane serves this script and /agent.tar.gz, the agent's sources, without auth;
+#   `phalanx tokens create --enroll` prints this line with both hashes filled in)
 #   bash deploy/termux/install.sh --server URL --token TOKEN [--name N] [--label k=v]... \
-#        [--source PIP-SPEC] [--torch] [--no-enroll]
+#        [--source PIP-SPEC] [--sha256 HEX] [--torch] [--no-enroll]
 #
 # What it does: pkg install python python-numpy termux-api termux-services (python-torch and
 # python-psutil on request / when available), pip install the agent (numpy comes from pkg:
@@ -12,7 +14,7 @@
 # agent when Android kills it, termux-wake-lock, and a Termux:Boot script.
 set -euo pipefail
 
-SERVER="" TOKEN="" NAME="" SOURCE="" TORCH=0 ENROLL=1
+SERVER="" TOKEN="" NAME="" SOURCE="" SHA256="" TORCH=0 ENROLL=1
 LABELS=()
 here="$(cd "$(dirname "${BASH_SOURCE[0]:-$0}")" 2>/dev/null && pwd || echo .)"
 
@@ -24,6 +26,7 @@ while [ $# -gt 0 ]; do
     --name) NAME="$2"; shift 2 ;;
     --label) LABELS+=(--label "$2"); shift 2 ;;
     --source) SOURCE="$2"; shift 2 ;;
+    --sha256) SHA256="$2"; shift 2 ;;
     --torch) TORCH=1; shift ;;
     --no-enroll) ENROLL=0; shift ;;
     -h|--help) usage 0 ;;
@@ -54,6 +57,27 @@ pkg install -y python python-numpy termux-api termux-services
 pkg install -y python-psutil || echo "python-psutil not available: the agent does without"
 if [ "$TORCH" = 1 ]; then
   pkg install -y python-torch || echo "python-torch not available: numpy backend only"
+fi
+
+if [ -n "$SHA256" ]; then  # the archive as downloaded must be the one the admin was shown
+  case "$SOURCE" in
+    http://*|https://*) ;;
+    *) echo "install.sh: --sha256 checks a downloaded archive: give --server or an http(s) --source" >&2
+       exit 2 ;;
+  esac
+  ARCHIVE="${TMPDIR:-$PREFIX/tmp}/phalanx-agent-$$.tar.gz"
+  trap 'rm -f "$ARCHIVE"' EXIT
+  curl -fsSL "$SOURCE" -o "$ARCHIVE"
+  if ! echo "$SHA256  $ARCHIVE" | sha256sum -c --status; then
+    echo "install.sh: $SOURCE does not have sha256 $SHA256: not installed" >&2
+    exit 3
+  fi
+  SOURCE="$ARCHIVE"
+else
+  case "$SOURCE" in
+    http://*) echo "install.sh: warning: $SOURCE over plain http without --sha256:" \
+                   "anything on the network could replace it" >&2 ;;
+  esac
 fi
 
 echo "== agent from $SOURCE"

@@ -71,8 +71,10 @@ def _read(resp: http.client.HTTPResponse, max_bytes: int) -> bytes:
 class KeepAliveTransport:
     """A `Transport`: each thread's connections, kept per (scheme, host, port)."""
 
-    def __init__(self, socket_buffer_bytes: int = 0) -> None:
+    def __init__(self, socket_buffer_bytes: int = 0, ca_file: str | None = None) -> None:
         self.socket_buffer_bytes = socket_buffer_bytes
+        # https: the system's CAs, or only the lab's own CA when it has one (a self-signed server)
+        self.tls = ssl.create_default_context(cafile=ca_file or None)
         self._local = threading.local()  # connections are not shared between threads
 
     def __call__(self, method: str, url: str, headers: dict[str, str], body: Body | None,
@@ -115,7 +117,7 @@ class KeepAliveTransport:
         make: Callable[..., http.client.HTTPConnection]
         if scheme == "https":
             make = BufferedHTTPSConnection
-            extra: dict[str, Any] = {"context": ssl.create_default_context()}
+            extra: dict[str, Any] = {"context": self.tls}
         else:
             make, extra = BufferedHTTPConnection, {}
         conn = make(host, port, timeout=timeout, socket_buffer_bytes=self.socket_buffer_bytes,

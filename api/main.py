@@ -176,7 +176,8 @@ async def _serve_bulk(stack: AsyncExitStack, state: AppState, settings: Settings
                             socket_buffer_bytes=settings.bulk_socket_buffer_bytes,
                             bounds=Bounds(settings.bulk_max_connections,
                                           settings.bulk_header_timeout_s, settings.bulk_stall_s,
-                                          settings.bulk_bodies_per_device))
+                                          settings.bulk_bodies_per_device),
+                            tls=settings.tls_context())
     stack.push_async_callback(run_in_threadpool, listener.stop)
     try:
         listener.start()

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import ssl
 from functools import lru_cache
 from pathlib import Path
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from wire.sockopts import DEFAULT_SOCKET_BUFFER_BYTES
@@ -100,6 +101,28 @@ class Settings(BaseSettings):
                                    "completes (scheduler.local_apply); false: workers only")
     peer_shelf_bytes: int = Field(2 * 1024**3, ge=0, description="upload bodies a replica keeps "
                                   "at most; past it they go through Redis")
+
+    # TLS for the API port and the bulk port (`phalanx server --tls-cert/--tls-key`): PEM files;
+    # the peer port between replicas stays plain (upload bodies, no tokens)
+    tls_cert_file: Path | None = None
+    tls_key_file: Path | None = None
+
+    @model_validator(mode="after")
+    def _tls_pair(self) -> Settings:
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("TLS needs both PHALANX_TLS_CERT_FILE and PHALANX_TLS_KEY_FILE")
+        for path in (self.tls_cert_file, self.tls_key_file):
+            if path is not None and not path.is_file():
+                raise ValueError(f"TLS file {path} does not exist")
+        return self
+
+    def tls_context(self) -> ssl.SSLContext | None:
+        """The server side's TLS context, or None when TLS is off."""
+        if self.tls_cert_file is None or self.tls_key_file is None:
+            return None
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.load_cert_chain(self.tls_cert_file, self.tls_key_file)
+        return context
 
     @property
     def resolved_database_url(self) -> str:

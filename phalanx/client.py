@@ -12,8 +12,10 @@ which typer also fills from `PHALANX_SERVER` / `PHALANX_TOKEN`), then the config
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import ssl
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -69,14 +71,16 @@ def load_config(path: Path | None = None) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
-def save_config(server: str, token: str, path: Path | None = None) -> Path:
+def save_config(server: str, token: str, path: Path | None = None,
+                ca_file: str | None = None) -> Path:
     """Write the login file readable by its owner only (created 0600, never world-readable)."""
     path = path or config_path()
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     tmp = path.with_name(f".{path.name}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as fh:
-        json.dump({"server": server, "token": token}, fh, indent=2)
+        json.dump({"server": server, "token": token, **({"ca_file": ca_file} if ca_file else {})},
+                  fh, indent=2)
         fh.write("\n")
     os.chmod(tmp, 0o600)
     os.replace(tmp, path)
@@ -84,16 +88,32 @@ def save_config(server: str, token: str, path: Path | None = None) -> Path:
 
 
 @dataclass(frozen=True)
+class InstallPins:
+    install_sh: str
+    archive: str
+
+
+def install_line(server: str, enroll_token: str, pins: InstallPins) -> str:
+    """The Termux one-liner: the script and the agent archive are checked against the hashes the
+    admin's CLI saw (a lab network in between cannot swap either)."""
+    return (f"curl -fsSLo install.sh {server}/install.sh && echo \"{pins.install_sh}  install.sh\" "
+            f"| sha256sum -c && bash install.sh --server {server} --token {enroll_token} "
+            f"--sha256 {pins.archive}")
+
+
+@dataclass(frozen=True)
 class Target:
     server: str
     token: str | None
+    ca_file: str | None = None  # https with a lab's own CA (PHALANX_CA_FILE, `login --ca-file`)
 
 
 def resolve_target(server: str | None = None, token: str | None = None) -> Target:
     saved = load_config() if server is None or token is None else {}
     server = server or saved.get("server") or DEFAULT_SERVER
     token = token or saved.get("token")
-    return Target(server.rstrip("/"), token)
+    ca_file = os.environ.get("PHALANX_CA_FILE") or saved.get("ca_file")
+    return Target(server.rstrip("/"), token, ca_file)
 
 
 # -- the client ------------------------------------------------------------------------------
@@ -111,15 +131,17 @@ def _items(data: Any, key: str) -> list[dict[str, Any]]:
 
 class PhalanxClient:
     def __init__(self, server: str, token: str | None = None, *, timeout_s: float = 30.0,
-                 transport: httpx.BaseTransport | None = None) -> None:
+                 transport: httpx.BaseTransport | None = None,
+                 ca_file: str | None = None) -> None:
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.server = server.rstrip("/")
+        verify = ssl.create_default_context(cafile=ca_file) if ca_file else True
         self._http = httpx.Client(base_url=self.server, headers=headers, timeout=timeout_s,
-                                  transport=transport)
+                                  transport=transport, verify=verify)
 
     @classmethod
     def from_target(cls, target: Target, **kwargs: Any) -> PhalanxClient:
-        return cls(target.server, target.token, **kwargs)
+        return cls(target.server, target.token, ca_file=target.ca_file, **kwargs)
 
     def close(self) -> None:
         self._http.close()
@@ -188,6 +210,11 @@ class PhalanxClient:
     # -- tokens
     def create_enrollment_token(self, **body: Any) -> dict[str, Any]:
         return self.json("POST", "/v1/enrollment-tokens", json=body)
+
+    def install_pins(self) -> InstallPins:
+        """The sha256 of /install.sh and /agent.tar.gz as this server serves them now."""
+        return InstallPins(*(hashlib.sha256(self.request("GET", path).content).hexdigest()
+                             for path in ("/install.sh", "/agent.tar.gz")))
 
     def create_user_token(self, name: str, **body: Any) -> dict[str, Any]:
         body["name"] = name

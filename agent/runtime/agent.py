@@ -59,7 +59,8 @@ class AgentRuntime:
                                        own_cpu=self._own_cpu)
         self.monitor = Monitor(self.probes.read, limits=Limits(shared_mode=cfg.shared_mode))
         self.client = Client(cfg.server, cfg.device_token, timeout_s=cfg.request_timeout_s,
-                             socket_buffer_bytes=cfg.socket_buffer_bytes)
+                             socket_buffer_bytes=cfg.socket_buffer_bytes,
+                             ca_file=cfg.ca_file or None)
         self.backends = [b for b in installed_backends() if not cfg.backends or b in cfg.backends]
         # power is sampled while profiling only when a limit makes it matter: each reading
         # runs termux-battery-status, which costs a phone ~0.5 s

@@ -21,6 +21,7 @@ import json
 import logging
 import re
 import socket
+import ssl
 import struct
 import threading
 import time
@@ -100,6 +101,7 @@ def read_exactly(rfile: BinaryIO, length: int, sock: socket.socket,
     view = new_buffer(length)
     if not length:
         return view
+    flags = 0 if isinstance(sock, ssl.SSLSocket) else socket.MSG_WAITALL  # TLS: a record a call
     try:
         if progress is not None:
             progress()
@@ -111,7 +113,7 @@ def read_exactly(rfile: BinaryIO, length: int, sock: socket.socket,
         while got < length:
             if progress is not None:
                 progress()
-            n = sock.recv_into(view[got:], min(PIECE, length - got), socket.MSG_WAITALL)
+            n = sock.recv_into(view[got:], min(PIECE, length - got), flags)
             if not n:
                 return None
             got += n
@@ -189,8 +191,9 @@ class BulkListener:
     def __init__(self, state: AppState, host: str, port: int, limit: int, *,
                  reuse_port: bool = False, public_url: str | None = None,
                  max_bodies: int = MAX_BODIES, socket_buffer_bytes: int = 0,
-                 bounds: Bounds | None = None) -> None:
+                 bounds: Bounds | None = None, tls: ssl.SSLContext | None = None) -> None:
         self.state, self.host, self.requested_port, self.limit = state, host, port, limit
+        self.tls = tls
         self.reuse_port, self.public_url = reuse_port, public_url
         self.socket_buffer_bytes = socket_buffer_bytes
         self.bounds = bounds or Bounds()
@@ -225,13 +228,13 @@ class BulkListener:
     def url_for(self, scheme: str, hostname: str | None) -> str | None:
         """Where an agent that reached the API as `scheme://hostname` fetches weights and sends
         uploads. Never a plain-http address for an agent that came over https (its token would
-        travel bare), unless the operator set one."""
+        travel bare), unless the operator set one; https when this port speaks TLS."""
         if self.public_url:
             return self.public_url.rstrip("/")
-        if self.port is None or scheme != "http" or not hostname:
+        if self.port is None or not hostname or (scheme == "https" and self.tls is None):
             return None
         host = f"[{hostname}]" if ":" in hostname else hostname
-        return f"http://{host}:{self.port}"
+        return f"{'https' if self.tls else 'http'}://{host}:{self.port}"
 
     # -- one request -------------------------------------------------------------------------
     def handle(self, method: str, target: str, headers: Any, rfile: BinaryIO,
@@ -335,6 +338,17 @@ class _Server(CappedThreadingHTTPServer):
     def __init__(self, address: tuple[str, int], handler: type, listener: BulkListener) -> None:
         self.listener = listener
         super().__init__(address, handler, listener.bounds.max_connections)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        tls = self.listener.tls
+        if tls is not None:  # the handshake in this connection's thread, within the header deadline
+            try:
+                request.settimeout(self.listener.bounds.header_timeout_s)
+                request = tls.wrap_socket(request, server_side=True)
+            except OSError:  # ssl.SSLError too: plain http, a bad or a slow handshake
+                self.connection_closed()
+                return
+        super().process_request_thread(request, client_address)
 
     def refuse(self, request: socket.socket) -> None:
         REFUSED_CONNECTIONS.labels("max_connections").inc()

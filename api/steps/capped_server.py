@@ -35,15 +35,15 @@ class CappedThreadingHTTPServer(ThreadingHTTPServer):
         try:
             super().process_request(request, client_address)
         except BaseException:  # no thread started: this connection is not open after all
-            self._closed()
+            self.connection_closed()
             raise
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         try:
             super().process_request_thread(request, client_address)
         finally:
-            self._closed()
+            self.connection_closed()
 
-    def _closed(self) -> None:
+    def connection_closed(self) -> None:
         with self._count:
             self.open_connections -= 1

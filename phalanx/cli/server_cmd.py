@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Optional
+
 import typer
 
 from phalanx.cli.settings import load_settings
@@ -36,6 +39,12 @@ def server(
         None, min=0, max=65535, help="port for the steps' bulk transfers, weights down and "
         "gradients up (a thread per connection; agents are told it and fall back to --port); "
         "default --port + 1, 0: off"),
+    tls_cert: Optional[Path] = typer.Option(
+        None, exists=True, dir_okay=False, help="PEM certificate (chain): serve https on --port "
+        "and the bulk port (PHALANX_TLS_CERT_FILE)"),
+    tls_key: Optional[Path] = typer.Option(
+        None, exists=True, dir_okay=False, help="PEM private key of --tls-cert "
+        "(PHALANX_TLS_KEY_FILE)"),
 ) -> None:
     """Run the control plane: migrate the database, then serve the API."""
     import os
@@ -50,12 +59,18 @@ def server(
                           os.environ.get("PHALANX_REDIS_URL") else "0")
     else:
         os.environ.pop("PHALANX_BULK_PORT", None)
+    for name, path in (("PHALANX_TLS_CERT_FILE", tls_cert), ("PHALANX_TLS_KEY_FILE", tls_key)):
+        if path is not None:  # the environment carries them to uvicorn's workers too
+            os.environ[name] = str(path.resolve())
     settings, _ = _prepare()
     from api.main import tune_interpreter
 
     tune_interpreter(settings)  # type: ignore[arg-type]
     common = {"host": host, "port": port, "access_log": access_log, "log_level": "info",
               "loop": "auto", "http": "auto", "timeout_graceful_shutdown": 10}
+    if settings.tls_cert_file is not None:  # type: ignore[attr-defined]
+        common.update(ssl_certfile=str(settings.tls_cert_file),  # type: ignore[attr-defined]
+                      ssl_keyfile=str(settings.tls_key_file))  # type: ignore[attr-defined]
     if settings.embedded:  # type: ignore[attr-defined]
         from api.main import create_app
 

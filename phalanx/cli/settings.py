@@ -14,7 +14,7 @@ def load_settings() -> Settings:
         return Settings()
     except ValidationError as exc:
         for error in exc.errors(include_url=False):
-            field = "PHALANX_" + "_".join(str(p) for p in error["loc"]).upper()
-            typer.echo(f"phalanx: {field}: {error['msg'].removeprefix('Value error, ')}",
-                       err=True)
+            where = "".join(f"PHALANX_{'_'.join(str(p) for p in error['loc']).upper()}: "
+                            for _ in error["loc"][:1])  # a rule over several fields: none
+            typer.echo(f"phalanx: {where}{error['msg'].removeprefix('Value error, ')}", err=True)
         raise typer.Exit(2) from None

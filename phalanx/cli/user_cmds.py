@@ -21,7 +21,13 @@ import yaml
 from rich.console import Console
 from rich.live import Live
 
-from phalanx.client import PhalanxClient, PhalanxError, resolve_target, save_config
+from phalanx.client import (
+    PhalanxClient,
+    PhalanxError,
+    install_line,
+    resolve_target,
+    save_config,
+)
 from phalanx.demo import view
 
 out = Console()
@@ -86,12 +92,19 @@ def login(server: Annotated[str, typer.Option("--server", "-s", envvar="PHALANX_
           token: Annotated[str, typer.Option("--token", envvar="PHALANX_TOKEN", prompt=True,
                                              hide_input=True)],
           verify: Annotated[bool, typer.Option(help="check the token with the server first")] = True,
+          ca_file: Annotated[Optional[Path], typer.Option(
+              "--ca-file", exists=True, dir_okay=False, envvar="PHALANX_CA_FILE",
+              help="PEM CA of an https server with the lab's own certificate")] = None,
           ) -> None:
     """Save the server URL and token for later commands (a 0600 config file)."""
+    ca = str(ca_file.resolve()) if ca_file else None
     if verify:
-        with connect(server, token) as client:
-            client.jobs()
-    path = save_config(server.rstrip("/"), token)
+        try:
+            with PhalanxClient(server, token, ca_file=ca) as client:
+                client.jobs()
+        except PhalanxError as exc:
+            fail(str(exc))
+    path = save_config(server.rstrip("/"), token, ca_file=ca)
     out.print(f"Logged in to {server.rstrip('/')}; saved to {path}", highlight=False)
 
 
@@ -176,6 +189,7 @@ def tokens_create(
             if max_uses is not None:
                 body["max_uses"] = max_uses
             created = client.create_enrollment_token(**body)
+            pins = client.install_pins()
         else:
             extra = {"expires_in_s": ttl} if ttl is not None else {}
             created = client.create_user_token(name or "phalanx-cli", **extra)
@@ -185,8 +199,8 @@ def tokens_create(
         return
     out.print(created.get("token", ""), highlight=False, soft_wrap=True)
     if enroll:
-        err.print(f"on the phone: phalanx-agent enroll --server {server_url} "
-                  f"--token {created.get('token')}", highlight=False, soft_wrap=True)
+        err.print("on the phone (Termux):\n" + install_line(server_url, str(created.get("token")),
+                                                           pins), highlight=False, soft_wrap=True)
 
 
 # -- jobs -------------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ back to SERVER/agent.tar.gz."""
 
 from __future__ import annotations
 
+import hashlib
 import io
 import shutil
 import subprocess
@@ -100,3 +101,30 @@ def test_pip_install_of_the_agent_folder_brings_the_engine_and_the_wire_format(
     assert done.returncode == 0, done.stderr
     assert {"agent", "engine", "wire"} <= {p.name for p in target.iterdir()}
     assert (target / "engine" / "step.py").is_file() and (target / "wire" / "messages.py").is_file()
+
+
+def test_install_sh_installs_only_the_archive_whose_sha256_was_pinned(tmp_path: Path) -> None:
+    env, calls = fake_termux(tmp_path)
+    served = tmp_path / "served.tar.gz"
+    served.write_bytes(b"the agent archive as served")
+    curl = tmp_path / "bin" / "curl"  # downloads `served`, whatever the URL: the network's copy
+    curl.write_text(f'#!/bin/sh\necho "curl $*" >> "{calls}"\n'
+                    f'while [ $# -gt 0 ]; do [ "$1" = -o ] && cp "{served}" "$2"; shift; done\n')
+    curl.chmod(0o755)
+    env["TMPDIR"] = str(tmp_path)
+    script = tmp_path / "downloaded" / "install.sh"
+    script.parent.mkdir()
+    shutil.copy(REPO / "agent" / "install.sh", script)
+    pin = hashlib.sha256(served.read_bytes()).hexdigest()
+    args = ["bash", str(script), "--server", "http://10.0.0.2:8000", "--token", "t", "--sha256"]
+    good = subprocess.run([*args, pin], env=env, capture_output=True, text=True, timeout=60)
+    assert good.returncode == 0, good.stderr
+    log = calls.read_text()
+    assert "curl -fsSL http://10.0.0.2:8000/agent.tar.gz -o" in log
+    assert f"pip install --no-deps --upgrade {tmp_path}/phalanx-agent-" in log  # the checked file
+    calls.write_text("")
+    served.write_bytes(b"something else, swapped on the way")
+    bad = subprocess.run([*args, pin], env=env, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 3 and f"does not have sha256 {pin}" in bad.stderr
+    assert "pip install" not in calls.read_text()
+    assert not list(tmp_path.glob("phalanx-agent-*.tar.gz"))  # nothing left behind

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import stat
 from collections.abc import Callable
@@ -86,7 +87,13 @@ def test_enrollment_token_enrolls_a_phone_with_its_labels(cli: Cli) -> None:
     created = cli("tokens", "create", "--enroll", "--label", "rack=b", "--max-uses", "1")
     assert created.exit_code == 0, created.output
     secret = created.stdout.strip()
-    assert "phalanx-agent enroll --server" in created.stderr
+    # the printed one-liner pins what this server serves: the script and the agent archive
+    line = next(ln for ln in created.stderr.splitlines() if ln.startswith("curl "))
+    served = {path: hashlib.sha256(httpx.get(f"{cli.server.url}{path}", timeout=30).content)
+              .hexdigest() for path in ("/install.sh", "/agent.tar.gz")}
+    assert f'echo "{served["/install.sh"]}  install.sh" | sha256sum -c' in line
+    assert line.endswith(f"--server {cli.server.url} --token {secret} --sha256 "
+                         f'{served["/agent.tar.gz"]}')
     body = {"enrollment_token": secret, "name": "p1", "labels": {}, "spec": {}}
     reply = httpx.post(f"{cli.server.url}/v1/devices/register", json=body, timeout=30)
     assert reply.status_code == 201, reply.text

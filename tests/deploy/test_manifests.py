@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import re
 import shlex
+import shutil
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -15,8 +17,8 @@ from api.settings import Settings
 from phalanx import __version__
 from phalanx.cli.main import app as phalanx_app
 from scheduler.context import Tuning
-from tests.deploy.tools import DEPLOY
-from tests.support.server import REPO_ROOT
+from tests.deploy.tools import DEPLOY, promtool
+from tests.support.server import REPO_ROOT, self_signed_pair
 
 K8S = DEPLOY / "k8s"
 IMAGE = f"phalanx:{__version__}"
@@ -230,3 +232,35 @@ def test_the_k8s_namespace_is_the_kustomization_namespace() -> None:
     assert set(by_kind("Namespace")) == {kustomization["namespace"]}
 
 
+
+
+def test_the_tls_override_serves_https_from_the_mounted_pair_and_prometheus_checks_it(
+        tmp_path: Path) -> None:
+    """deploy/compose.tls.yml over docker-compose.yml: the API gets --tls-cert/--tls-key from
+    the mounted ./deploy/tls, its health check and Prometheus's scrape speak https."""
+    override = yaml.safe_load((DEPLOY / "compose.tls.yml").read_text())["services"]
+    api = override["api"]
+    mounts = dict(v.rsplit(":", 1)[0].split(":", 1)[::-1] for v in api["volumes"])
+    host_dir = mounts["/tls"]
+    assert host_dir == "./deploy/tls" and (REPO_ROOT / host_dir / ".gitignore").is_file()
+    command = api["command"]
+    for flag in ("--tls-cert", "--tls-key"):
+        assert command[command.index(flag) + 1].startswith("/tls/")
+    cert, key = self_signed_pair(tmp_path)  # the files the openssl line in the override makes
+    check_command([{"/tls/server.pem": str(cert), "/tls/server.key": str(key)}.get(a, a)
+                   for a in command])
+    assert "https://127.0.0.1:8000/readyz" in api["healthcheck"]["test"][-1]
+    base = compose()["services"]["api"]["command"]
+    assert command[:len(base)] == base  # the same server, plus TLS
+    prom = dict(v.rsplit(":", 1)[0].split(":", 1)[::-1] for v in override["prometheus"]["volumes"])
+    assert prom["/etc/prometheus/prometheus.yml"] == "./deploy/prometheus/prometheus-tls.yml"
+    assert prom["/etc/prometheus/phalanx-ca.pem"] == "./deploy/tls/server.pem"
+    config = yaml.safe_load((DEPLOY / "prometheus" / "prometheus-tls.yml").read_text())
+    api_job = next(j for j in config["scrape_configs"] if j["job_name"] == "phalanx-api")
+    assert api_job["scheme"] == "https" and api_job["tls_config"]["server_name"] == "api"
+    assert api_job["tls_config"]["ca_file"] == "/etc/prometheus/phalanx-ca.pem"
+    api_job["tls_config"]["ca_file"] = str(cert)  # as mounted, for promtool to read here
+    shutil.copy(DEPLOY / "prometheus" / "alerts.yml", tmp_path / "alerts.yml")
+    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
+    done = promtool("check", "config", "prometheus.yml", cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr

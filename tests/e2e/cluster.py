@@ -113,8 +113,9 @@ class Worker:
 class Cluster:
     def __init__(self, root: Path, database_url: str, admin_token: str,
                  redis_url: str | None = None, server_env: dict[str, str] | None = None,
-                 install: Install | None = None) -> None:
+                 install: Install | None = None, tls: tuple[Path, Path] | None = None) -> None:
         self.root, self.database_url, self.redis_url = root, database_url, redis_url
+        self.tls = tls  # (certificate, key): every replica serves https, agents check it
         self.admin_token = admin_token
         self.install = install or Install()
         self.data_dir = root / "data"
@@ -132,7 +133,7 @@ class Cluster:
         replica = start_server(database_url=self.database_url, data_dir=self.data_dir,
                                admin_token=self.admin_token, redis_url=self.redis_url,
                                extra_env=self.server_env, port=port, args=args,
-                               python=self.install.python, cwd=self.install.cwd)
+                               python=self.install.python, cwd=self.install.cwd, tls=self.tls)
         self.replicas.append(replica)
         self.server = self.server or replica
         return replica
@@ -182,7 +183,8 @@ class Cluster:
                      "HOME": str(home), **(extra_env or {})}
         token = self.enrollment_token()
         subprocess.run([self.install.python, "-m", "agent", "enroll", "--server", server.url,
-                        "--token", token, "--name", name, "--config", str(agent.config)],
+                        "--token", token, "--name", name, "--config", str(agent.config),
+                        *(["--ca-file", str(self.tls[0])] if self.tls else [])],
                        cwd=self.install.cwd, env=agent.env, check=True, capture_output=True, timeout=60)
         agent.device_id = json.loads(agent.config.read_text())["device_id"]
         core = {sorted(os.sched_getaffinity(0))[len(self.agents) % len(os.sched_getaffinity(0))]}

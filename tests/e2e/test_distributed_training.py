@@ -5,15 +5,19 @@ reference trainer (`phalanx train --local`) ends: train_loss within 1e-5 relativ
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import redis
 
 from tests.e2e.cluster import Cluster, reference_metrics, rel_diff
 from tests.support.env import ADMIN_TOKEN as ADMIN
+from tests.support.server import self_signed_pair
 from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.slow
@@ -201,16 +205,39 @@ def test_cancel_releases_the_devices_for_the_next_job(cluster: Cluster, tmp_path
     assert sorted(placed["devices"]) == sorted(a.device_id for a in agents)
 
 
-def test_embedded_mode_trains_to_the_reference_without_redis(tmp_path: Path, sqlite_url: str) -> None:
-    """`phalanx server` alone: SQLite, in-memory broker and blob store, worker and beat threads."""
-    c = Cluster(tmp_path, sqlite_url, ADMIN)
+def test_embedded_mode_trains_to_the_reference_without_redis_over_tls(
+        tmp_path: Path, sqlite_url: str) -> None:
+    """`phalanx server` alone: SQLite, in-memory broker and blob store, worker and beat threads;
+    https on the API port and the bulk port with a lab's self-signed certificate."""
+    c = Cluster(tmp_path, sqlite_url, ADMIN, tls=self_signed_pair(tmp_path))
     try:
-        c.start_server()
-        for i in range(3):
-            c.start_agent(f"phone-{i}")
+        server = c.start_server()
+        plain = server.url.replace("https://", "http://")
+        with pytest.raises(httpx.HTTPError):  # no plain http beside https
+            httpx.get(f"{plain}/healthz", timeout=5)
+        unchecked = subprocess.run(  # an agent that does not know the lab's CA refuses it
+            [sys.executable, "-m", "agent", "enroll", "--server", server.url, "--token",
+             c.enrollment_token(), "--config", str(tmp_path / "unchecked.json")],
+            capture_output=True, text=True, timeout=60, env=c.install.env())
+        assert unchecked.returncode == 1 and "CERTIFICATE_VERIFY_FAILED" in unchecked.stderr
+        agents = [c.start_agent(f"phone-{i}") for i in range(3)]
         spec = digits_spec(epochs=3, min_devices=3)
-        job = c.wait_done(c.submit(spec))
+        job_id = c.submit(spec)
+        token = json.loads(agents[0].config.read_text())["device_token"]
+        with server.client(token) as phone:  # weights and uploads go to the bulk port, on TLS
+            work = phone.get(f"/v1/devices/{agents[0].device_id}/work", params={"wait": 30})
+        assert work.json()["assignment"]["bulk_url"].startswith("https://127.0.0.1:")
+        job = c.wait_done(job_id)
         assert_matches_reference(job, spec, tmp_path)
+        assert not [a.name for a in agents if "bulk port" in a.log()]  # never left it
+        cli_env = {**c.install.env(), "PHALANX_CONFIG": str(tmp_path / "cli.json")}
+        cli = [sys.executable, "-m", "phalanx.cli.main"]
+        subprocess.run([*cli, "login", "--server", server.url, "--token", ADMIN, "--ca-file",
+                        str(server.ca_file)], env=cli_env, check=True, capture_output=True,
+                       timeout=60)
+        listed = subprocess.run([*cli, "jobs", "ls", "-o", "json"], env=cli_env, check=True,
+                                capture_output=True, text=True, timeout=60)
+        assert [j["id"] for j in json.loads(listed.stdout)] == [job_id]
     finally:
         c.stop()
 

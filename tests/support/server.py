@@ -6,6 +6,7 @@ import contextlib
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -32,10 +33,12 @@ class LiveServer:
     process: subprocess.Popen
     log_path: Path
     env: dict[str, str] = field(default_factory=dict)
+    ca_file: Path | None = None  # https: the CA the server's certificate is checked against
 
     def client(self, token: str | None = None) -> httpx.Client:
         headers = {"Authorization": f"Bearer {token or self.admin_token}"}
-        return httpx.Client(base_url=self.url, headers=headers, timeout=30)
+        return httpx.Client(base_url=self.url, headers=headers, timeout=30,
+                            verify=trusting(self.ca_file))
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
@@ -80,10 +83,11 @@ def start_server(
     timeout_s: float = 60.0,
     python: str = sys.executable,
     cwd: Path = REPO_ROOT,
+    tls: tuple[Path, Path] | None = None,
 ) -> LiveServer:
     """`python -m phalanx.cli.main server` run in `cwd`: the repository's code by default, or
     an installed phalanx when `python` is another environment's and `cwd` lies outside the
-    repository."""
+    repository. `tls`: (certificate, key), self-signed: https, checked against the certificate."""
     port = port or free_port()
     data_dir.mkdir(parents=True, exist_ok=True)
     env = without_settings()
@@ -99,19 +103,38 @@ def start_server(
     log_path = data_dir / f"server-{port}.log"
     cmd = [python, "-m", "phalanx.cli.main", "server", "--host", "127.0.0.1",
            "--port", str(port), *(args or [])]
+    if tls is not None:
+        cmd += ["--tls-cert", str(tls[0]), "--tls-key", str(tls[1])]
     with log_path.open("ab") as log:
         proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
-    server = LiveServer(f"http://127.0.0.1:{port}", admin_token, proc, log_path, env)
+    server = LiveServer(f"{'https' if tls else 'http'}://127.0.0.1:{port}", admin_token, proc,
+                        log_path, env, ca_file=tls[0] if tls else None)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"phalanx server exited with {proc.returncode}:\n{server.log()}")
         try:
-            if httpx.get(f"{server.url}/healthz", timeout=1).status_code == 200:
+            if httpx.get(f"{server.url}/healthz", timeout=1,
+                         verify=trusting(server.ca_file)).status_code == 200:
                 return server
         except httpx.HTTPError:
             pass
         time.sleep(0.1)
     server.stop(kill=True)
     raise RuntimeError(f"phalanx server did not answer /healthz within {timeout_s}s:\n{server.log()}")
+
+
+def trusting(ca_file: Path | None) -> ssl.SSLContext | bool:
+    return ssl.create_default_context(cafile=str(ca_file)) if ca_file else True
+
+
+def self_signed_pair(directory: Path, host: str = "127.0.0.1") -> tuple[Path, Path]:
+    """A certificate for `host` (an IP address) and its key, made by openssl: what a lab makes
+    for a server without a public name."""
+    cert, key = directory / "server.pem", directory / "server.key"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt",
+                    "ec_paramgen_curve:prime256v1", "-nodes", "-keyout", str(key), "-out",
+                    str(cert), "-days", "2", "-subj", f"/CN={host}", "-addext",
+                    f"subjectAltName=IP:{host}"], check=True, capture_output=True, timeout=60)
+    return cert, key
