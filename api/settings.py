@@ -49,6 +49,12 @@ class Settings(BaseSettings):
     heartbeat_interval_s: float = 10.0
     # telemetry
     telemetry_retention_s: float = 7 * 24 * 3600.0
+    # history kept per job (newest first) and for devices; pruned by reconcile once a minute
+    events_kept_per_job: int = Field(10_000, ge=1, description="newest events kept per job")
+    step_metrics_kept_per_job: int = Field(100_000, ge=1, description="newest step metrics "
+                                           "kept per job (the loss curve)")
+    device_event_retention_s: float = Field(30 * 24 * 3600.0, gt=0, description="how long "
+                                            "events of devices (no job) are kept")
     # request limits
     max_body_bytes: int = 1 * 1024 * 1024
     max_upload_bytes: int = 64 * 1024 * 1024

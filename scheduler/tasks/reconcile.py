@@ -25,6 +25,7 @@ from api.store.db import transaction
 from api.store.devices import prune_telemetry
 from api.store.lifecycle import mark_stale_devices
 from api.store.models import Job
+from api.store.retention import prune_job_history
 from api.store.state_names import JobState
 from engine.jobinfo import job_info_or_reason
 from hotstate import keys, locks
@@ -67,7 +68,8 @@ def request_reconcile(ctx: SchedulerContext) -> None:
 def run_reconcile(ctx: SchedulerContext) -> dict:
     now = ctx.clock()
     stale = mark_stale(ctx, now)
-    summary: dict = {"stale": stale, "pruned": prune_history(ctx, now)}
+    pruned = prune_history(ctx, now)
+    summary: dict = {"stale": stale, "pruned": pruned.pop("telemetry", 0), "pruned_history": pruned}
     with locks.held(ctx.blobs, keys.PLACEMENT_LOCK, ctx.tuning.lock_ttl_s) as token:
         if token is not None:
             with transaction(ctx.session_factory) as session:
@@ -94,13 +96,21 @@ def mark_stale(ctx: SchedulerContext, now: dt.datetime) -> int:
     return len(changed) if isinstance(changed, (list, tuple, set)) else int(changed or 0)
 
 
-def prune_history(ctx: SchedulerContext, now: dt.datetime) -> int:
-    """Drop telemetry samples past the retention window; the latest stays on the device row."""
+def prune_history(ctx: SchedulerContext, now: dt.datetime) -> dict[str, int]:
+    """Drop telemetry samples past the retention window (the latest stays on the device row),
+    each job's events and step metrics past the newest K, old device events."""
     if not ctx.blobs.set_if_absent(keys.TELEMETRY_PRUNED, b"1", ttl=PRUNE_EVERY_S):
-        return 0
-    cutoff = now - dt.timedelta(seconds=ctx.settings.telemetry_retention_s)
+        return {}
+    settings = ctx.settings
+    cutoff = now - dt.timedelta(seconds=settings.telemetry_retention_s)
     with transaction(ctx.session_factory) as session:
-        return prune_telemetry(session, cutoff)
+        telemetry = prune_telemetry(session, cutoff)
+        history = prune_job_history(
+            session, events_kept=settings.events_kept_per_job,
+            step_metrics_kept=settings.step_metrics_kept_per_job,
+            device_events_before=now - dt.timedelta(seconds=settings.device_event_retention_s))
+    return {"telemetry": telemetry, "events": history.events,
+            "step_metrics": history.step_metrics}
 
 
 def jobs_to_look_after(ctx: SchedulerContext) -> list[str]:

@@ -11,7 +11,7 @@ import pytest
 from sqlalchemy import func, select
 
 from api.store.db import transaction
-from api.store.models import Job, StepMetric, TelemetrySample
+from api.store.models import Event, Job, StepMetric, TelemetrySample
 from engine.jobinfo import job_info
 from engine.step import apply_step as engine_apply_step
 from engine.step import initial_state
@@ -412,6 +412,35 @@ def test_reconcile_prunes_telemetry_past_retention_at_most_once_a_minute(ctx) ->
     ctx.blobs.delete(keys.TELEMETRY_PRUNED)
     assert run_reconcile(ctx)["pruned"] == 1
     assert len(ages()) == 1
+
+
+def test_reconcile_keeps_the_newest_events_and_step_metrics_of_each_job(ctx) -> None:
+    ctx.settings = ctx.settings.model_copy(update={"events_kept_per_job": 3,
+                                                   "step_metrics_kept_per_job": 2})
+    (device,) = add_devices(ctx, 1)
+    waits = {"min_devices": 2}  # never placed: no events of its own meanwhile
+    busy = submit(ctx, tiny_spec(name="busy", placement=waits))
+    quiet = submit(ctx, tiny_spec(name="quiet", placement=waits))
+    now = ctx.clock()
+    old = now - dt.timedelta(seconds=ctx.settings.device_event_retention_s + 60)
+    with transaction(ctx.session_factory) as s:
+        for i in range(5):
+            s.add(Event(job_id=busy, ts=now, reason=f"R{i}", message=""))
+            s.add(StepMetric(job_id=busy, step=i, ts=now, train_loss=1.0 / (i + 1)))
+        s.add(Event(job_id=quiet, ts=old, reason="Old", message=""))  # a job's: kept by count
+        s.add(Event(device_id=device, ts=old, reason="NodeNotReady", message=""))
+        s.add(Event(device_id=device, ts=now, reason="NodeReady", message=""))
+    assert run_reconcile(ctx)["pruned_history"] == {"events": 3, "step_metrics": 3}
+    with ctx.session_factory() as s:
+        kept = s.scalars(select(Event.reason).where(Event.job_id == busy).order_by(Event.id))
+        assert list(kept) == ["R2", "R3", "R4"]
+        steps = s.scalars(select(StepMetric.step).where(StepMetric.job_id == busy)
+                          .order_by(StepMetric.step))
+        assert list(steps) == [3, 4]
+        assert list(s.scalars(select(Event.reason).where(Event.job_id == quiet))) == ["Old"]
+        device_events = s.scalars(select(Event.reason).where(Event.device_id == device,
+                                                             Event.job_id.is_(None)))
+        assert list(device_events) == ["NodeReady"]
 
 
 def test_the_next_step_reads_the_state_this_process_wrote_but_only_while_it_is_stored(ctx) -> None:
