@@ -67,8 +67,13 @@ async def heartbeat_reply(state: AppState, device_id: str, authorization: str | 
     token_hash, principal = auth.cached(parse_bearer(authorization))
     if principal is not None:
         check_device(principal, device_id)
-    body = parse_body(HeartbeatIn, raw_body)
-    check_clock(body, state.clock())
+    try:
+        body = parse_body(HeartbeatIn, raw_body)
+        check_clock(body, state.clock())
+    except Exception:
+        if principal is None:  # who asks comes first: a stranger's bad body is a 401, not a 422
+            check_device(await run_in_threadpool(auth.lookup, token_hash), device_id)
+        raise
     try:
         reply = await state.heartbeats.submit(device_id, token_hash, body)
     except UnknownToken:  # not a device token: 401 if unknown, 403 if a user/admin token

@@ -248,6 +248,8 @@ class StepProtocol:
         job, held = self._job_and_held(device_id, job_id)
         if job is None:
             raise NotThere(f"job {job_id} not found")
+        if not held:  # before any fact of the job: a stranger learns nothing of its step
+            raise ForeignShard(f"{device_id} holds no shard of {job_id}")
         if job.step != step or job.state != JobState.RUNNING:
             raise StaleStep(f"job is at step {job.step} ({job.state}), not {step}: result dropped")
         info = self.info(job)
