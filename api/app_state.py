@@ -15,6 +15,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from api.auth import Authenticator
 from api.heartbeat_writer_pg import AsyncPgHeartbeatWriter
 from api.heartbeats import HeartbeatWriter
+from api.limits import DeviceRate
 from api.scheduler_hooks import SchedulerHooks
 from api.settings import Settings
 from api.steps.protocol import StepProtocol
@@ -41,5 +42,6 @@ class AppState:
     step_protocol: StepProtocol
     version_watch: VersionWatch
     scheduler_hooks: SchedulerHooks
+    heartbeat_rate: DeviceRate
     bulk_listener: BulkEndpoint | None = None  # set while the bulk port serves
     metrics_queue_collector: object | None = None  # api.metrics builds it on first scrape

@@ -5,6 +5,7 @@ them (`api.fast_path`)."""
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 import psycopg
@@ -35,8 +36,11 @@ def validation_detail(errors: Any) -> list[dict[str, Any]]:
 
 def error_response(exc: Exception) -> tuple[int, Any, dict[str, str]] | None:
     """(status, detail, extra headers) for an exception the API answers; None otherwise."""
-    if isinstance(exc, ApiError):  # unavailable for a moment: say when to come back
-        return exc.status_code, exc.detail, {"Retry-After": "1"} if exc.status_code == 503 else {}
+    if isinstance(exc, ApiError):  # busy or unavailable for a moment: say when to come back
+        if exc.status_code in (429, 503):
+            wait = math.ceil(getattr(exc, "retry_after_s", 1.0))
+            return exc.status_code, exc.detail, {"Retry-After": str(max(1, wait))}
+        return exc.status_code, exc.detail, {}
     if isinstance(exc, RequestValidationError):
         return 422, validation_detail(exc.errors()), {}
     if isinstance(exc, IntegrityError | psycopg.IntegrityError):

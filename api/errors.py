@@ -43,6 +43,16 @@ class Invalid(ApiError):
         super().__init__([{"loc": loc, "field": field, "msg": msg, "type": "value_error"}])
 
 
+class TooManyRequests(ApiError):
+    """Over a rate or a bound for now: `retry_after_s` says when to come back."""
+
+    status_code = 429
+
+    def __init__(self, detail: Any, retry_after_s: float = 1.0) -> None:
+        super().__init__(detail)
+        self.retry_after_s = retry_after_s
+
+
 class Unavailable(ApiError):
     status_code = 503
 

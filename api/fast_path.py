@@ -27,7 +27,7 @@ from api.app_state import AppState
 from api.auth import parse_bearer
 from api.deps import check_device
 from api.error_responses import error_response
-from api.errors import Unauthorized
+from api.errors import TooManyRequests, Unauthorized
 from api.limits import BodyTooLarge
 from api.schemas.common import parse_body
 from api.schemas.devices import HeartbeatIn
@@ -67,6 +67,11 @@ async def heartbeat_reply(state: AppState, device_id: str, authorization: str | 
     token_hash, principal = auth.cached(parse_bearer(authorization))
     if principal is not None:
         check_device(principal, device_id)
+    wait = state.heartbeat_rate.wait_s(device_id)
+    if wait > 0:
+        limit = state.settings.heartbeat_rate_per_minute
+        raise TooManyRequests(f"device {device_id} sends heartbeats faster than {limit:g} a "
+                              f"minute: the next in {wait:.1f} s", retry_after_s=wait)
     try:
         body = parse_body(HeartbeatIn, raw_body)
         check_clock(body, state.clock())
@@ -79,6 +84,7 @@ async def heartbeat_reply(state: AppState, device_id: str, authorization: str | 
     except UnknownToken:  # not a device token: 401 if unknown, 403 if a user/admin token
         check_device(await run_in_threadpool(auth.lookup, token_hash), device_id)
         raise Unauthorized("invalid bearer token") from None
+    state.heartbeat_rate.spend(device_id)  # accepted, so the token was this device's
     return json.dumps(reply).encode()
 
 

@@ -1,9 +1,11 @@
-"""A pure-ASGI body-size limit: 413 before the body is read when Content-Length says too much,
-and 413 as soon as a streamed (chunked) body passes the limit."""
+"""Request limits: a pure-ASGI body-size limit (413 before the body is read when Content-Length
+says too much, and as soon as a streamed body passes it) and a per-device rate."""
 
 from __future__ import annotations
 
 import json
+import threading
+from collections.abc import Callable
 from typing import Any
 
 from starlette.exceptions import HTTPException
@@ -67,3 +69,36 @@ async def _too_large(send: Any, limit: int) -> None:
                 "headers": [(b"content-type", b"application/json"),
                             (b"content-length", str(len(body)).encode())]})
     await send({"type": "http.response.body", "body": body})
+
+
+TRACKED_DEVICES = 100_000
+
+
+class DeviceRate:
+    """A token bucket per device: `per_minute` on average, `burst` at once. Only what a device
+    was allowed to do is spent (after its token was checked), so requests naming a device with
+    another token cannot use up the device's allowance."""
+
+    def __init__(self, per_minute: float, burst: int, clock: Callable[[], float]) -> None:
+        self.rate_s, self.burst, self.clock = per_minute / 60.0, float(burst), clock
+        self._buckets: dict[str, tuple[float, float]] = {}  # device -> (tokens, at)
+        self._lock = threading.Lock()
+
+    def _level(self, device_id: str, now: float) -> float:
+        tokens, at = self._buckets.get(device_id, (self.burst, now))
+        return min(self.burst, tokens + (now - at) * self.rate_s)
+
+    def wait_s(self, device_id: str) -> float:
+        """Seconds until the device may send one more (0: now)."""
+        with self._lock:
+            level = self._level(device_id, self.clock())
+        return 0.0 if level >= 1.0 else (1.0 - level) / self.rate_s
+
+    def spend(self, device_id: str) -> None:
+        with self._lock:
+            now = self.clock()
+            if device_id not in self._buckets and len(self._buckets) >= TRACKED_DEVICES:
+                # a full bucket is what an unknown device gets: forgetting those loses nothing
+                self._buckets = {d: b for d, b in self._buckets.items()
+                                 if self._level(d, now) < self.burst}
+            self._buckets[device_id] = (self._level(device_id, now) - 1.0, now)

@@ -24,7 +24,7 @@ from api.error_responses import HANDLED, error_response
 from api.fast_path import FastPath
 from api.heartbeat_writer_pg import AsyncPgHeartbeatWriter
 from api.heartbeats import HeartbeatWriter
-from api.limits import BodySizeLimit
+from api.limits import BodySizeLimit, DeviceRate
 from api.routes import agent_dist, datasets, devices, health, jobs, tokens, work
 from api.scheduler_hooks import SchedulerHooks
 from api.settings import Settings
@@ -79,6 +79,8 @@ def _build_state(app: FastAPI, settings: Settings, clock: Callable[[], dt.dateti
         step_protocol=StepProtocol(factory, blobs, settings.data_dir, clock),
         version_watch=VersionWatch.for_store(blobs, ctx.tuning.long_poll_interval_s),
         scheduler_hooks=SchedulerHooks(ctx),
+        heartbeat_rate=DeviceRate(settings.heartbeat_rate_per_minute, settings.heartbeat_burst,
+                                  lambda: clock().timestamp()),
     )
 
 

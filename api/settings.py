@@ -47,6 +47,12 @@ class Settings(BaseSettings):
     # node lifecycle
     lease_grace_s: float = 40.0
     heartbeat_interval_s: float = 10.0
+    # per device and API process: a phone's heartbeats past this rate are answered 429 with
+    # Retry-After (the agent backs off); a burst covers reconnects and early state reports
+    heartbeat_max_per_minute: float | None = Field(None, gt=0, description="heartbeats per "
+                                                   "device and minute, on average; unset: 4x "
+                                                   "what heartbeat_interval_s asks for")
+    heartbeat_burst: int = Field(10, ge=1, description="heartbeats a device may send at once")
     # telemetry
     telemetry_retention_s: float = 7 * 24 * 3600.0
     # history kept per job (newest first) and for devices; pruned by reconcile once a minute
@@ -129,6 +135,10 @@ class Settings(BaseSettings):
         context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
         context.load_cert_chain(self.tls_cert_file, self.tls_key_file)
         return context
+
+    @property
+    def heartbeat_rate_per_minute(self) -> float:
+        return self.heartbeat_max_per_minute or 4 * 60.0 / self.heartbeat_interval_s
 
     @property
     def resolved_database_url(self) -> str:

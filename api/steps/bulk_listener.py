@@ -37,7 +37,7 @@ from api.app_state import AppState
 from api.auth import parse_bearer
 from api.deps import check_device
 from api.error_responses import error_response
-from api.errors import ApiError
+from api.errors import ApiError, TooManyRequests
 from api.limits import BodyTooLarge
 from api.metrics import BULK_REFUSED_CONNECTIONS as REFUSED_CONNECTIONS
 from api.metrics import HTTP_LATENCY, HTTP_REQUESTS, UNMATCHED
@@ -181,10 +181,6 @@ class DeviceBodies:
                 self._held[device_id] = left
 
 
-class TooManyUploads(ApiError):
-    status_code = 429
-
-
 class BulkListener:
     """Serves weights and uploads for the app whose `state` it is given (auth, protocol, hooks)."""
 
@@ -264,7 +260,7 @@ class BulkListener:
                             or headers.get("Content-Length", "0") != "0")
         device = principal.device_id
         if not self.device_bodies.take(device):  # refused before a byte of the body is read
-            return _refusal(TooManyUploads(
+            return _refusal(TooManyRequests(
                 f"device {device} already has {self.bounds.bodies_per_device} uploads in "
                 "flight: send the next when one is answered"), close=True)
         try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import math
 import sqlite3
 import time
 from collections.abc import Iterator
@@ -12,6 +13,7 @@ from contextlib import contextmanager
 import psycopg
 import pytest
 
+from api.limits import DeviceRate
 from api.store.db import libpq_url
 from api.store.devices import prune_telemetry
 from api.store.lifecycle import mark_stale_devices
@@ -146,6 +148,8 @@ def test_profile_is_requested_for_an_active_job_arch(api):
 def test_many_concurrent_heartbeats_lose_no_sample(api):
     devices = [api.register(f"p{i}") for i in range(8)]
     per_device, samples = 25, 3
+    # 25 at once from each phone: past the per-device rate, which is not what this is about
+    api.app.state.heartbeat_rate = DeviceRate(per_minute=60.0, burst=per_device, clock=time.time)
 
     def beat(args):
         device, i = args
@@ -243,3 +247,25 @@ def test_the_latest_sample_only_moves_forward(api):
     assert shown["latest_telemetry_at"].startswith(
         dt.datetime.fromtimestamp(now - 10, dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S"))
     assert api.count(TelemetrySample) == 2
+
+
+def test_a_phone_past_its_heartbeat_rate_gets_429_and_strangers_cannot_use_up_its_rate(api):
+    phone, other = api.register("fast"), api.register("other")
+    burst, per_minute = api.settings.heartbeat_burst, api.settings.heartbeat_rate_per_minute
+    for _ in range(burst):
+        assert api.heartbeat(phone).status_code == 200
+    refused = api.heartbeat(phone)
+    assert refused.status_code == 429 and "faster than" in refused.json()["detail"]
+    assert int(refused.headers["Retry-After"]) == math.ceil(60 / per_minute)
+    assert api.heartbeat(other).status_code == 200  # one phone's rate, not the fleet's
+    api.clock.advance(60 / per_minute)  # one more has been earned
+    assert api.heartbeat(phone).status_code == 200
+    assert api.heartbeat(phone).status_code == 429
+    api.clock.advance(3600)
+    # heartbeats naming the phone with another token are refused and cost the phone nothing
+    for token in ("phx-dev-" + "x" * 43, other["device_token"]):
+        for _ in range(burst + 5):
+            stranger = api.post(f"/v1/devices/{phone['device_id']}/heartbeat", token=token,
+                                json={"telemetry": []})
+            assert stranger.status_code in (401, 403)
+    assert all(api.heartbeat(phone).status_code == 200 for _ in range(burst))

@@ -65,7 +65,13 @@ def test_db_upgrade_command(tmp_path):
     assert (tmp_path / "phalanx.sqlite").is_file()
 
 
-def test_live_server_concurrent_heartbeats_lose_no_sample(live_server):
+# these send each phone's heartbeats back to back: past the per-device rate, not under test here
+FLOOD = {"PHALANX_HEARTBEAT_BURST": "1000"}
+
+
+def test_live_server_concurrent_heartbeats_lose_no_sample(sqlite_url, tmp_path):
+    live_server = start_server(database_url=sqlite_url, data_dir=tmp_path / "d",
+                               admin_token=ADMIN, extra_env=FLOOD)
     admin = live_server.client()
     enroll = admin.post("/v1/enrollment-tokens", json={}).json()["token"]
     devices = [admin.post("/v1/devices/register", json={"enrollment_token": enroll,
@@ -86,12 +92,14 @@ def test_live_server_concurrent_heartbeats_lose_no_sample(live_server):
         history = admin.get(f"/v1/devices/{device['device_id']}/telemetry").json()["items"]
         assert len(history) == rounds * 3
     admin.close()
+    live_server.stop()
 
 
 def test_postgres_server_with_two_workers(pg_url, tmp_path, redis_url):
     bulk_port = free_port()  # not API port + 1: another process may hold that one
     server = start_server(database_url=pg_url, data_dir=tmp_path / "d", admin_token=ADMIN,
-                          redis_url=redis_url, args=["--workers", "2", "--bulk-port", str(bulk_port)])
+                          redis_url=redis_url, args=["--workers", "2", "--bulk-port", str(bulk_port)],
+                          extra_env=FLOOD)
     try:
         with server.client() as admin:
             assert admin.get("/readyz").status_code == 200
