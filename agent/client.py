@@ -146,6 +146,10 @@ class Client:
     def heartbeat(self, device_id: str, body: dict[str, Any]) -> dict[str, Any]:
         return self._send("POST", f"/v1/devices/{_q(device_id)}/heartbeat", json_body=body).json()
 
+    def rotate_token(self, device_id: str) -> dict[str, Any]:
+        """A new device token (the one asking keeps working for the server's grace period)."""
+        return self._send("POST", f"/v1/devices/{_q(device_id)}/token", json_body={}).json()
+
     def work(self, device_id: str, wait_s: float) -> Assignment | None:
         """This step's work for the device, or None; an assignment this agent cannot read is
         a TransportError naming what differs (retried: a server mid-upgrade)."""

@@ -47,10 +47,11 @@ _Pending = tuple[str, str, HeartbeatIn, "asyncio.Future[Any]"]
 class AsyncPgHeartbeatWriter:
     def __init__(self, database_url: str, engine: Engine, *, clock: Callable, grace_s: float,
                  interval_s: float, on_device_changed: Callable[[str], None],
-                 connections: int = 1) -> None:
+                 connections: int = 1, token_max_age_s: float = float("inf")) -> None:
         self.conninfo = libpq_url(database_url)
         self.engine = engine  # the app's: only for the rare refused heartbeat
         self.clock, self.grace_s, self.interval_s = clock, grace_s, interval_s
+        self.token_max_age_s = token_max_age_s
         self.on_device_changed = on_device_changed
         self.connections = connections
         # for tests and the benchmark: statements run, heartbeats they carried
@@ -145,7 +146,8 @@ class AsyncPgHeartbeatWriter:
         why = await asyncio.get_running_loop().run_in_executor(
             None, self._read_refused, refused) if refused else {}
         return batch_outcome(items, renewed, why, now, grace_s=self.grace_s,
-                             interval_s=self.interval_s, active_archs=archs)
+                             interval_s=self.interval_s, active_archs=archs,
+                             token_max_age_s=self.token_max_age_s)
 
     def _read_refused(self, refused: list[tuple[str, str, HeartbeatIn]]) -> dict[str, Any]:
         with Session(self.engine) as session:

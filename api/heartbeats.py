@@ -36,11 +36,12 @@ _Pending = tuple[str, str, HeartbeatIn, asyncio.AbstractEventLoop, "asyncio.Futu
 class HeartbeatWriter:
     def __init__(self, engine: Engine, *, clock: Callable, grace_s: float,
                  interval_s: float, on_device_changed: Callable[[str], None],
-                 threads: int = 1) -> None:
+                 threads: int = 1, token_max_age_s: float = float("inf")) -> None:
         self.engine, self.clock = engine, clock
         self.factory = sessionmaker(bind=engine, expire_on_commit=False)
         self.threads = threads
         self.grace_s, self.interval_s = grace_s, interval_s
+        self.token_max_age_s = token_max_age_s
         self.on_device_changed = on_device_changed
         self._queue: queue.SimpleQueue[_Pending | None] = queue.SimpleQueue()
         self._workers: list[threading.Thread] = []
@@ -132,7 +133,8 @@ class HeartbeatWriter:
         with self.factory() as session, session.begin():
             outcome = apply_heartbeats(session, items, now, grace_s=self.grace_s,
                                        interval_s=self.interval_s,
-                                       active_archs=self._active_archs(session))
+                                       active_archs=self._active_archs(session),
+                                       token_max_age_s=self.token_max_age_s)
         self.batches += 1
         return outcome
 

@@ -88,7 +88,8 @@ def _heartbeat_writer(settings: Settings, engine: Engine, clock: Callable[[], dt
                       changed: Callable[[str], None]) -> HeartbeatWriter | AsyncPgHeartbeatWriter:
     """Postgres: the asyncio group commit; SQLite: one writer thread (one writer at a time)."""
     options = {"clock": clock, "grace_s": settings.lease_grace_s,
-               "interval_s": settings.heartbeat_interval_s, "on_device_changed": changed}
+               "interval_s": settings.heartbeat_interval_s, "on_device_changed": changed,
+               "token_max_age_s": settings.device_token_max_age_s}
     if engine.dialect.name == "postgresql":
         return AsyncPgHeartbeatWriter(settings.resolved_database_url, engine, **options)
     return HeartbeatWriter(make_engine(settings.resolved_database_url), threads=1, **options)

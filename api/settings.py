@@ -53,6 +53,11 @@ class Settings(BaseSettings):
                                                    "device and minute, on average; unset: 4x "
                                                    "what heartbeat_interval_s asks for")
     heartbeat_burst: int = Field(10, ge=1, description="heartbeats a device may send at once")
+    # device tokens are rotated without re-enrolment: a heartbeat tells an agent whose token is
+    # older than this to get a new one (POST /v1/devices/{id}/token); the old one then works for
+    # the grace period (requests in flight), and no longer
+    device_token_max_age_s: float = Field(30 * 24 * 3600.0, gt=0)
+    device_token_rotation_grace_s: float = Field(600.0, ge=0)
     # telemetry
     telemetry_retention_s: float = 7 * 24 * 3600.0
     # history kept per job (newest first) and for devices; pruned by reconcile once a minute

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from agent.client import Client
-from agent.config import AgentConfig, clean_temp_files, load
+from agent.config import AgentConfig, clean_temp_files, load, save
 from agent.hardware import backends as installed_backends
 from agent.probes import Probes
 from agent.probes.busy import own_cpu_s
@@ -70,11 +70,23 @@ class AgentRuntime:
                                           power_limit_w=cfg.power_limit_w)
         self.heartbeat = HeartbeatLoop(self.client, cfg.device_id, self.monitor, self.state,
                                        TelemetryBuffer(cfg.telemetry_buffer), self.capabilities,
-                                       interval_s=cfg.heartbeat_interval_s)
+                                       interval_s=cfg.heartbeat_interval_s,
+                                       rotate_token=self._rotate_token)
         self.work = WorkLoop(self.client, cfg.device_id, self.monitor, self.state,
                              WorkCache(state_dir / "cache"), UploadLedger(state_dir / "uploads.jsonl"),
                              self.execution, shared_default=cfg.shared_mode,
                              wait_s=work_wait_s if work_wait_s is not None else cfg.work_wait_s)
+
+    def _rotate_token(self) -> None:
+        """A new device token, saved (atomically, 0600) before it is used: after a crash in
+        between, the config's old token still works for the server's grace period, and the
+        next heartbeat asks for a rotation again."""
+        reply = self.client.rotate_token(self.config.device_id)
+        self.config.device_token = str(reply["device_token"])
+        save(self.config_path, self.config)
+        self.client.token = self.config.device_token
+        log.info("device token rotated; the old one works until %s",
+                 reply.get("previous_token_expires_at"))
 
     def _own_cpu(self) -> float:
         worker = self.execution.worker if self.execution else None

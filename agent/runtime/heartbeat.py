@@ -21,8 +21,11 @@ BATCH = 100  # samples per request: an outage's backlog goes out in a few quick 
 class HeartbeatLoop:
     def __init__(self, client: Client, device_id: str, monitor: Monitor, state: AgentState,
                  buffer: TelemetryBuffer, capabilities: Callable[[], dict[str, Any]],
-                 interval_s: float = 10.0, backoff: Backoff | None = None) -> None:
+                 interval_s: float = 10.0, backoff: Backoff | None = None,
+                 rotate_token: Callable[[], None] | None = None) -> None:
         self.client, self.device_id = client, device_id
+        self.rotate_token = rotate_token
+        self.rotation_asked = False
         self.monitor, self.state, self.buffer = monitor, state, buffer
         self.capabilities = capabilities
         self.interval_s = interval_s
@@ -62,12 +65,15 @@ class HeartbeatLoop:
             self.interval_s = float(interval)
         self.state.device_state = resp.get("state")
         drain = resp.get("state") == "Draining"
+        self.rotation_asked = False
         for cmd in resp.get("commands") or []:
             kind = cmd.get("type") if isinstance(cmd, dict) else None
             if kind == "drain":
                 drain = True
             elif kind == "profile" and isinstance(cmd.get("arch"), str):
                 self.state.request_profile(cmd["arch"])
+            elif kind == "rotate_token":
+                self.rotation_asked = True
         self.state.draining = drain  # lifted when the server no longer asks for it
 
     def run(self, stop: threading.Event) -> None:
@@ -77,6 +83,8 @@ class HeartbeatLoop:
                 self.handle(self.send())
                 self.backoff.reset()
                 wait = self.interval_s
+                if self.rotation_asked and self.rotate_token is not None:
+                    self.rotate_token()  # a failure is retried: the server asks again
             except Unauthorized as exc:
                 self.state.stop_for_good(revoked_message(exc))
                 break

@@ -7,18 +7,19 @@ from typing import Any
 
 from fastapi import APIRouter, Query, Request, Response
 
-from api.deps import AdminDep, ClockDep, SessionDep, SettingsDep, UserDep
+from api.deps import AdminDep, ClockDep, DeviceDep, SessionDep, SettingsDep, UserDep
 from api.fast_path import heartbeat_reply
 from api.schemas.common import EventRead, Limit, Offset, Page, page_of
 from api.schemas.devices import (
     DeviceRead,
     DeviceRegister,
     DeviceRegistered,
+    DeviceTokenRotated,
     HeartbeatIn,
     HeartbeatOut,
     TelemetrySampleRead,
 )
-from api.store import devices, events, lifecycle
+from api.store import devices, events, lifecycle, tokens
 
 router = APIRouter(prefix="/v1/devices", tags=["devices"])
 
@@ -36,6 +37,18 @@ def register(body: DeviceRegister, request: Request, session: SessionDep, settin
             "labels": device.labels, "state": device.state,
             "heartbeat_interval_s": settings.heartbeat_interval_s,
             "lease_grace_s": settings.lease_grace_s}
+
+
+@router.post("/{device_id}/token", response_model=DeviceTokenRotated)
+def rotate_token(device_id: str, principal: DeviceDep, session: SessionDep,
+                 settings: SettingsDep, clock: ClockDep):
+    """A device replaces its own token (its heartbeat says when: `rotate_token`), no
+    re-enrolment; the token it asked with keeps working for
+    `PHALANX_DEVICE_TOKEN_ROTATION_GRACE_S`, then no more."""
+    with session.begin():
+        secret, ends = tokens.rotate_device_token(session, principal, clock(),
+                                                  settings.device_token_rotation_grace_s)
+    return {"device_id": device_id, "device_token": secret, "previous_token_expires_at": ends}
 
 
 def _inlined(schema: dict[str, Any]) -> dict[str, Any]:

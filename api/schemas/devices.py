@@ -33,6 +33,13 @@ class DeviceRegister(RequestModel):
     spec: DeviceSpec = Field(default_factory=DeviceSpec)
 
 
+class DeviceTokenRotated(BaseModel):
+    device_id: str
+    device_token: str = Field(description="the new secret; shown only here, stored hashed")
+    previous_token_expires_at: dt.datetime = Field(
+        description="until when the token that asked still works (requests in flight)")
+
+
 class DeviceRegistered(BaseModel):
     device_id: str
     device_token: str = Field(description="the secret; shown only here, stored hashed")

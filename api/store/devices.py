@@ -29,7 +29,8 @@ def register_device(session: Session, *, enrollment_secret: str, name: str,
                     profiles={}, latest_telemetry={})
     session.add(device)
     session.flush()
-    _, secret = tokens.create_api_token(session, kind="device", name=name, device_id=device.id)
+    _, secret = tokens.create_api_token(session, kind="device", name=name, device_id=device.id,
+                                        now=now)
     message = f"enrolled as {name!r} with {enrollment.id}"
     if overridden:
         message += "; the enrollment token's labels kept over the device's " + ", ".join(

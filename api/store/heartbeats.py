@@ -158,14 +158,26 @@ def _bulk_update(session: Session, rows: list[dict[str, Any]]) -> None:
         session.connection().execute(stmt, group)
 
 
-def _commands(device: Any, profiles: dict[str, Any], active_archs: set[str]) -> list[dict]:
+def _commands(device: Any, profiles: dict[str, Any], active_archs: set[str],
+              rotate: bool) -> list[dict]:
     commands: list[dict[str, Any]] = []
     if device.draining:
         commands.append({"type": "drain"})
     missing = sorted(a for a in active_archs if a not in profiles)
     if missing and not device.draining:
         commands.append({"type": "profile", "arch": missing[0]})  # one at a time
+    if rotate:
+        commands.append({"type": "rotate_token"})
     return commands
+
+
+def token_due(created: dt.datetime | None, expires_at: dt.datetime | None, now: dt.datetime,
+              max_age_s: float) -> bool:
+    """Whether a device token should be replaced: older than the maximum age, or already given
+    an end (a rotation the agent did not finish: it asks again while the old one works)."""
+    if expires_at is not None:
+        return True
+    return created is not None and (now - created).total_seconds() >= max_age_s
 
 
 def _authorize(token: Any, device_id: str, now: dt.datetime) -> Exception | None:
@@ -185,7 +197,7 @@ def read_batch(session: Session, items: list[tuple[str, str, HeartbeatIn]]) -> d
     """token hash -> its device row, for the whole batch in one query (auth and state at once)."""
     hashes = sorted({token_hash for _, token_hash, _ in items})
     query = (select(ApiToken.token_hash, ApiToken.revoked, ApiToken.expires_at,
-                    ApiToken.device_id, Device.state, Device.cordoned, Device.draining,
+                    ApiToken.created.label("token_created"), ApiToken.device_id, Device.state, Device.cordoned, Device.draining,
                     Device.pause_reason, Device.profiles)
              .join(Device, Device.id == ApiToken.device_id)
              .where(ApiToken.token_hash.in_(hashes), ApiToken.kind == "device"))
@@ -194,7 +206,8 @@ def read_batch(session: Session, items: list[tuple[str, str, HeartbeatIn]]) -> d
 
 def apply_heartbeats(session: Session, items: list[tuple[str, str, HeartbeatIn]],
                      now: dt.datetime, *, grace_s: float, interval_s: float,
-                     active_archs: frozenset[str] | set[str] = frozenset()) -> BatchOutcome:
+                     active_archs: frozenset[str] | set[str] = frozenset(),
+                     token_max_age_s: float = float("inf")) -> BatchOutcome:
     """items: (device id from the path, SHA-256 of the bearer token, body)."""
     rows = read_batch(session, items)
     changed: list[str] = []
@@ -217,7 +230,8 @@ def apply_heartbeats(session: Session, items: list[tuple[str, str, HeartbeatIn]]
             changed.append(entry.device_id)
         profiles = entry.profiles if entry.profiles is not None else device.profiles or {}
         verdicts[(entry.device_id, entry.token_hash)] = _reply(
-            entry.device_id, device, profiles, now, grace_s, interval_s, active_archs)
+            entry.device_id, device, profiles, now, grace_s, interval_s, active_archs,
+            token_due(device.token_created, device.expires_at, now, token_max_age_s))
     if updates:  # in id order, so concurrent batches lock rows in the same order (no deadlock)
         _bulk_update(session, sorted(updates, key=lambda row: row["b_id"]))
     if samples:
@@ -230,17 +244,17 @@ def apply_heartbeats(session: Session, items: list[tuple[str, str, HeartbeatIn]]
 
 
 def _reply(device_id: str, device: Any, profiles: dict[str, Any], now: dt.datetime,
-           grace_s: float, interval_s: float, active_archs: Any) -> dict[str, Any]:
+           grace_s: float, interval_s: float, active_archs: Any, rotate: bool) -> dict[str, Any]:
     return {"device_id": device_id,
             "state": derive_state(True, device.cordoned, device.draining),
             "lease": {"renewed_at": now.isoformat(), "grace_s": grace_s},
             "heartbeat_interval_s": interval_s,
-            "commands": _commands(device, profiles, active_archs)}
+            "commands": _commands(device, profiles, active_archs, rotate)}
 
 
 def batch_outcome(items: list[tuple[str, str, HeartbeatIn]], renewed: dict[tuple[str, str], Any],
                   why: dict[str, Any], now: dt.datetime, *, grace_s: float, interval_s: float,
-                  active_archs: Any) -> BatchOutcome:
+                  active_archs: Any, token_max_age_s: float = float("inf")) -> BatchOutcome:
     """The replies to a batch run by `api.store.heartbeats_pg`: `renewed` maps each accepted
     (device, token hash) to its returned row; `why` holds the token rows of the refused ones."""
     changed = [row.id for row in renewed.values()
@@ -252,6 +266,7 @@ def batch_outcome(items: list[tuple[str, str, HeartbeatIn]], renewed: dict[tuple
             refusal = _authorize(why.get(token_hash), device_id, now)
             outcome.replies.append(refusal or Unauthorized("bearer token refused"))
         else:
-            outcome.replies.append(_reply(device_id, row, row.profiles or {}, now, grace_s,
-                                          interval_s, active_archs))
+            outcome.replies.append(_reply(
+                device_id, row, row.profiles or {}, now, grace_s, interval_s, active_archs,
+                token_due(row.token_created, row.token_expires_at, now, token_max_age_s)))
     return outcome

@@ -49,14 +49,15 @@ WITH v AS (
     capabilities = COALESCE(v.caps, devices.capabilities),
     profiles = COALESCE(v.profiles, devices.profiles)
   FROM v CROSS JOIN LATERAL (
-         SELECT 1 FROM api_tokens AS t
+         SELECT t.created, t.expires_at FROM api_tokens AS t
          WHERE t.token_hash = v.token_hash AND t.kind = 'device' AND t.device_id = v.id
            AND NOT t.revoked AND (t.expires_at IS NULL OR t.expires_at > %(now)s) LIMIT 1) AS ok,
        devices AS old
   WHERE devices.id = v.id AND old.id = devices.id
   RETURNING devices.id, v.token_hash, old.state AS old_state, old.pause_reason AS old_pause,
             devices.pause_reason AS pause, v.pause_event, v.pause_message, devices.cordoned,
-            devices.draining, devices.profiles
+            devices.draining, devices.profiles, ok.created AS token_created,
+            ok.expires_at AS token_expires_at
 ), appended AS (
   INSERT INTO telemetry_samples (device_id, ts, battery_pct, charging, battery_temp_c,
                                  cpu_temp_c, power_w, cpu_freq_mhz, throttled, busy, created,

@@ -98,14 +98,30 @@ def use_enrollment_token(session: Session, secret: str, now: dt.datetime) -> Enr
 
 
 def create_api_token(session: Session, *, kind: str, name: str | None,
-                     device_id: str | None = None, expires_at: dt.datetime | None = None
-                     ) -> tuple[ApiToken, str]:
+                     device_id: str | None = None, expires_at: dt.datetime | None = None,
+                     now: dt.datetime | None = None) -> tuple[ApiToken, str]:
+    """`now`: the app's clock, which a device token's age (rotation) is measured by."""
     secret = new_secret(kind)
     row = ApiToken(kind=kind, name=name, token_hash=hash_token(secret), device_id=device_id,
-                   expires_at=expires_at, revoked=False)
+                   expires_at=expires_at, revoked=False, **({"created": now} if now else {}))
     session.add(row)
     session.flush()
     return row, secret
+
+
+def rotate_device_token(session: Session, principal: Principal, now: dt.datetime,
+                        grace_s: float) -> tuple[str, dt.datetime]:
+    """A new token for the asking device; the one it asked with ends after `grace_s` (its
+    requests in flight still land), or at its earlier end. The new secret is returned once."""
+    old = session.get(ApiToken, principal.token_id)
+    if old is None or old.kind != "device" or old.device_id != principal.device_id:
+        raise Forbidden("only a device's own token can be rotated by the device")
+    ends = now + dt.timedelta(seconds=grace_s)
+    if old.expires_at is None or old.expires_at > ends:
+        old.expires_at = ends
+    _, secret = create_api_token(session, kind="device", name=old.name, device_id=old.device_id,
+                                 now=now)
+    return secret, old.expires_at
 
 
 def list_api_tokens(session: Session, limit: int, offset: int,

@@ -4,6 +4,7 @@ and training a job end to end."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -224,3 +225,41 @@ def test_an_unreachable_bulk_port_falls_back_to_the_api(tmp_path: Path, cool_pho
     text = log.read_text()
     assert text.count("unreachable") == 1 and "using the API port from now on" in text
     assert "Traceback" not in text
+
+
+def test_a_device_token_is_rotated_by_a_heartbeat_command_without_enrolling_again(
+        tmp_path: Path, cool_phone: Path) -> None:
+    """Tokens older than PHALANX_DEVICE_TOKEN_MAX_AGE_S: the heartbeat says rotate_token, the
+    agent gets a new one, saves it (0600) and uses it; the old one stops working after the
+    grace period, and the phone stays Ready throughout."""
+    rotating = start_server(database_url=migrated_sqlite(tmp_path / "r.sqlite"),
+                            data_dir=tmp_path / "data", admin_token=ADMIN_TOKEN,
+                            extra_env={**SERVER_ENV, "PHALANX_DEVICE_TOKEN_MAX_AGE_S": "2",
+                                       "PHALANX_DEVICE_TOKEN_ROTATION_GRACE_S": "1"})
+    try:
+        home = tmp_path / "phone"
+        device_id = enroll(rotating, home, cool_phone)
+        config = home / "config.json"
+        first = json.loads(config.read_text())["device_token"]
+        log = tmp_path / "agent.log"
+        proc = agent_process(config, cool_phone, log)
+        try:
+            rotated = wait_for("a rotated token in the config", lambda: (
+                (t := json.loads(config.read_text())["device_token"]) != first and t),
+                timeout=60, on_fail=log.read_text)
+            assert os.stat(config).st_mode & 0o777 == 0o600
+            with rotating.client(first) as old:
+                wait_for("the old token to end", lambda: old.get(
+                    f"/v1/devices/{device_id}/work").status_code == 401, timeout=30)
+            renewed = device(rotating, device_id)["lease_renewed_at"]
+            wait_for("heartbeats on the new token", lambda: (
+                (d := device(rotating, device_id))["state"] == "Ready"
+                and d["lease_renewed_at"] != renewed), timeout=30, on_fail=log.read_text)
+            with rotating.client(rotated) as new:
+                assert new.get(f"/v1/devices/{device_id}/work").status_code == 200
+            assert "device token rotated" in log.read_text()
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=30) == 0, log.read_text()
+    finally:
+        rotating.stop()

@@ -269,3 +269,30 @@ def test_a_phone_past_its_heartbeat_rate_gets_429_and_strangers_cannot_use_up_it
                                 json={"telemetry": []})
             assert stranger.status_code in (401, 403)
     assert all(api.heartbeat(phone).status_code == 200 for _ in range(burst))
+
+
+def test_an_old_device_token_is_rotated_on_the_heartbeats_word_and_then_ends(api):
+    phone = api.register("old")
+    device_id, first = phone["device_id"], phone["device_token"]
+    commands = api.heartbeat(phone).json()["commands"]
+    assert {"type": "rotate_token"} not in commands
+    api.clock.advance(api.settings.device_token_max_age_s + 1)
+    assert {"type": "rotate_token"} in api.heartbeat(phone).json()["commands"]
+    rotated = api.post(f"/v1/devices/{device_id}/token", token=first, json={})
+    assert rotated.status_code == 200, rotated.text
+    second = rotated.json()["device_token"]
+    assert second != first and second.startswith("phx-dev-")
+    # the old token works for the grace period (requests in flight), still asking to rotate
+    assert {"type": "rotate_token"} in api.heartbeat(phone).json()["commands"]
+    new = {"device_id": device_id, "device_token": second}
+    assert {"type": "rotate_token"} not in api.heartbeat(new).json()["commands"]
+    api.clock.advance(api.settings.device_token_rotation_grace_s + 1)
+    refused = api.heartbeat(phone)
+    assert refused.status_code == 401 and "expired" in refused.json()["detail"]
+    assert api.heartbeat(new).status_code == 200
+    # a device rotates only its own token; a user token cannot
+    other = api.register("other")
+    assert api.post(f"/v1/devices/{device_id}/token", token=other["device_token"],
+                    json={}).status_code == 403
+    assert api.post(f"/v1/devices/{device_id}/token", token=api.user_token(),
+                    json={}).status_code == 403

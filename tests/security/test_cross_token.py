@@ -18,7 +18,8 @@ PUBLIC = {("get", "/healthz"), ("get", "/readyz"), ("get", "/install.sh"),
 # a device's own protocol: a user's or an admin's token is not a device's
 DEVICE_ONLY = {("post", "/v1/devices/{device_id}/heartbeat"), ("get", "/v1/devices/{device_id}/work"),
                ("get", "/v1/jobs/{job_id}/weights"), ("get", "/v1/jobs/{job_id}/shards/{shard}/data"),
-               ("post", "/v1/jobs/{job_id}/steps/{step}/gradients")}
+               ("post", "/v1/jobs/{job_id}/steps/{step}/gradients"),
+               ("post", "/v1/devices/{device_id}/token")}
 ADMIN_ONLY = {("get", "/v1/enrollment-tokens"), ("post", "/v1/enrollment-tokens"),
               ("delete", "/v1/enrollment-tokens/{token_id}"), ("get", "/v1/tokens"),
               ("post", "/v1/tokens"), ("delete", "/v1/tokens/{token_id}"),
