@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import uuid
+
 VERSION = "sched:version"  # bumped on any step or assignment change: wakes long polls
 PLACEMENT_LOCK = "sched:lock:placement"
 RECONCILE_ASKED = "sched:reconcile:asked"  # dedups API hooks' reconcile requests
@@ -14,8 +16,14 @@ def peer_down(address: str) -> str:
     return f"sched:peer-down:{address}"
 
 
-def state(job_id: str, step: int) -> str:
-    return f"job:{job_id}:state:{step}"
+def state(job_id: str, step: int, nonce: str | None) -> str:
+    """The state of `step` that the job's row names (`jobs.state_nonce`): each apply or restore
+    writes its own, and only the one whose commit won is ever read."""
+    return f"job:{job_id}:state:{step}:{nonce or '-'}"
+
+
+def new_nonce() -> str:
+    return uuid.uuid4().hex[:16]
 
 
 def grad(job_id: str, step: int, shard: int) -> str:

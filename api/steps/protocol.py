@@ -69,6 +69,7 @@ class JobRow:
     step: int
     spec: dict[str, Any]
     step_started_at: dt.datetime | None
+    state_nonce: str | None  # names the stored state of `step` (hotstate.keys.state)
 
 
 class LRU:
@@ -132,7 +133,8 @@ class StepProtocol:
         job = session.get(Job, job_id)
         if job is None:
             return None
-        return JobRow(job.id, job.state, job.step, dict(job.spec or {}), job.step_started_at)
+        return JobRow(job.id, job.state, job.step, dict(job.spec or {}), job.step_started_at,
+                      job.state_nonce)
 
     def view(self, device_id: str) -> DeviceView:
         """The device's holdings and their jobs: from the snapshot while the version key holds
@@ -154,9 +156,10 @@ class StepProtocol:
                     .order_by(ShardAssignment.id)):
                 held.setdefault(device, {}).setdefault(job_id, set()).add(int(shard))
             job_ids = {j for per_device in held.values() for j in per_device}
-            jobs = {row[0]: JobRow(row[0], row[1], row[2], dict(row[3] or {}), row[4])
+            jobs = {row[0]: JobRow(row[0], row[1], row[2], dict(row[3] or {}), row[4], row[5])
                     for row in session.execute(
-                        select(Job.id, Job.state, Job.step, Job.spec, Job.step_started_at)
+                        select(Job.id, Job.state, Job.step, Job.spec, Job.step_started_at,
+                               Job.state_nonce)
                         .where(Job.id.in_(job_ids)))} if job_ids else {}
         views = {}
         for device, per_job in held.items():
@@ -186,7 +189,7 @@ class StepProtocol:
         job, held = view.jobs.get(job_id), view.held[job_id]
         if job is None or job.state != JobState.RUNNING:
             return None
-        if not self.blobs.exists(keys.state(job.id, job.step)):
+        if not self.blobs.exists(keys.state(job.id, job.step, job.state_nonce)):
             return None  # being restored; reconcile wakes us when the weights are back
         todo = sorted(held - uploaded_shards(self.blobs, job.id, job.step))
         if not todo:
@@ -212,18 +215,19 @@ class StepProtocol:
             if cached is not None:
                 return cached
             # made by this process's apply (scheduler.local_apply), else from the state
-            data = RECENT.weights(job_id, step) or self._encode(job_id, step)
+            data = RECENT.weights(job_id, step) or self._encode(job, step)
             self._weights.put((job_id, step), data)
             return data
 
-    def _encode(self, job_id: str, step: int) -> bytes:
+    def _encode(self, job: JobRow, step: int) -> bytes:
         """The weights message from the state in the blob store: when another process applied
         the step, or the state was restored from a checkpoint. Only its params and buffers
         are read (two thirds of the state's bytes), once per step and process."""
-        arrays = read_weights(self.blobs, keys.state(job_id, step), expect_step=step)
+        arrays = read_weights(self.blobs, keys.state(job.id, step, job.state_nonce),
+                              expect_step=step)
         if arrays is None:
             raise StateMissing(f"weights of step {step} are being restored; retry shortly")
-        return encode_weights(job_id, step, *arrays)
+        return encode_weights(job.id, step, *arrays)
 
     # -- GET /v1/jobs/{id}/shards/{k}/data ----------------------------------------------------
     def shard_data(self, device_id: str, job_id: str, shard: int) -> bytes:

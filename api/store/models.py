@@ -168,6 +168,9 @@ class Job(Base):
     # the user (a user token's name, else its id) who sees, cancels and is limited by this
     # job; None: submitted by an admin
     owner: Mapped[str | None] = mapped_column(String(200), default=None, index=True)
+    # names the hot state of `step` (hotstate.keys.state): written by the apply or restore whose
+    # commit set it, so a losing applier's state, written under its own nonce, is never read
+    state_nonce: Mapped[str | None] = mapped_column(String(32), default=None)
     started_at: Mapped[dt.datetime | None] = mapped_column(default=None)
     finished_at: Mapped[dt.datetime | None] = mapped_column(default=None)
     # when the current step's work was handed out (stall and straggler detection)

@@ -134,7 +134,7 @@ def run_reconcile_job(ctx: SchedulerContext, job_id: str) -> str:
     info, why = job_info_or_reason(job.id, job.spec, ctx.settings.data_dir)
     if info is None:
         return fail(ctx, job, why or "cannot run this spec")
-    if not ctx.blobs.exists(keys.state(job.id, job.step)):  # cheap: never read 25 MB to check
+    if not ctx.blobs.exists(keys.state(job.id, job.step, job.state_nonce)):  # never read 25 MB
         state = ensure_state(ctx, job, info)
         if state is None or state.step != job.step:
             return "restored"

@@ -25,11 +25,14 @@ from scheduler.checkpoints import latest_checkpoint, read_checkpoint
 from scheduler.context import SchedulerContext
 
 
-def load_state(ctx: SchedulerContext, job_id: str, step: int) -> TrainState | None:
+def load_state(ctx: SchedulerContext, job_id: str, step: int,
+               nonce: str | None) -> TrainState | None:
+    """The state of `step` stored under `nonce` (the job row's `state_nonce`)."""
+    key = keys.state(job_id, step, nonce)
     recent = RECENT.get(job_id, step)
-    if recent is not None and ctx.blobs.exists(keys.state(job_id, step)):
+    if recent is not None and ctx.blobs.exists(key):
         return recent
-    data = ctx.blobs.get(keys.state(job_id, step))
+    data = ctx.blobs.get(key)
     if data is None:
         return None
     try:
@@ -58,25 +61,34 @@ def ensure_state(ctx: SchedulerContext, job: Job, info: JobInfo) -> TrainState |
 
     Returns None when another task moved the job meanwhile (the caller just stops).
     """
-    state = load_state(ctx, job.id, job.step)
+    state = load_state(ctx, job.id, job.step, job.state_nonce)
     if state is not None:
         return state
     restored = restore_point(ctx, job, info)
-    # state first, then the row: a crash in between leaves a harmless extra key
-    ctx.blobs.set(keys.state(job.id, restored.step), encode_state(restored))
+    # state first, then the row naming it: a crash in between leaves a harmless extra key
+    nonce = keys.new_nonce()
+    ctx.blobs.set(keys.state(job.id, restored.step, nonce), encode_state(restored))
     now = ctx.clock()
     if restored.step == job.step:
-        if job.step > 0:  # lost, but a checkpoint of this very step brings it back: no rewind
-            with transaction(ctx.session_factory) as session:
+        with transaction(ctx.session_factory) as session:
+            won = store_ops.guarded_job_update(
+                session, job.id, {"step": job.step, "state_nonce": job.state_nonce},
+                state_nonce=nonce)
+            if won and job.step > 0:  # lost, but a checkpoint of this step brings it back
                 _record_restore(session, job, restored, now)
+        if not won:  # another restore or apply named its own state meanwhile
+            ctx.blobs.delete(keys.state(job.id, restored.step, nonce))
+            return None
         bump_version(ctx.blobs)  # long polls hold back work until the weights exist
         return restored
     with transaction(ctx.session_factory) as session:
         won = store_ops.guarded_job_update(
-            session, job.id, {"step": job.step, "state": ACTIVE_STATES},
-            step=restored.step, step_started_at=now,
+            session, job.id, {"step": job.step, "state": ACTIVE_STATES,
+                              "state_nonce": job.state_nonce},
+            step=restored.step, step_started_at=now, state_nonce=nonce,
         )
         if not won:
+            ctx.blobs.delete(keys.state(job.id, restored.step, nonce))
             return None
         session.execute(delete(StepMetric).where(StepMetric.job_id == job.id,
                                                  StepMetric.step >= restored.step))

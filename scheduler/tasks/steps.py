@@ -4,13 +4,15 @@ Order of effects, so that a crash anywhere repeats or repairs rather than corrup
 1. read state t and every shard's result for t from the blob store (missing: return);
 2. compute step t+1 with the engine's apply_step (sorted by shard, float64: the same function
    as the reference trainer);
-3. write state t+1 to the blob store (and a checkpoint file when
-   due) BEFORE the commit;
-4. commit `UPDATE jobs SET step=t+1 WHERE id=:id AND step=t` with the step's metrics; the loser
-   of a race (or a retry after the commit) matches no row and changes nothing;
+3. write state t+1 to the blob store under a nonce of this apply's own (and a checkpoint file
+   when due) BEFORE the commit;
+4. commit `UPDATE jobs SET step=t+1, state_nonce=<nonce> WHERE id=:id AND step=t` with the
+   step's metrics; the loser of a race (or a retry after the commit) matches no row, changes
+   nothing and deletes its state: readers follow the row's nonce, so a loser that computed
+   from other results (a shard recomputed meanwhile) is never read, whenever it wrote;
 5. after the commit, drop step t's keys and wake the long polls.
-A crash between 3 and 4 leaves step t current with state t+1 already written: the retry
-recomputes the same bytes and commits.
+A crash between 3 and 4 leaves step t current and an unnamed state t+1 (dropped with the
+step's keys later): the retry recomputes and commits its own.
 """
 
 from __future__ import annotations
@@ -174,7 +176,8 @@ def run_apply_step(ctx: SchedulerContext, job_id: str, step: int) -> str:
                                            out=(message.params, blob.momentum, message.buffers))
     blob.params[:] = message.params
     blob.buffers[:] = message.buffers
-    ctx.blobs.set(keys.state(job_id, step + 1), blob.data)
+    nonce = keys.new_nonce()
+    ctx.blobs.set(keys.state(job_id, step + 1, nonce), blob.data)
     if ctx.tuning.apply_pause_s:
         time.sleep(ctx.tuning.apply_pause_s)  # tests: widen the crash window on purpose
     final = new_state.step >= info.total_steps
@@ -185,8 +188,10 @@ def run_apply_step(ctx: SchedulerContext, job_id: str, step: int) -> str:
         except OSError as exc:
             checkpoint_failed(ctx, job, new_state.step, exc, final)
             if final:  # the job's result: not done without it; applied again when the claim
-                return Outcome.RETRY  # expires (state t+1 is stored), e.g. once space is freed
-    if not commit_step(ctx, job, info, metrics, new_state, ckpt, final):
+                ctx.blobs.delete(keys.state(job_id, step + 1, nonce))  # expires, e.g. once
+                return Outcome.RETRY  # space is freed
+    if not commit_step(ctx, job, info, metrics, new_state, ckpt, final, nonce):
+        ctx.blobs.delete(keys.state(job_id, step + 1, nonce))  # never named: nobody reads it
         return Outcome.STALE
     # committed: the next step reads the state from here, if still stored, and this process's
     # API serves the message as made; other processes encode it from the state (one message
@@ -203,7 +208,8 @@ def checkpoint_every(ctx: SchedulerContext, job: Job) -> int:
 
 
 def commit_step(ctx: SchedulerContext, job: Job, info: JobInfo, m: StepMetrics,
-                new_state: TrainState, ckpt: WrittenCheckpoint | None, final: bool) -> bool:
+                new_state: TrainState, ckpt: WrittenCheckpoint | None, final: bool,
+                nonce: str) -> bool:
     now = ctx.clock()
     devices_used = 0
     pruned: list[str] = []
@@ -211,7 +217,7 @@ def commit_step(ctx: SchedulerContext, job: Job, info: JobInfo, m: StepMetrics,
     finished = final_summary(ctx, job, info, m, new_state) if final else None
     with transaction(ctx.session_factory) as session:
         seconds = (now - job.step_started_at).total_seconds() if job.step_started_at else None
-        values: dict = {"step": new_state.step, "step_started_at": now,
+        values: dict = {"step": new_state.step, "step_started_at": now, "state_nonce": nonce,
                         "metrics": finished or {**(job.metrics or {}), **summary}}
         if final:
             done = finished or {}

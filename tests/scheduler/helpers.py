@@ -18,6 +18,7 @@ from engine.data import load_dataset
 from engine.jobinfo import job_info
 from engine.sampler import select_microbatch, shard_indices
 from engine.step import compute_shard
+from hotstate import keys
 from hotstate.blobs import BlobStore, MemoryBlobStore
 from scheduler import context
 from scheduler.context import SchedulerContext, Tuning
@@ -117,7 +118,7 @@ def shard_result_blobs(ctx: SchedulerContext, job_id: str, step: int) -> dict[in
     """Every shard's result for `step`, computed by the engine from the stored weights."""
     row = job(ctx, job_id)
     info = job_info(job_id, row.spec, ctx.settings.data_dir)
-    state = load_state(ctx, job_id, step)
+    state = load_state(ctx, job_id, step, row.state_nonce)
     assert state is not None, f"no state for step {step}"
     data = load_dataset(info.spec.dataset)
     out = {}
@@ -127,6 +128,15 @@ def shard_result_blobs(ctx: SchedulerContext, job_id: str, step: int) -> dict[in
         r = compute_shard(info.model, state.params, state.buffers, xb, yb, info.spec, step, k)
         out[k] = encode_results(job_id, step, [r])
     return out
+
+
+def state_key(ctx: SchedulerContext, job_id: str, step: int) -> str:
+    """Where the state of `step` is stored, as the job's row names it."""
+    return keys.state(job_id, step, job(ctx, job_id).state_nonce)
+
+
+def stored_state(ctx: SchedulerContext, job_id: str, step: int) -> Any:
+    return load_state(ctx, job_id, step, job(ctx, job_id).state_nonce)
 
 
 def upload_all(ctx: SchedulerContext, job_id: str, step: int,

@@ -16,9 +16,16 @@ from hotstate import bodies, keys
 from hotstate.blobs import MemoryBlobStore, RedisBlobStore
 from hotstate.bodies import BodyShelf, fetch_bodies, keep_body, parse_peer_key, peer_key
 from scheduler.tasks.reconcile import run_reconcile, run_reconcile_job
-from scheduler.tasks.recovery import load_state
 from scheduler.tasks.steps import run_apply_step
-from tests.scheduler.helpers import add_devices, job, make_ctx, submit, tiny_spec, upload_all
+from tests.scheduler.helpers import (
+    add_devices,
+    job,
+    make_ctx,
+    stored_state,
+    submit,
+    tiny_spec,
+    upload_all,
+)
 
 
 @pytest.fixture
@@ -124,7 +131,7 @@ def test_apply_step_reads_another_replicas_bodies_and_recomputes_when_it_is_gone
         assert run_apply_step(ctx, job_id, step) == "applied"
         upload_all(reference, ref_id, step)
         assert run_apply_step(reference, ref_id, step) == "applied"
-    ours, theirs = load_state(ctx, job_id, 2), load_state(reference, ref_id, 2)
+    ours, theirs = stored_state(ctx, job_id, 2), stored_state(reference, ref_id, 2)
     assert np.array_equal(ours.params, theirs.params)  # bit for bit: the same results applied
 
     monkeypatch.setattr(bodies, "SHELF", shelf)

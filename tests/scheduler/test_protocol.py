@@ -187,7 +187,7 @@ def test_weights_are_the_message_apply_step_made_or_encoded_from_the_stored_stat
     from hotstate.blobs import RedisBlobStore
     from hotstate.recent import RECENT
     from hotstate.trainstate import decode_state
-    from tests.scheduler.helpers import upload_all
+    from tests.scheduler.helpers import state_key, upload_all
     from wire.messages import encode_weights
 
     job_id, [(dev, hdr), _] = running_job(app_client)
@@ -195,18 +195,18 @@ def test_weights_are_the_message_apply_step_made_or_encoded_from_the_stored_stat
     upload_all(ctx, job_id, 0)
     assert run_apply_step(ctx, job_id, 0) == "applied"
     made = bytes(RECENT.weights(job_id, 1))
-    state = decode_state(ctx.blobs.get(keys.state(job_id, 1)), expect_step=1)
+    state = decode_state(ctx.blobs.get(state_key(ctx, job_id, 1)), expect_step=1)
     assert made == encode_weights(job_id, 1, state.params, state.buffers)
     served = app_client.get(f"/v1/jobs/{job_id}/weights", params={"step": 1}, headers=hdr)
     assert served.status_code == 200 and served.content == made
     blobs = ctx.blobs
     if store == "redis":  # the state as another replica finds it in Redis
         blobs = RedisBlobStore(request.getfixturevalue("redis_url"))
-        blobs.set(keys.state(job_id, 1), ctx.blobs.get(keys.state(job_id, 1)))
+        blobs.set(state_key(ctx, job_id, 1), ctx.blobs.get(state_key(ctx, job_id, 1)))
     RECENT.remember(job_id, state)  # as if another process had applied it: no message here
     other = StepProtocol(ctx.session_factory, blobs, ctx.settings.data_dir, ctx.clock)
     assert bytes(other.weights(dev, job_id, 1)) == made
-    blobs.delete(keys.state(job_id, 1))  # gone (Redis restarted): 503, retry shortly
+    blobs.delete(state_key(ctx, job_id, 1))  # gone (Redis restarted): 503, retry shortly
     with pytest.raises(StateMissing):
         StepProtocol(ctx.session_factory, blobs, ctx.settings.data_dir, ctx.clock).weights(
             dev, job_id, 1)

@@ -4,6 +4,8 @@ lost hot state, elastic moves. Tasks are called directly (the Celery wrapper onl
 from __future__ import annotations
 
 import datetime as dt
+import threading
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +24,6 @@ from hotstate.trainstate import decode_state
 from phalanx.train_local import run_reference
 from scheduler.tasks import steps
 from scheduler.tasks.reconcile import run_reconcile, run_reconcile_job
-from scheduler.tasks.recovery import load_state
 from scheduler.tasks.steps import run_apply_step
 from tests.scheduler.helpers import (
     Clock,
@@ -33,11 +34,13 @@ from tests.scheduler.helpers import (
     make_ctx,
     set_device,
     shard_result_blobs,
+    state_key,
+    stored_state,
     submit,
     tiny_spec,
     upload_all,
 )
-from wire.messages import decode_results
+from wire.messages import decode_results, encode_results
 
 
 @pytest.fixture(params=["memory", "redis"])
@@ -83,12 +86,12 @@ def test_tasks_for_a_vanished_job_return_quietly(ctx) -> None:
 def test_apply_step_twice_equals_once(ctx) -> None:
     job_id = start(ctx)
     upload_all(ctx, job_id, 0)
-    state0 = load_state(ctx, job_id, 0)
+    state0 = stored_state(ctx, job_id, 0)
     results = [r for b in shard_result_blobs(ctx, job_id, 0).values() for r in decode_results(b)]
     assert run_apply_step(ctx, job_id, 0) == "applied"
-    stored = ctx.blobs.get(keys.state(job_id, 1))
+    stored = ctx.blobs.get(state_key(ctx, job_id, 1))
     assert run_apply_step(ctx, job_id, 0) == "stale"
-    assert ctx.blobs.get(keys.state(job_id, 1)) == stored
+    assert ctx.blobs.get(state_key(ctx, job_id, 1)) == stored
     assert job(ctx, job_id).step == 1
     with ctx.session_factory() as s:
         assert s.scalar(select(func.count()).select_from(StepMetric)) == 1
@@ -112,12 +115,54 @@ def test_a_crash_between_state_write_and_commit_is_recomputed(ctx, monkeypatch) 
     monkeypatch.setattr(steps, "commit_step", crash)
     with pytest.raises(Crash):
         run_apply_step(ctx, job_id, 0)
-    written = ctx.blobs.get(keys.state(job_id, 1))
+    (unnamed,) = ctx.blobs.keys(f"job:{job_id}:state:1:")  # written, named by no row
+    written = ctx.blobs.get(unnamed)
     assert written is not None and job(ctx, job_id).step == 0
     monkeypatch.undo()
     assert run_apply_step(ctx, job_id, 0) == "applied"
-    assert ctx.blobs.get(keys.state(job_id, 1)) == written
+    assert ctx.blobs.get(state_key(ctx, job_id, 1)) == written  # recomputed: the same bytes
     assert job(ctx, job_id).step == 1
+
+
+def test_an_applier_that_loses_the_commit_is_never_read_whatever_it_wrote(ctx, monkeypatch) -> None:
+    """A slow applier (its claim expired) computed step 1 before a shard's result was recomputed
+    with other bytes (another phone, another backend); a second applier computes from the new
+    result and commits first. The slow one writes its state after that commit and loses its
+    own: the job reads the winner's state, and the loser's is gone."""
+    job_id = start(ctx)
+    blobs = shard_result_blobs(ctx, job_id, 0)
+    upload_all(ctx, job_id, 0, blobs=blobs)
+    computed: dict[str, np.ndarray] = {}
+    slow_done, winner_committed = threading.Event(), threading.Event()
+    real = steps.engine_apply_step
+
+    def apply(*args, **kwargs):
+        new_state, metrics = real(*args, **kwargs)
+        who = threading.current_thread().name
+        computed[who] = np.array(new_state.params, copy=True)
+        if who == "slow":  # computed; writes and commits only after the other committed
+            slow_done.set()
+            assert winner_committed.wait(30)
+        return new_state, metrics
+
+    monkeypatch.setattr(steps, "engine_apply_step", apply)
+    outcome: dict[str, str] = {}
+    slow = threading.Thread(name="slow", target=lambda: outcome.update(
+        slow=run_apply_step(ctx, job_id, 0)))
+    slow.start()
+    assert slow_done.wait(30)
+    (first,) = decode_results(blobs[0])  # shard 0 again, rounded differently elsewhere
+    other = encode_results(job_id, 0, [replace(first, grad_sum=first.grad_sum * np.float32(1.001))])
+    ctx.blobs.delete(keys.grad(job_id, 0, 0))
+    upload_all(ctx, job_id, 0, shards=[0], blobs={0: other})
+    assert run_apply_step(ctx, job_id, 0) == "applied"  # this thread: the winner
+    winner_committed.set()
+    slow.join(30)
+    assert outcome["slow"] == "stale" and job(ctx, job_id).step == 1
+    assert not np.array_equal(computed["slow"], computed["MainThread"])
+    named = decode_state(ctx.blobs.get(state_key(ctx, job_id, 1)), expect_step=1)
+    assert np.array_equal(named.params, computed["MainThread"])
+    assert ctx.blobs.keys(f"job:{job_id}:state:1:") == [state_key(ctx, job_id, 1)]
 
 
 def test_a_whole_run_matches_the_reference_trainer(ctx, tmp_path: Path) -> None:
@@ -135,7 +180,7 @@ def test_a_whole_run_matches_the_reference_trainer(ctx, tmp_path: Path) -> None:
 def test_lost_hot_state_resumes_from_the_last_checkpoint(ctx) -> None:
     job_id = start(ctx)
     run_to(ctx, job_id, 5)  # checkpoint_every 3: a checkpoint of step 3
-    before = decode_state(ctx.blobs.get(keys.state(job_id, 5)))
+    before = decode_state(ctx.blobs.get(state_key(ctx, job_id, 5)))
     ctx.blobs.flush()
     assert run_reconcile_job(ctx, job_id) == "restored"
     assert job(ctx, job_id).step == 3
@@ -144,7 +189,7 @@ def test_lost_hot_state_resumes_from_the_last_checkpoint(ctx) -> None:
         assert s.scalar(select(func.max(StepMetric.step))) == 2
     assert run_reconcile_job(ctx, job_id) == "ok"  # twice equals once
     run_to(ctx, job_id, 5)
-    assert np.array_equal(decode_state(ctx.blobs.get(keys.state(job_id, 5))).params, before.params)
+    assert np.array_equal(decode_state(ctx.blobs.get(state_key(ctx, job_id, 5))).params, before.params)
 
 
 def test_hot_state_lost_at_a_checkpointed_step_is_restored_in_place_and_recorded(ctx) -> None:
@@ -153,13 +198,13 @@ def test_hot_state_lost_at_a_checkpointed_step_is_restored_in_place_and_recorded
     job_id = start(ctx)  # its step 0 state is written, not restored: no event
     assert "StateRestored" not in event_reasons(ctx, job_id)
     run_to(ctx, job_id, 3)  # checkpoint_every 3: the checkpoint is of the current step
-    before = decode_state(ctx.blobs.get(keys.state(job_id, 3)))
+    before = decode_state(ctx.blobs.get(state_key(ctx, job_id, 3)))
     ctx.blobs.flush()
     assert run_reconcile_job(ctx, job_id) == "ok"
     assert job(ctx, job_id).step == 3
     restored = [e for e in events(ctx, job_id) if e.reason == "StateRestored"]
     assert len(restored) == 1 and restored[0].data == {"lost_step": 3, "resumed_step": 3}
-    assert np.array_equal(decode_state(ctx.blobs.get(keys.state(job_id, 3))).params, before.params)
+    assert np.array_equal(decode_state(ctx.blobs.get(state_key(ctx, job_id, 3))).params, before.params)
 
 
 def events(ctx, job_id: str) -> list:
@@ -178,7 +223,7 @@ def test_lost_hot_state_without_a_checkpoint_restarts_from_the_seeded_init(ctx) 
     run_reconcile_job(ctx, job_id)
     assert job(ctx, job_id).step == 0
     info = job_info(job_id, job(ctx, job_id).spec, ctx.settings.data_dir)
-    assert np.array_equal(load_state(ctx, job_id, 0).params, initial_state(info.model, info.spec).params)
+    assert np.array_equal(stored_state(ctx, job_id, 0).params, initial_state(info.model, info.spec).params)
 
 
 def test_cancel_releases_assignments_twice_equals_once(ctx) -> None:
@@ -451,11 +496,11 @@ def test_the_next_step_reads_the_state_this_process_wrote_but_only_while_it_is_s
     assert run_apply_step(ctx, job_id, 0) == "applied"
     kept = RECENT.get(job_id, 1)
     assert kept is not None and kept.step == 1
-    assert load_state(ctx, job_id, 1) is kept  # the very object: no read, no decode
-    assert np.array_equal(decode_state(ctx.blobs.get(keys.state(job_id, 1))).params, kept.params)
+    assert stored_state(ctx, job_id, 1) is kept  # the very object: no read, no decode
+    assert np.array_equal(decode_state(ctx.blobs.get(state_key(ctx, job_id, 1))).params, kept.params)
     assert RECENT.get(job_id, 0) is None  # only the step it is for
-    ctx.blobs.delete(keys.state(job_id, 1))  # what a Redis restart does to it
-    assert load_state(ctx, job_id, 1) is None  # the restore path runs, as without the cache
+    ctx.blobs.delete(state_key(ctx, job_id, 1))  # what a Redis restart does to it
+    assert stored_state(ctx, job_id, 1) is None  # the restore path runs, as without the cache
 
 
 def test_a_result_whose_upload_body_was_lost_is_recomputed_not_applied(ctx) -> None:
@@ -541,7 +586,7 @@ def test_only_the_newest_checkpoints_are_kept_and_a_restore_still_finds_one(ctx)
     on_disk = {k for k in range(1, 5)
                if checkpoint_path(ctx.settings.artifacts_dir, job_id, k).exists()}
     assert on_disk == {3, 4}  # the files of deleted rows are gone too
-    ctx.blobs.delete(keys.state(job_id, 4))  # Redis lost the hot state: restore from disk
-    assert load_state(ctx, job_id, 4) is None
+    ctx.blobs.delete(state_key(ctx, job_id, 4))  # Redis lost the hot state: restore from disk
+    assert stored_state(ctx, job_id, 4) is None
     assert run_reconcile_job(ctx, job_id) == "ok"
-    assert job(ctx, job_id).step == 4 and load_state(ctx, job_id, 4) is not None
+    assert job(ctx, job_id).step == 4 and stored_state(ctx, job_id, 4) is not None
