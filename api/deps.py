@@ -6,7 +6,8 @@ import datetime as dt
 from collections.abc import Callable, Iterator
 from typing import Annotated
 
-from fastapi import Depends, Request
+from fastapi import Depends, Request, Security
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
@@ -30,7 +31,14 @@ def get_clock(request: Request) -> Callable[[], dt.datetime]:
     return request.app.state.clock
 
 
-async def get_principal(request: Request) -> Principal:
+# declares `Authorization: Bearer <token>` in the OpenAPI document (/docs gets an Authorize
+# button); the token itself is checked by `principal_for`, with the answers this API documents
+BEARER = HTTPBearer(auto_error=False, scheme_name="bearer",
+                    description="an admin, user or device token (phx-adm-, phx-usr-, phx-dev-)")
+Bearer = Annotated[HTTPAuthorizationCredentials | None, Security(BEARER)]
+
+
+async def get_principal(request: Request, _: Bearer) -> Principal:
     """Any valid token. Async so a cache hit costs no thread hop (the heartbeat hot path)."""
     return await principal_for(request.app.state.authenticator,
                                request.headers.get("authorization"))

@@ -10,9 +10,12 @@ import sys
 from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from functools import partial
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
+from fastapi_offline import FastAPIOffline
 from sqlalchemy import Engine
 from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp
@@ -27,6 +30,7 @@ from api.heartbeats import HeartbeatWriter
 from api.limits import BodySizeLimit, DeviceRate
 from api.routes import agent_dist, datasets, devices, health, jobs, tokens, work
 from api.scheduler_hooks import SchedulerHooks
+from api.schemas.common import errors
 from api.settings import Settings
 from api.steps.bulk_body import WholeBodyReader
 from api.steps.bulk_listener import Bounds, BulkListener
@@ -49,15 +53,51 @@ def create_app(settings: Settings | None = None, clock: Callable[[], dt.datetime
     """Build the control plane. `start_scheduler`: embedded mode's in-process worker and beat."""
     settings = settings or Settings()
     clock = clock or utcnow
-    app = FastAPI(title="Phalanx control plane", version="0.1.0", docs_url="/docs",
-                  openapi_url="/openapi.json",
-                  lifespan=partial(_serving, settings=settings, start_scheduler=start_scheduler))
+    # /docs and /redoc with their scripts served from here: a lab network may be offline
+    app = FastAPIOffline(title="Phalanx control plane", version="0.1.0", docs_url="/docs",
+                         redoc_url="/redoc", openapi_url="/openapi.json",
+                         generate_unique_id_function=operation_id,
+                         lifespan=partial(_serving, settings=settings,
+                                          start_scheduler=start_scheduler))
     app.state = _build_state(app, settings, clock)  # type: ignore[assignment]
     _install_error_handlers(app)
     for module in (health, tokens, devices, jobs, datasets, agent_dist, work, metrics):
         app.include_router(module.router)
     _asgi_chain(app, app.state, settings)  # type: ignore[arg-type]
+    _document_errors(app)
     return app
+
+
+def operation_id(route: APIRoute) -> str:
+    """`listDevices`, `submitJob`: the handler's name in camelCase (client generators name
+    their methods after it)."""
+    first, *rest = route.name.split("_")
+    return first + "".join(word.capitalize() for word in rest)
+
+
+def _document_errors(app: FastAPI) -> None:
+    """Add what every operation of a kind can answer to the OpenAPI document: 404 where the
+    path names something, 413 where there is a body (the body-size limit)."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        schema = build()
+        for path, operations in schema.get("paths", {}).items():
+            for operation in operations.values():
+                answers = operation.setdefault("responses", {})
+                wanted = ([404] if "{" in path else []) + ([413] if "requestBody" in operation
+                                                           else [])
+                for code, entry in errors(*wanted).items():
+                    answers.setdefault(str(code), {
+                        "description": entry["description"],
+                        "content": {"application/json": {
+                            "schema": {"$ref": "#/components/schemas/ErrorOut"}}}})
+        app.openapi_schema = schema
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 def _build_state(app: FastAPI, settings: Settings, clock: Callable[[], dt.datetime]) -> AppState:

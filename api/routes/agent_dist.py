@@ -21,14 +21,14 @@ def _send(request: Request, body: bytes, media_type: str, filename: str) -> Resp
 
 
 @router.get("/install.sh", response_class=Response)
-async def install_sh(request: Request) -> Response:
+async def get_install_script(request: Request) -> Response:
     """The Termux installer (public: it holds no secret; the enrollment token is its argument)."""
     body = await run_in_threadpool(agent_dist.install_script)
     return _send(request, body, "text/x-shellscript", "install.sh")
 
 
 @router.get("/agent.tar.gz", response_class=Response)
-async def agent_tarball(request: Request) -> Response:
+async def get_agent_archive(request: Request) -> Response:
     """The agent's sources matching this server, for `pip install SERVER/agent.tar.gz`."""
     body = await run_in_threadpool(agent_dist.served_archive)
     return _send(request, body, "application/gzip", "agent.tar.gz")

@@ -7,12 +7,13 @@ from starlette.concurrency import run_in_threadpool
 
 from api.deps import SessionDep, SettingsDep, UserDep
 from api.errors import PayloadTooLarge
-from api.schemas.common import Page
+from api.schemas.common import Page, errors
 from api.schemas.jobs import DatasetRead
 from api.store import datasets
 from api.store.jobs import dataset_facts
 
-router = APIRouter(prefix="/v1/datasets", tags=["datasets"])
+router = APIRouter(prefix="/v1/datasets", tags=["datasets"],
+                   responses=errors(401, 403, 409, 422))
 
 
 def _builtin(name: str, settings) -> DatasetRead:
@@ -34,7 +35,7 @@ def list_datasets(_: UserDep, session: SessionDep, settings: SettingsDep):
 
 
 @router.post("", status_code=201, response_model=DatasetRead)
-async def upload(_: UserDep, session: SessionDep, settings: SettingsDep,
+async def upload_dataset(_: UserDep, session: SessionDep, settings: SettingsDep,
                  name: str = Form(...), file: UploadFile = File(...)):
     """An .npz with `x` and `y` (optionally `x_val`, `y_val`), loaded without pickle."""
     datasets.check_name(name)

@@ -5,11 +5,11 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any
 
-from fastapi import APIRouter, Query, Request, Response
+from fastapi import APIRouter, Query, Request, Response, Security
 
-from api.deps import AdminDep, ClockDep, DeviceDep, SessionDep, SettingsDep, UserDep
+from api.deps import BEARER, AdminDep, ClockDep, DeviceDep, SessionDep, SettingsDep, UserDep
 from api.fast_path import heartbeat_reply
-from api.schemas.common import EventRead, Limit, Offset, Page, page_of
+from api.schemas.common import EventRead, Limit, Offset, Page, errors, page_of
 from api.schemas.devices import (
     DeviceRead,
     DeviceRegister,
@@ -21,11 +21,11 @@ from api.schemas.devices import (
 )
 from api.store import devices, events, lifecycle, tokens
 
-router = APIRouter(prefix="/v1/devices", tags=["devices"])
+router = APIRouter(prefix="/v1/devices", tags=["devices"], responses=errors(401, 403, 422))
 
 
 @router.post("/register", status_code=201, response_model=DeviceRegistered)
-def register(body: DeviceRegister, request: Request, session: SessionDep, settings: SettingsDep,
+def register_device(body: DeviceRegister, request: Request, session: SessionDep, settings: SettingsDep,
              clock: ClockDep):
     """Enroll a phone with an enrollment token; the device token is returned only here."""
     with session.begin():
@@ -74,8 +74,9 @@ HEARTBEAT_BODY = {"requestBody": {"required": True, "content": {
     "application/json": {"schema": _inlined(HeartbeatIn.model_json_schema())}}}}
 
 
-@router.post("/{device_id}/heartbeat", response_model=HeartbeatOut, openapi_extra=HEARTBEAT_BODY)
-async def heartbeat(device_id: str, request: Request):
+@router.post("/{device_id}/heartbeat", response_model=HeartbeatOut, openapi_extra=HEARTBEAT_BODY,
+             dependencies=[Security(BEARER)], responses=errors(429))
+async def send_heartbeat(device_id: str, request: Request):
     """Renew the lease and store the telemetry (device token); answers after the commit, with
     the device's commands. Served by `api.fast_path.FastPath` ahead of this
     route; this handler runs the same code for anything that reaches the router."""
@@ -108,19 +109,19 @@ def _admin_change(change, device_id: str, request: Request, session, clock):
 
 
 @router.post("/{device_id}/cordon", response_model=DeviceRead)
-def cordon(device_id: str, _: AdminDep, request: Request, session: SessionDep, clock: ClockDep):
+def cordon_device(device_id: str, _: AdminDep, request: Request, session: SessionDep, clock: ClockDep):
     """Keep new work off this device."""
     return _admin_change(lifecycle.cordon, device_id, request, session, clock)
 
 
 @router.post("/{device_id}/uncordon", response_model=DeviceRead)
-def uncordon(device_id: str, _: AdminDep, request: Request, session: SessionDep,
+def uncordon_device(device_id: str, _: AdminDep, request: Request, session: SessionDep,
              clock: ClockDep):
     return _admin_change(lifecycle.uncordon, device_id, request, session, clock)
 
 
 @router.post("/{device_id}/drain", response_model=DeviceRead)
-def drain(device_id: str, _: AdminDep, request: Request, session: SessionDep, clock: ClockDep):
+def drain_device(device_id: str, _: AdminDep, request: Request, session: SessionDep, clock: ClockDep):
     """Cordon, and tell the agent (next heartbeat) to let go of its work."""
     return _admin_change(lifecycle.drain, device_id, request, session, clock)
 
@@ -145,7 +146,7 @@ def device_events(device_id: str, _: UserDep, session: SessionDep, limit: int = 
 
 
 @router.get("/{device_id}/telemetry", response_model=Page[TelemetrySampleRead])
-def telemetry(device_id: str, _: UserDep, session: SessionDep, since: dt.datetime | None = None,
+def device_telemetry(device_id: str, _: UserDep, session: SessionDep, since: dt.datetime | None = None,
               limit: int = Query(1000, ge=1, le=10000), offset: int = Offset):
     """Telemetry history (oldest first), from `since` (ISO 8601 or Unix seconds) on."""
     if since is not None and since.tzinfo is None:

@@ -6,11 +6,11 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import FileResponse
 
 from api.deps import ClockDep, SessionDep, SettingsDep, UserDep
-from api.schemas.common import EventRead, Limit, Offset, Page, page_of
+from api.schemas.common import EventRead, Limit, Offset, Page, errors, page_of
 from api.schemas.jobs import JobCreate, JobRead, StepMetricRead
 from api.store import events, jobs
 
-router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=errors(401, 403, 422))
 
 
 def _read(job, held: jobs.Holdings | None = None) -> JobRead:
@@ -20,7 +20,7 @@ def _read(job, held: jobs.Holdings | None = None) -> JobRead:
 
 
 @router.post("", status_code=201, response_model=JobRead)
-def submit(body: JobCreate, request: Request, principal: UserDep, settings: SettingsDep,
+def submit_job(body: JobCreate, request: Request, principal: UserDep, settings: SettingsDep,
            clock: ClockDep, session: SessionDep):
     """Validate completely (the dataset too), then queue as Pending."""
     spec = body.model_dump()
@@ -47,8 +47,8 @@ def get_job(job_id: str, principal: UserDep, session: SessionDep):
     return _read(job, jobs.holdings_of(session, [job_id])[job_id])
 
 
-@router.post("/{job_id}/cancel", response_model=JobRead)
-def cancel(job_id: str, request: Request, principal: UserDep, session: SessionDep,
+@router.post("/{job_id}/cancel", response_model=JobRead, responses=errors(409))
+def cancel_job(job_id: str, request: Request, principal: UserDep, session: SessionDep,
            clock: ClockDep):
     """Pending or Running -> Cancelled; 409 when the job has already finished."""
     with session.begin():
@@ -78,7 +78,7 @@ def job_metrics(job_id: str, principal: UserDep, session: SessionDep,
 
 @router.get("/{job_id}/checkpoint", response_class=FileResponse,
             responses={200: {"content": {"application/octet-stream": {}}}})
-def checkpoint(job_id: str, principal: UserDep, session: SessionDep, settings: SettingsDep):
+def get_checkpoint(job_id: str, principal: UserDep, session: SessionDep, settings: SettingsDep):
     """The latest checkpoint's weights as an .npz of named arrays."""
     jobs.get_job(session, job_id, principal)
     row, path = jobs.latest_checkpoint(session, job_id, settings.data_dir)

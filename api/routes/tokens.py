@@ -6,7 +6,7 @@ from fastapi import APIRouter, Request
 
 from api.auth import expires_in
 from api.deps import AdminDep, ClockDep, SessionDep, SettingsDep
-from api.schemas.common import Limit, Offset, Page, page_of
+from api.schemas.common import Limit, Offset, Page, errors, page_of
 from api.schemas.tokens import (
     ApiTokenCreate,
     ApiTokenCreated,
@@ -17,7 +17,7 @@ from api.schemas.tokens import (
 )
 from api.store import tokens
 
-router = APIRouter(prefix="/v1", tags=["tokens"])
+router = APIRouter(prefix="/v1", tags=["tokens"], responses=errors(401, 403, 422))
 
 
 @router.post("/enrollment-tokens", status_code=201, response_model=EnrollmentTokenCreated)

@@ -8,6 +8,7 @@ from fastapi import APIRouter, Query, Request, Response
 from starlette.concurrency import run_in_threadpool
 
 from api.deps import DeviceDep
+from api.schemas.common import errors
 from api.schemas.work import UploadOut, WorkOut
 from api.steps.handlers import (
     MAX_WAIT_S,
@@ -17,12 +18,13 @@ from api.steps.handlers import (
     serve_weights,
 )
 
-router = APIRouter(prefix="/v1", tags=["step protocol"])
+router = APIRouter(prefix="/v1", tags=["step protocol"],
+                   responses=errors(401, 403, 409, 422, 429, 503))
 OCTETS = "application/octet-stream"
 
 
 @router.get("/devices/{device_id}/work", response_model=WorkOut)
-async def work(device_id: str, request: Request, principal: DeviceDep,
+async def get_work(device_id: str, request: Request, principal: DeviceDep,
                wait: float = Query(0.0, ge=0.0, le=MAX_WAIT_S)):
     """Long poll: answers as soon as the device has shards to compute, or after `wait` s.
     Served by `api.fast_path.FastPath` ahead of this route, through `api.steps.handlers.work_reply`."""
@@ -30,7 +32,7 @@ async def work(device_id: str, request: Request, principal: DeviceDep,
 
 
 @router.get("/jobs/{job_id}/weights")
-async def weights(job_id: str, request: Request, principal: DeviceDep,
+async def get_weights(job_id: str, request: Request, principal: DeviceDep,
                   step: int = Query(..., ge=0)):
     payload = await run_in_threadpool(serve_weights, request.app.state, principal.device_id,
                                       job_id, step)
@@ -38,7 +40,7 @@ async def weights(job_id: str, request: Request, principal: DeviceDep,
 
 
 @router.get("/jobs/{job_id}/shards/{shard}/data")
-async def shard_data(job_id: str, shard: int, request: Request, principal: DeviceDep):
+async def get_shard_data(job_id: str, shard: int, request: Request, principal: DeviceDep):
     proto = request.app.state.step_protocol
     data = await run_in_threadpool(proto.shard_data, principal.device_id, job_id, shard)
     return Response(data, media_type=OCTETS)

@@ -9,7 +9,7 @@ from urllib.parse import parse_qsl
 
 from fastapi import Query
 from fastapi.exceptions import RequestValidationError
-from pydantic import AfterValidator, BaseModel, ConfigDict, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
 T = TypeVar("T")
 M = TypeVar("M", bound=BaseModel)
@@ -91,3 +91,28 @@ def parse_body(model: type[M], raw: bytes) -> M:
     except ValidationError as exc:
         errors = [{**err, "loc": ("body", *err["loc"])} for err in exc.errors(include_url=False)]
         raise RequestValidationError(errors) from None
+
+
+class ErrorOut(BaseModel):
+    """Every error answer: `detail` says what is wrong (a 422 lists each field's problem)."""
+
+    detail: str | list[dict[str, Any]] = Field(
+        description="what is wrong: a sentence, or for a 422 one entry per field "
+                    "(loc, field, msg, type)")
+
+
+def errors(*codes: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI `responses` for these error statuses, each with the error schema."""
+    return {code: {"model": ErrorOut, "description": ERROR_MEANINGS[code]} for code in codes}
+
+
+ERROR_MEANINGS = {
+    401: "no token, or an unknown, revoked or expired one",
+    403: "a token of the wrong kind, or another device's",
+    404: "not found (another user's job answers the same)",
+    409: "conflicts with the current state (a finished job, a step no longer current)",
+    413: "the body is larger than the limit",
+    422: "the request is malformed: the detail names each field and its problem",
+    429: "too many requests from this device for now: see Retry-After",
+    503: "a part the request needs is down for a moment: see Retry-After",
+}
