@@ -22,8 +22,6 @@ from typing import Any
 
 import httpx
 
-DEFAULT_SERVER = "http://127.0.0.1:8000"
-
 
 class PhalanxError(Exception):
     """A failed call: `status` is the HTTP status (None when no answer came), `detail` the
@@ -33,6 +31,15 @@ class PhalanxError(Exception):
         super().__init__(message)
         self.status = status
         self.detail = detail
+
+
+class Unreachable(PhalanxError):
+    """No answer: the server is down, unreachable, or too slow."""
+
+
+class NoServer(PhalanxError):
+    """Nothing says which server to talk to."""
+
 
 
 def format_detail(detail: Any) -> str:
@@ -110,7 +117,10 @@ class Target:
 
 def resolve_target(server: str | None = None, token: str | None = None) -> Target:
     saved = load_config() if server is None or token is None else {}
-    server = server or saved.get("server") or DEFAULT_SERVER
+    server = server or saved.get("server")
+    if not server:
+        raise NoServer("no server configured: run `phalanx login --server URL` (or pass "
+                       "--server, or set PHALANX_SERVER)")
     token = token or saved.get("token")
     ca_file = os.environ.get("PHALANX_CA_FILE") or saved.get("ca_file")
     return Target(server.rstrip("/"), token, ca_file)
@@ -157,9 +167,9 @@ class PhalanxClient:
         try:
             resp = self._http.request(method, path, **kwargs)
         except httpx.TimeoutException as exc:
-            raise PhalanxError(f"{method} {self.server}{path}: timed out ({exc})") from exc
+            raise Unreachable(f"{method} {self.server}{path}: timed out ({exc})") from exc
         except httpx.HTTPError as exc:
-            raise PhalanxError(f"cannot reach {self.server}: {exc}") from exc
+            raise Unreachable(f"cannot reach {self.server}: {exc}") from exc
         if resp.status_code >= 400:
             try:
                 detail = resp.json().get("detail", resp.text)
@@ -169,12 +179,14 @@ class PhalanxClient:
             raise PhalanxError(message, resp.status_code, detail)
         return resp
 
-    def pages(self, path: str, key: str, limit: int = 500) -> list[dict[str, Any]]:
+    def pages(self, path: str, key: str, limit: int = 500,
+              params: dict[str, str] | None = None) -> list[dict[str, Any]]:
         """Every item of a paged list (`{"items", "next_offset"}`), following the offsets."""
         items: list[dict[str, Any]] = []
         offset: int | None = 0
         while offset is not None:
-            data = self.json("GET", path, params={"limit": limit, "offset": offset})
+            data = self.json("GET", path,
+                             params={**(params or {}), "limit": limit, "offset": offset})
             items.extend(_items(data, key))
             nxt = data.get("next_offset") if isinstance(data, dict) else None
             offset = nxt if isinstance(nxt, int) and nxt > offset else None
@@ -194,8 +206,12 @@ class PhalanxClient:
         return self.json("GET", "/healthz")
 
     # -- devices
-    def devices(self) -> list[dict[str, Any]]:
-        return self.pages("/v1/devices", "devices")
+    def devices(self, selector: str | None = None,
+                state: str | None = None) -> list[dict[str, Any]]:
+        """Devices whose labels match `selector` (Kubernetes syntax) and whose state is one of
+        `state` (comma-separated), filtered by the server."""
+        params = {k: v for k, v in (("selector", selector), ("state", state)) if v}
+        return self.pages("/v1/devices", "devices", params=params)
 
     def device(self, device_id: str) -> dict[str, Any]:
         return self.json("GET", f"/v1/devices/{device_id}")
@@ -224,8 +240,18 @@ class PhalanxClient:
     def submit_job(self, spec: dict[str, Any]) -> dict[str, Any]:
         return self.json("POST", "/v1/jobs", json=spec)
 
-    def jobs(self) -> list[dict[str, Any]]:
-        return self.pages("/v1/jobs", "jobs")
+    def jobs(self, state: str | None = None) -> list[dict[str, Any]]:
+        return self.pages("/v1/jobs", "jobs", params={"state": state} if state else None)
+
+    def tokens(self) -> list[dict[str, Any]]:
+        return self.pages("/v1/tokens", "tokens")
+
+    def enrollment_tokens(self) -> list[dict[str, Any]]:
+        return self.pages("/v1/enrollment-tokens", "tokens")
+
+    def revoke_token(self, token_id: str, enrollment: bool = False) -> dict[str, Any]:
+        kind = "enrollment-tokens" if enrollment else "tokens"
+        return self.json("DELETE", f"/v1/{kind}/{token_id}")
 
     def job(self, job_id: str) -> dict[str, Any]:
         return self.json("GET", f"/v1/jobs/{job_id}")

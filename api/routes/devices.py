@@ -20,6 +20,7 @@ from api.schemas.devices import (
     TelemetrySampleRead,
 )
 from api.store import devices, events, lifecycle, tokens
+from api.store.selectors import parse_selector
 
 router = APIRouter(prefix="/v1/devices", tags=["devices"], responses=errors(401, 403, 422))
 
@@ -87,10 +88,11 @@ async def send_heartbeat(device_id: str, request: Request):
 
 @router.get("", response_model=Page[DeviceRead])
 def list_devices(_: UserDep, session: SessionDep, state: str | None = None,
-                 selector: str | None = Query(None, description="labels, e.g. rack=a,zone=b"),
+                 selector: str | None = Query(None, description="labels as Kubernetes writes "
+                                              "them: rack=a,zone!=b,gpu in (x,y),!spare"),
                  limit: int = Limit, offset: int = Offset):
     rows = devices.list_devices(session, states=devices.parse_states(state),
-                                selector=devices.parse_selector(selector), limit=limit,
+                                selector=parse_selector(selector), limit=limit,
                                 offset=offset)
     return page_of(list(rows), limit, offset)
 

@@ -13,6 +13,7 @@ from api.errors import Invalid
 from api.store import events, tokens
 from api.store.lifecycle import READY, STATES, get_device
 from api.store.models import Device, TelemetrySample
+from api.store.selectors import Requirement, sql_conditions
 
 
 def register_device(session: Session, *, enrollment_secret: str, name: str,
@@ -42,19 +43,6 @@ def register_device(session: Session, *, enrollment_secret: str, name: str,
     return device, secret
 
 
-def parse_selector(selector: str | None) -> dict[str, str]:
-    """`rack=a,zone=b` -> {"rack": "a", "zone": "b"} (label equality, all must match)."""
-    if not selector:
-        return {}
-    wanted: dict[str, str] = {}
-    for term in selector.split(","):
-        key, sep, value = term.partition("=")
-        if not sep or not key.strip():
-            raise Invalid("selector", f"selector term {term!r} is not key=value", where="query")
-        wanted[key.strip()] = value.strip()
-    return wanted
-
-
 def parse_states(state: str | None) -> list[str]:
     if not state:
         return []
@@ -66,14 +54,14 @@ def parse_states(state: str | None) -> list[str]:
     return states
 
 
-def list_devices(session: Session, *, states: list[str], selector: dict[str, str],
+def list_devices(session: Session, *, states: list[str], selector: list[Requirement],
                  limit: int, offset: int) -> Sequence[Device]:
     """One query, whatever the page size (no N+1); `limit + 1` rows say if a next page exists."""
     query = select(Device).order_by(Device.created, Device.id)
     if states:
         query = query.where(Device.state.in_(states))
-    for key, value in selector.items():
-        query = query.where(Device.labels[key].as_string() == value)
+    for condition in sql_conditions(selector, Device.labels):
+        query = query.where(condition)
     return session.scalars(query.limit(limit + 1).offset(offset)).all()
 
 

@@ -68,10 +68,14 @@ def sim(
 ) -> None:
     """Many lightweight simulated phones in one process against a real server."""
     from phalanx.cli.user_cmds import parse_labels, read_spec
-    from phalanx.client import resolve_target
+    from phalanx.client import PhalanxError, resolve_target
     from phalanx.sim.fleet import FleetOptions, FleetStats, run_fleet
 
-    target = resolve_target(server, token)
+    try:
+        target = resolve_target(server, token)
+    except PhalanxError as exc:
+        err.print(f"[red]error:[/red] {exc}", highlight=False)
+        raise typer.Exit(2) from None
     opts = FleetOptions(server=target.server, phones=phones, duration_s=duration,
                         interval_s=interval, enroll_token=enroll_token,
                         admin_token=target.token, concurrency=concurrency,

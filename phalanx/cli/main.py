@@ -2,24 +2,37 @@
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import typer
 
+from phalanx import __version__
 from phalanx.cli import demo_cmd, server_cmd, train_cmd, user_cmds, worker_cmd
 
 app = typer.Typer(
     name="phalanx",
     help="Phalanx: a cluster manager that turns racks of Android phones into a training cluster.",
     no_args_is_help=True,
-    add_completion=False,
 )
+
+
+def _print_version(asked: bool) -> None:
+    if asked:
+        typer.echo(__version__)
+        raise typer.Exit()
+
+
+@app.callback()
+def main(version: Annotated[bool, typer.Option(
+        "--version", callback=_print_version, is_eager=True,
+        help="print the version and exit")] = False) -> None:
+    """Phalanx: a cluster manager that turns racks of Android phones into a training cluster."""
 
 
 
 @app.command()
 def version() -> None:
     """Print the Phalanx version."""
-    from phalanx import __version__
-
     typer.echo(__version__)
 
 

@@ -8,6 +8,7 @@ or JSON with `-o json`. A server error is one line on stderr and exit status 1.
 from __future__ import annotations
 
 import enum
+import inspect
 import io
 import json
 import time
@@ -22,8 +23,10 @@ from rich.console import Console
 from rich.live import Live
 
 from phalanx.client import (
+    NoServer,
     PhalanxClient,
     PhalanxError,
+    Unreachable,
     install_line,
     resolve_target,
     save_config,
@@ -36,36 +39,56 @@ err = Console(stderr=True)
 
 class Output(str, enum.Enum):
     table = "table"
+    wide = "wide"  # the table with more columns
     json = "json"
+    yaml = "yaml"
+
+
+# exit codes a script can tell apart (2 is a usage error, typer's own)
+EXIT_ERROR = 1  # the server answered with a refusal or an error
+EXIT_UNREACHABLE = 3  # no answer: the server is down, unreachable or too slow
+EXIT_JOB_FAILED = 4  # the watched job ended Failed or Cancelled
 
 
 ServerOpt = Annotated[Optional[str], typer.Option(
     "--server", "-s", envvar="PHALANX_SERVER", help="control plane URL (default: from login)")]
 TokenOpt = Annotated[Optional[str], typer.Option(
     "--token", envvar="PHALANX_TOKEN", help="bearer token (default: from login)")]
-OutputOpt = Annotated[Output, typer.Option("--output", "-o", help="table or json")]
+OutputOpt = Annotated[Output, typer.Option("--output", "-o", help="table, wide, json or yaml")]
 IdArg = Annotated[str, typer.Argument(help="the object's id")]
 
 
-def fail(message: str) -> None:
+def fail(message: str, code: int = EXIT_ERROR) -> None:
     err.print(f"[red]error:[/red] {message}", highlight=False, soft_wrap=True)
-    raise typer.Exit(1)
+    raise typer.Exit(code)
 
 
 @contextmanager
 def connect(server: str | None, token: str | None) -> Iterator[PhalanxClient]:
-    """A client for the resolved target; a PhalanxError anywhere inside is one line, exit 1."""
-    target = resolve_target(server, token)
+    """A client for the resolved target; a PhalanxError anywhere inside is one line and its
+    exit code (no server configured: 2; no answer: 3; a refusal: 1)."""
     try:
+        target = resolve_target(server, token)
         with PhalanxClient.from_target(target) as client:
             yield client
+    except NoServer as exc:
+        fail(str(exc), 2)
+    except Unreachable as exc:
+        fail(str(exc), EXIT_UNREACHABLE)
     except PhalanxError as exc:
         fail(str(exc))
 
 
-def emit(data: Any, output: Output, table: Callable[[Any], Any]) -> None:
+def emit(data: Any, output: Output, table: Callable[..., Any]) -> None:
+    """`data` as asked: JSON or YAML as the API gave it, or `table` (wide: with its extra
+    columns, where the table has them)."""
     if output is Output.json:
         typer.echo(json.dumps(data, indent=2, sort_keys=True, default=str))
+    elif output is Output.yaml:
+        typer.echo(yaml.safe_dump(json.loads(json.dumps(data, default=str)), sort_keys=False,
+                                  allow_unicode=True), nl=False)
+    elif output is Output.wide and "wide" in inspect.signature(table).parameters:
+        out.print(table(data, wide=True))
     else:
         out.print(table(data))
 
@@ -113,12 +136,19 @@ def login(server: Annotated[str, typer.Option("--server", "-s", envvar="PHALANX_
 devices_app = typer.Typer(help="List, inspect and manage phones.", no_args_is_help=True)
 
 
+SelectorOpt = Annotated[Optional[str], typer.Option(
+    "--selector", "-l", help="labels, as kubectl: rack=a,zone!=b,gpu in (x,y),!spare")]
+
+
 @devices_app.command("ls")
-def devices_ls(server: ServerOpt = None, token: TokenOpt = None,
+def devices_ls(selector: SelectorOpt = None,
+               state: Annotated[Optional[str], typer.Option(
+                   help="only these states, comma-separated (Ready,NotReady,...)")] = None,
+               server: ServerOpt = None, token: TokenOpt = None,
                output: OutputOpt = Output.table) -> None:
-    """List devices with their state and latest telemetry."""
+    """List devices with their state and latest telemetry (filtered by the server)."""
     with connect(server, token) as client:
-        devices = client.devices()
+        devices = client.devices(selector=selector, state=state)
     emit(devices, output, view.device_table)
 
 
@@ -162,7 +192,46 @@ def devices_rm(device_id: IdArg, server: ServerOpt = None, token: TokenOpt = Non
 
 # -- tokens -----------------------------------------------------------------------------------
 
-tokens_app = typer.Typer(help="Create user and enrollment tokens (admin).", no_args_is_help=True)
+tokens_app = typer.Typer(help="Create, list and revoke tokens (admin).", no_args_is_help=True)
+
+
+def _token_table(items: list[dict[str, Any]]) -> Any:
+    from rich.table import Table
+
+    table = Table(header_style="bold")
+    for col in ("ID", "KIND", "NAME", "DEVICE", "USES", "EXPIRES", "STATE", "AGE"):
+        table.add_column(col, no_wrap=True)
+    for t in items:
+        uses = (f"{t['uses']}/{t['max_uses'] or '∞'}" if "uses" in t else "-")
+        table.add_row(view.dash(t.get("id")), t.get("kind", "enrollment"),
+                      view.dash(t.get("name") or t.get("description")),
+                      view.dash(t.get("device_id")), uses, view.dash(t.get("expires_at")),
+                      "revoked" if t.get("revoked") else "active", view.ago(t.get("created")))
+    return table
+
+
+@tokens_app.command("ls")
+def tokens_ls(
+    enroll: Annotated[bool, typer.Option("--enroll", help="enrollment tokens instead")] = False,
+    server: ServerOpt = None, token: TokenOpt = None, output: OutputOpt = Output.table,
+) -> None:
+    """List API tokens (admin, user, device) or, with --enroll, enrollment tokens. Secrets
+    are never shown again."""
+    with connect(server, token) as client:
+        items = client.enrollment_tokens() if enroll else client.tokens()
+    emit(items, output, _token_table)
+
+
+@tokens_app.command("revoke")
+def tokens_revoke(
+    token_id: Annotated[str, typer.Argument(help="tok-... or enr-...")],
+    server: ServerOpt = None, token: TokenOpt = None,
+) -> None:
+    """Revoke a token now: an API token stops working at once, an enrollment token enrolls
+    no more phones."""
+    with connect(server, token) as client:
+        client.revoke_token(token_id, enrollment=token_id.startswith("enr-"))
+    out.print(f"{token_id} revoked", highlight=False)
 
 
 @tokens_app.command("create")
@@ -245,11 +314,13 @@ def jobs_submit(
 
 
 @jobs_app.command("ls")
-def jobs_ls(server: ServerOpt = None, token: TokenOpt = None,
+def jobs_ls(state: Annotated[Optional[str], typer.Option(
+                help="only these states, comma-separated (Pending,Running,...)")] = None,
+            server: ServerOpt = None, token: TokenOpt = None,
             output: OutputOpt = Output.table) -> None:
-    """List jobs with their progress and metrics."""
+    """List jobs with their progress and metrics (a user sees their own)."""
     with connect(server, token) as client:
-        jobs = client.jobs()
+        jobs = client.jobs(state=state)
     emit(jobs, output, view.job_table)
 
 
@@ -319,7 +390,7 @@ def watch_job(client: PhalanxClient, job_id: str, poll_s: float = 1.0) -> dict[s
 
 @jobs_app.command("watch")
 def jobs_watch(job_id: IdArg, server: ServerOpt = None, token: TokenOpt = None) -> None:
-    """Live progress until the job ends; exit 0 only when it Succeeded."""
+    """Live progress until the job ends; exit 0 when it Succeeded, 4 when it did not."""
     with connect(server, token) as client:
         job = watch_job(client, job_id)
     line = f"{job_id} {job.get('state')}"
@@ -330,7 +401,7 @@ def jobs_watch(job_id: IdArg, server: ServerOpt = None, token: TokenOpt = None) 
         line += f" (val accuracy {acc:.2%})"
     out.print(line, highlight=False)
     if job.get("state") != "Succeeded":
-        raise typer.Exit(1)
+        raise typer.Exit(EXIT_JOB_FAILED)
 
 
 # -- datasets ---------------------------------------------------------------------------------

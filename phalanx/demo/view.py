@@ -85,14 +85,18 @@ def shard_cell(shards: dict[str, int | None] | None, device_id: Any) -> str:
 
 def device_table(devices: list[dict[str, Any]], shards: dict[str, int | None] | None = None,
                  notes: dict[str, str] | None = None, title: str | None = None,
-                 show_id: bool = True, arch: str | None = None) -> Table:
-    """One row per device; with `arch`, the speed the agent measured for that model."""
+                 show_id: bool = True, arch: str | None = None, wide: bool = False) -> Table:
+    """One row per device; with `arch`, the speed the agent measured for that model; `wide`
+    adds the labels and the agent's version."""
     table = Table(title=title, title_justify="left", header_style="bold")
     cols = ["ID", "NAME", "STATE", "MODEL", "BATTERY", "TEMP", "FREQ", "SHARDS", "SEEN"]
     if arch:
         cols.insert(-1, "SAMPLES/S")
     for col in cols if show_id else cols[1:]:
         table.add_column(col, no_wrap=True)
+    if wide:
+        for col in ("LABELS", "AGENT"):
+            table.add_column(col)
     if notes is not None:
         table.add_column("NOTE")
     for dev in devices:
@@ -117,6 +121,10 @@ def device_table(devices: list[dict[str, Any]], shards: dict[str, int | None] | 
             row.insert(-1, dash(measured.get("samples_per_s"), "{:,.0f}"))
         if show_id:
             row.insert(0, dash(dev.get("id")))
+        if wide:
+            labels = dev.get("labels") or {}
+            row += [",".join(f"{k}={v}" for k, v in sorted(labels.items())) or "-",
+                    dash(dev.get("agent_version"))]
         if notes is not None:
             row.append(notes.get(str(dev.get("id")), ""))
         table.add_row(*row)
@@ -131,17 +139,23 @@ def metric(job: dict[str, Any], *names: str) -> float | None:
     return None
 
 
-def job_table(jobs: list[dict[str, Any]]) -> Table:
+def job_table(jobs: list[dict[str, Any]], wide: bool = False) -> Table:
+    """One row per job; `wide` adds its priority, model, dataset and why it waits or ended."""
     table = Table(header_style="bold")
-    for col in ("ID", "NAME", "OWNER", "STATE", "STEP", "LOSS", "VAL ACC", "DEVICES", "AGE"):
-        table.add_column(col, no_wrap=True)
+    cols = ["ID", "NAME", "OWNER", "STATE", "STEP", "LOSS", "VAL ACC", "DEVICES", "AGE"]
+    for col in cols + (["PRIORITY", "MODEL", "DATASET", "REASON"] if wide else []):
+        table.add_column(col, no_wrap=col != "REASON")
     for job in jobs:
-        table.add_row(dash(job.get("id")), dash(job.get("name")), job.get("owner") or "(admin)",
-                      styled(job.get("state")),
-                      f"{job.get('step', 0)}/{job.get('total_steps', '?')}",
-                      dash(metric(job, "train_loss"), "{:.4f}"),
-                      dash(metric(job, "val_accuracy"), "{:.2%}"),
-                      str(len(shards_by_device(job))), ago(job.get("created")))
+        row = [dash(job.get("id")), dash(job.get("name")), job.get("owner") or "(admin)",
+               styled(job.get("state")), f"{job.get('step', 0)}/{job.get('total_steps', '?')}",
+               dash(metric(job, "train_loss"), "{:.4f}"),
+               dash(metric(job, "val_accuracy"), "{:.2%}"),
+               str(len(shards_by_device(job))), ago(job.get("created"))]
+        if wide:
+            spec = job.get("spec") or {}
+            row += [str(job.get("priority", 0)), dash((spec.get("model") or {}).get("arch")),
+                    dash(spec.get("dataset")), dash(job.get("reason"))]
+        table.add_row(*row)
     return table
 
 

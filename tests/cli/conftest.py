@@ -61,9 +61,9 @@ def cli(shared_server: LiveServer, tmp_path: Path) -> Cli:
     return Cli(shared_server, tmp_path / "cli" / "config.json")
 
 
-def one_line_error(result: Result) -> str:
-    """A failed command: exit 1, nothing on stdout, exactly one line on stderr."""
-    assert result.exit_code == 1, result.output
+def one_line_error(result: Result, code: int = 1) -> str:
+    """A failed command: exit `code`, nothing on stdout, exactly one line on stderr."""
+    assert result.exit_code == code, result.output
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1, result.stderr
     assert lines[0].startswith("error: ")

@@ -68,9 +68,22 @@ def test_a_bad_token_is_one_clear_line_and_exit_1(cli: Cli) -> None:
     assert "401" in line
 
 
-def test_an_unreachable_server_is_one_clear_line(cli: Cli) -> None:
-    line = one_line_error(cli("jobs", "ls", server="http://127.0.0.1:9"))
+def test_an_unreachable_server_is_one_clear_line_and_exit_3(cli: Cli) -> None:
+    line = one_line_error(cli("jobs", "ls", server="http://127.0.0.1:9"), code=3)
     assert "cannot reach http://127.0.0.1:9" in line
+
+
+def test_no_server_configured_says_to_log_in_instead_of_trying_localhost(cli: Cli) -> None:
+    line = one_line_error(cli("devices", "ls", server=None), code=2)
+    assert "no server configured: run `phalanx login" in line
+
+
+def test_version_flag_and_shell_completion(cli: Cli) -> None:
+    from phalanx import __version__
+
+    assert cli("--version").stdout.strip() == __version__
+    script = cli("--show-completion", env={"SHELL": "/bin/bash"})
+    assert script.exit_code == 0 and "complete" in script.stdout
 
 
 # -- tokens -------------------------------------------------------------------------------------
@@ -161,7 +174,7 @@ def test_submit_ls_describe_events_cancel(cli: Cli, tmp_path: Path) -> None:
     assert reasons[0] == "Submitted" and reasons[-1] == "Cancelled", reasons
     assert "409" in one_line_error(cli("jobs", "cancel", job_id))
     watched = cli("jobs", "watch", job_id)
-    assert watched.exit_code == 1 and "Cancelled" in watched.stdout
+    assert watched.exit_code == 4 and "Cancelled" in watched.stdout  # 4: the job did not succeed
     events = cli.json("jobs", "events", job_id)
     assert any("ancel" in (e["reason"] + e["message"]) for e in events)
 
@@ -269,3 +282,46 @@ def test_watch_follows_a_job_to_success_and_checkpoint_downloads_its_weights(
     assert cli.json("jobs", "describe", submitted["id"])["state"] == "Succeeded"
     fleet.join(timeout=60)  # it stops by itself once the job has ended
     assert not fleet.is_alive()
+
+
+def test_reads_filter_on_the_server_and_print_yaml_and_wide(cli: Cli, register_device,
+                                                            tmp_path: Path) -> None:
+    register_device("rack-a-1", {"row": "a", "zone": "1"})  # (the enrollment says rack=a)
+    register_device("rack-b-1", {"row": "b", "zone": "1"})
+    register_device("spare", {"spare": "yes"})
+
+    def names(*args: str) -> list[str]:
+        return sorted(d["name"] for d in cli.json("devices", "ls", *args)
+                      if d["name"] in ("rack-a-1", "rack-b-1", "spare"))
+
+    assert names("-l", "row=a") == ["rack-a-1"]
+    assert names("-l", "row!=a") == ["rack-b-1", "spare"]
+    assert names("-l", "row in (a,b),zone=1") == ["rack-a-1", "rack-b-1"]
+    assert names("-l", "!row") == ["spare"]
+    assert names("--state", "Ready", "-l", "zone") == ["rack-a-1", "rack-b-1"]
+    assert "selector" in one_line_error(cli("devices", "ls", "-l", "row=~a"))
+    listed = yaml.safe_load(cli("devices", "ls", "-l", "spare", "-o", "yaml").stdout)
+    assert [d["name"] for d in listed] == ["spare"] and listed[0]["labels"] == {"rack": "a", "spare": "yes"}
+    wide = cli("devices", "ls", "-l", "row=a", "-o", "wide").stdout
+    assert "LABELS" in wide and "rack=a,row=a,zone=1" in wide
+    pending = cli.json("jobs", "submit", "-f", str(write_spec(tmp_path, SMALL_JOB)))
+    assert pending["id"] in {j["id"] for j in cli.json("jobs", "ls", "--state", "Pending")}
+    assert pending["id"] not in {j["id"] for j in cli.json("jobs", "ls", "--state", "Running")}
+    assert "PRIORITY" in cli("jobs", "ls", "-o", "wide").stdout
+
+
+def test_tokens_are_listed_without_secrets_and_revoked(cli: Cli) -> None:
+    secret = cli("tokens", "create", "--user", "--name", "bob").stdout.strip()
+    listed = cli.json("tokens", "ls")
+    bob = next(t for t in listed if t["name"] == "bob")
+    assert bob["kind"] == "user" and not bob["revoked"] and secret not in json.dumps(listed)
+    assert "bob" in cli("tokens", "ls").stdout
+    assert cli("tokens", "revoke", bob["id"]).exit_code == 0
+    assert next(t for t in cli.json("tokens", "ls") if t["id"] == bob["id"])["revoked"]
+    assert "401" in one_line_error(cli("jobs", "ls", token=secret))
+    cli("tokens", "create", "--enroll", "--name", "rack c")
+    enrollments = cli.json("tokens", "ls", "--enroll")
+    rack_c = next(t for t in enrollments if t.get("description") == "rack c")
+    assert cli("tokens", "revoke", rack_c["id"]).exit_code == 0
+    assert next(t for t in cli.json("tokens", "ls", "--enroll")
+                if t["id"] == rack_c["id"])["revoked"]
