@@ -220,6 +220,13 @@ class PhalanxClient:
         """`cordon`, `uncordon` or `drain`."""
         return self.json("POST", f"/v1/devices/{device_id}/{action}")
 
+    def label_device(self, device_id: str, labels: dict[str, str | None]) -> dict[str, Any]:
+        """Set labels (a value) or remove them (None): a merge patch."""
+        return self.json("PATCH", f"/v1/devices/{device_id}", json={"labels": labels})
+
+    def device_events(self, device_id: str) -> list[dict[str, Any]]:
+        return self.pages(f"/v1/devices/{device_id}/events", "events")
+
     def delete_device(self, device_id: str) -> dict[str, Any]:
         return self.json("DELETE", f"/v1/devices/{device_id}")
 

@@ -11,6 +11,7 @@ from api.deps import BEARER, AdminDep, ClockDep, DeviceDep, SessionDep, Settings
 from api.fast_path import heartbeat_reply
 from api.schemas.common import EventRead, Limit, Offset, Page, errors, page_of
 from api.schemas.devices import (
+    DevicePatch,
     DeviceRead,
     DeviceRegister,
     DeviceRegistered,
@@ -108,6 +109,14 @@ def _admin_change(change, device_id: str, request: Request, session, clock):
     if changed:
         request.app.state.scheduler_hooks.device_changed(device_id)
     return device
+
+
+@router.patch("/{device_id}", response_model=DeviceRead)
+def patch_device(device_id: str, body: DevicePatch, _: AdminDep, request: Request,
+                 session: SessionDep, clock: ClockDep):
+    """Set or remove labels (a JSON merge patch: null removes); placement sees them at once."""
+    return _admin_change(lambda s, d, now: devices.relabel(s, d, body.labels, now), device_id,
+                         request, session, clock)
 
 
 @router.post("/{device_id}/cordon", response_model=DeviceRead)

@@ -7,7 +7,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from api.schemas.common import Labels, ReadModel, RequestModel
+from api.schemas.common import Labels, ReadModel, RequestModel, check_labels
 from api.store.states import DeviceState
 
 MAX_SAMPLES_PER_HEARTBEAT = 1000
@@ -123,3 +123,16 @@ class TelemetrySampleRead(ReadModel):
     cpu_freq_mhz: float | None
     throttled: bool | None
     busy: bool | None
+
+
+class DevicePatch(RequestModel):
+    """A JSON merge patch of a device's labels: a value sets the label, null removes it."""
+
+    labels: dict[str, str | None] = Field(
+        description="label -> new value, or null to remove it", examples=[{"rack": "b", "spare": None}])
+
+    @field_validator("labels")
+    @classmethod
+    def _valid(cls, labels: dict[str, str | None]) -> dict[str, str | None]:
+        check_labels({k: v or "" for k, v in labels.items()})
+        return labels

@@ -65,6 +65,35 @@ def list_devices(session: Session, *, states: list[str], selector: list[Requirem
     return session.scalars(query.limit(limit + 1).offset(offset)).all()
 
 
+MAX_LABELS = 64  # as api.schemas.common.check_labels allows in one request
+
+
+def relabel(session: Session, device_id: str, patch: dict[str, str | None],
+            now: dt.datetime) -> tuple[Device, bool]:
+    """Apply a merge patch to the labels (None removes one); an event says what changed."""
+    device = get_device(session, device_id, for_update=True)
+    labels = dict(device.labels or {})
+    for key, value in patch.items():
+        if value is None:
+            labels.pop(key, None)
+        else:
+            labels[key] = value
+    if len(labels) > MAX_LABELS:
+        raise Invalid("labels", f"a device has at most {MAX_LABELS} labels, this would make "
+                      f"{len(labels)}")
+    changed = labels != (device.labels or {})
+    if changed:
+        before = device.labels or {}
+        device.labels = labels
+        diff = sorted(set(before) | set(labels))
+        events.record(session, "Relabeled", ", ".join(
+            f"{k}={labels[k]}" if k in labels else f"{k}-" for k in diff
+            if before.get(k) != labels.get(k)), now=now, device_id=device_id,
+            data={"labels": labels})
+        session.flush()
+    return device, changed
+
+
 def delete_device(session: Session, device_id: str, now: dt.datetime) -> Device:
     """Revoke the device's tokens, then delete it (its assignments and samples cascade)."""
     device = get_device(session, device_id, for_update=True)

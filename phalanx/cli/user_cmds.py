@@ -140,25 +140,84 @@ SelectorOpt = Annotated[Optional[str], typer.Option(
     "--selector", "-l", help="labels, as kubectl: rack=a,zone!=b,gpu in (x,y),!spare")]
 
 
+WatchOpt = Annotated[bool, typer.Option("--watch", "-w", help="redraw every --interval s "
+                                        "until Ctrl-C")]
+IntervalOpt = Annotated[float, typer.Option(min=0.2, help="seconds between redraws")]
+
+
+def watched(fetch: Callable[[], Any], output: Output, table: Callable[..., Any],
+            watch: bool, interval: float) -> None:
+    """Print once, or with --watch redraw the table in place (JSON/YAML: one document per
+    change) until interrupted."""
+    if not watch:
+        emit(fetch(), output, table)
+        return
+    last: Any = None
+    try:
+        if output in (Output.table, Output.wide):
+            with Live(console=out, refresh_per_second=4, auto_refresh=False) as live:
+                while True:
+                    data = fetch()
+                    live.update(table(data, wide=True) if output is Output.wide
+                                and "wide" in inspect.signature(table).parameters
+                                else table(data), refresh=True)
+                    time.sleep(interval)
+        while True:
+            data = fetch()
+            if data != last:
+                emit(data, output, table)
+                last = data
+            time.sleep(interval)
+    except KeyboardInterrupt:
+        return
+
+
 @devices_app.command("ls")
 def devices_ls(selector: SelectorOpt = None,
                state: Annotated[Optional[str], typer.Option(
                    help="only these states, comma-separated (Ready,NotReady,...)")] = None,
+               watch: WatchOpt = False, interval: IntervalOpt = 2.0,
                server: ServerOpt = None, token: TokenOpt = None,
                output: OutputOpt = Output.table) -> None:
     """List devices with their state and latest telemetry (filtered by the server)."""
     with connect(server, token) as client:
-        devices = client.devices(selector=selector, state=state)
-    emit(devices, output, view.device_table)
+        watched(lambda: client.devices(selector=selector, state=state), output,
+                view.device_table, watch, interval)
 
 
 @devices_app.command("describe")
 def devices_describe(device_id: IdArg, server: ServerOpt = None, token: TokenOpt = None,
                      output: OutputOpt = Output.table) -> None:
-    """Everything the control plane knows about one device."""
+    """Everything the control plane knows about one device, then its last 10 events."""
     with connect(server, token) as client:
         device = client.device(device_id)
+        events = client.device_events(device_id) if output is Output.table else []
     emit(device, output, describe)
+    if events:
+        out.print("Events:")
+        out.print(view.event_table(events[-10:]))
+
+
+@devices_app.command("label")
+def devices_label(
+    device_id: IdArg,
+    changes: Annotated[list[str], typer.Argument(help="k=v sets a label, k- removes it")],
+    server: ServerOpt = None, token: TokenOpt = None, output: OutputOpt = Output.table,
+) -> None:
+    """Set and remove a device's labels, as kubectl label does (admin)."""
+    patch: dict[str, str | None] = {}
+    for change in changes:
+        if change.endswith("-") and "=" not in change:
+            patch[change[:-1]] = None
+        else:
+            patch.update(parse_labels([change]))
+    with connect(server, token) as client:
+        device = client.label_device(device_id, patch)
+    if output is Output.table:
+        labels = ",".join(f"{k}={v}" for k, v in sorted((device.get("labels") or {}).items()))
+        out.print(f"{device_id} labeled: {labels or '(none)'}", highlight=False)
+    else:
+        emit(device, output, describe)
 
 
 def _device_action(action: str, past: str) -> Callable[..., None]:
@@ -316,12 +375,12 @@ def jobs_submit(
 @jobs_app.command("ls")
 def jobs_ls(state: Annotated[Optional[str], typer.Option(
                 help="only these states, comma-separated (Pending,Running,...)")] = None,
+            watch: WatchOpt = False, interval: IntervalOpt = 2.0,
             server: ServerOpt = None, token: TokenOpt = None,
             output: OutputOpt = Output.table) -> None:
     """List jobs with their progress and metrics (a user sees their own)."""
     with connect(server, token) as client:
-        jobs = client.jobs(state=state)
-    emit(jobs, output, view.job_table)
+        watched(lambda: client.jobs(state=state), output, view.job_table, watch, interval)
 
 
 @jobs_app.command("describe")
@@ -338,12 +397,29 @@ def jobs_describe(job_id: IdArg, server: ServerOpt = None, token: TokenOpt = Non
 
 
 @jobs_app.command("events")
-def jobs_events(job_id: IdArg, server: ServerOpt = None, token: TokenOpt = None,
+def jobs_events(job_id: IdArg,
+                follow: Annotated[bool, typer.Option(
+                    "--follow", "-f", help="print new events as they come, until the job ends")] = False,
+                interval: IntervalOpt = 1.0,
+                server: ServerOpt = None, token: TokenOpt = None,
                 output: OutputOpt = Output.table) -> None:
     """What happened to a job: scheduling, shard moves, checkpoints, the end."""
     with connect(server, token) as client:
         events = client.job_events(job_id)
-    emit(events, output, view.event_table)
+        emit(events, output, view.event_table)
+        seen = {e.get("id") for e in events}
+        try:
+            while follow:
+                ended = client.job(job_id).get("state") in view.TERMINAL
+                new = [e for e in client.job_events(job_id) if e.get("id") not in seen]
+                if new:
+                    emit(new, output, view.event_table)
+                    seen.update(e.get("id") for e in new)
+                if ended:
+                    break
+                time.sleep(interval)
+        except KeyboardInterrupt:
+            pass
 
 
 @jobs_app.command("cancel")

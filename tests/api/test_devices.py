@@ -125,3 +125,25 @@ def test_telemetry_history_since(api):
                     params={"since": "1970-01-01T00:03:20Z"}).json()["items"]
     assert [s["power_w"] for s in since] == [2.0, 3.0]
     assert api.get(f"/v1/devices/{device['device_id']}/telemetry?since=yesterday").status_code == 422
+
+
+def test_an_admin_sets_and_removes_labels_with_a_merge_patch(api):
+    device = api.register("p", {"rack": "a", "spare": "yes"})
+    path = f"/v1/devices/{device['device_id']}"
+    patched = api.client.patch(path, json={"labels": {"rack": "b", "spare": None, "row": "3"}},
+                               headers=api.headers())
+    assert patched.status_code == 200, patched.text
+    assert patched.json()["labels"] == {"rack": "b", "row": "3"}
+    assert api.get("/v1/devices", params={"selector": "rack=b,!spare"}).json()["items"]
+    events = api.get(f"{path}/events").json()["items"]
+    relabeled = [e for e in events if e["reason"] == "Relabeled"]
+    assert len(relabeled) == 1 and relabeled[0]["message"] == "rack=b, row=3, spare-"
+    again = api.client.patch(path, json={"labels": {"rack": "b"}}, headers=api.headers())
+    assert again.status_code == 200 and len([e for e in api.get(f"{path}/events").json()["items"]
+                                             if e["reason"] == "Relabeled"]) == 1  # no change
+    bad = api.client.patch(path, json={"labels": {"bad key!": "x"}}, headers=api.headers())
+    assert bad.status_code == 422 and "label key" in bad.text
+    user = api.client.patch(path, json={"labels": {"rack": "c"}},
+                            headers=api.headers(api.user_token()))
+    assert user.status_code == 403
+    assert api.get(path).json()["labels"] == {"rack": "b", "row": "3"}

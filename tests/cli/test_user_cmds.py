@@ -325,3 +325,44 @@ def test_tokens_are_listed_without_secrets_and_revoked(cli: Cli) -> None:
     assert cli("tokens", "revoke", rack_c["id"]).exit_code == 0
     assert next(t for t in cli.json("tokens", "ls", "--enroll")
                 if t["id"] == rack_c["id"])["revoked"]
+
+
+def test_devices_label_describe_and_a_watched_list(cli: Cli, register_device,
+                                                   monkeypatch) -> None:
+    device_id = register_device("labelled", {"row": "1", "spare": "yes"})["device_id"]
+    done = cli("devices", "label", device_id, "row=2", "spare-")
+    assert done.exit_code == 0, done.output
+    assert "rack=a,row=2" in done.stdout
+    described = cli("devices", "describe", device_id)
+    assert "Relabeled" in described.stdout and "row=2, spare-" in described.stdout
+    # -w: a new document each time the list changes, until Ctrl-C
+    from phalanx.cli import user_cmds
+
+    naps = []
+
+    def nap(_: float) -> None:
+        naps.append(1)
+        if len(naps) == 1:
+            register_device("newcomer", {"row": "9"})
+        else:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(user_cmds.time, "sleep", nap)
+    watched = cli("devices", "ls", "-l", "row in (2,9)", "-w", "-o", "json")
+    assert watched.exit_code == 0, watched.output
+    docs = [json.loads(d) for d in watched.stdout.replace("]\n[", "]\x00[").split("\x00")]
+    assert [[d["name"] for d in doc] for doc in docs] == [["labelled"], ["labelled", "newcomer"]]
+
+
+def test_job_events_follow_until_the_job_ends(cli: Cli, tmp_path: Path, monkeypatch) -> None:
+    job_id = cli.json("jobs", "submit", "-f", str(write_spec(tmp_path, SMALL_JOB)))["id"]
+    from phalanx.cli import user_cmds
+
+    def nap(_: float) -> None:  # the job is cancelled while the command follows it
+        with cli.server.client() as admin:
+            admin.post(f"/v1/jobs/{job_id}/cancel")
+
+    monkeypatch.setattr(user_cmds.time, "sleep", nap)
+    followed = cli("jobs", "events", job_id, "-f")
+    assert followed.exit_code == 0, followed.output
+    assert "Submitted" in followed.stdout and "Cancelled" in followed.stdout
