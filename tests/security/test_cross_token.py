@@ -23,7 +23,8 @@ DEVICE_ONLY = {("post", "/v1/devices/{device_id}/heartbeat"), ("get", "/v1/devic
 ADMIN_ONLY = {("get", "/v1/enrollment-tokens"), ("post", "/v1/enrollment-tokens"),
               ("delete", "/v1/enrollment-tokens/{token_id}"), ("get", "/v1/tokens"),
               ("post", "/v1/tokens"), ("delete", "/v1/tokens/{token_id}"),
-              ("delete", "/v1/devices/{device_id}"), ("post", "/v1/devices/{device_id}/cordon"),
+              ("delete", "/v1/devices/{device_id}"), ("patch", "/v1/devices/{device_id}"),
+              ("post", "/v1/devices/{device_id}/cordon"),
               ("post", "/v1/devices/{device_id}/uncordon"),
               ("post", "/v1/devices/{device_id}/drain")}
 OWNED_JOB = {("get", "/v1/jobs/{job_id}"), ("post", "/v1/jobs/{job_id}/cancel"),
@@ -54,7 +55,7 @@ def ask(api, method: str, path: str, params: dict[str, str], token: str | None):
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     if method == "post" and path.endswith("/gradients"):
         return api.client.post(url, headers=headers, content=b"\0" * 64)
-    body = {"json": {}} if method == "post" else {}
+    body = {"json": {}} if method in ("post", "patch") else {}
     query = {"step": 0} if path.endswith("/weights") else {}
     return api.client.request(method.upper(), url, headers=headers, params=query, **body)
 
