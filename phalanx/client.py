@@ -67,31 +67,68 @@ def config_path() -> Path:
     return Path(base) / "phalanx" / "config.json"
 
 
+DEFAULT_CONTEXT = "default"
+
+
+@dataclass
+class Contexts:
+    """The login file, as kubeconfig keeps clusters: named contexts (server, token, CA) and
+    the current one. A file from before contexts (one server and token) reads as "default"."""
+
+    contexts: dict[str, dict[str, Any]]
+    current: str | None
+
+    @classmethod
+    def load(cls, path: Path | None = None) -> Contexts:
+        path = path or config_path()
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError:
+            return cls({}, None)
+        except (OSError, ValueError) as exc:
+            raise PhalanxError(f"cannot read {path}: {exc}") from exc
+        if not isinstance(data, dict):
+            return cls({}, None)
+        if "contexts" not in data:  # the flat file of one login
+            return cls({DEFAULT_CONTEXT: data}, DEFAULT_CONTEXT) if data else cls({}, None)
+        return cls(dict(data.get("contexts") or {}), data.get("current-context"))
+
+    def selected(self) -> dict[str, Any]:
+        """The context PHALANX_CONTEXT names, else the current one (empty: none)."""
+        name = os.environ.get("PHALANX_CONTEXT") or self.current
+        if name and os.environ.get("PHALANX_CONTEXT") and name not in self.contexts:
+            raise PhalanxError(f"no context {name!r} (phalanx config get-contexts lists them)")
+        return self.contexts.get(name or "", {})
+
+    def save(self, path: Path | None = None) -> Path:
+        """Written readable by its owner only (created 0600, never world-readable)."""
+        path = path or config_path()
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        tmp = path.with_name(f".{path.name}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            json.dump({"current-context": self.current, "contexts": self.contexts}, fh, indent=2)
+            fh.write("\n")
+        os.chmod(tmp, 0o600)
+        os.replace(tmp, path)
+        return path
+
+
 def load_config(path: Path | None = None) -> dict[str, Any]:
-    path = path or config_path()
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        return {}
-    except (OSError, ValueError) as exc:
-        raise PhalanxError(f"cannot read {path}: {exc}") from exc
-    return data if isinstance(data, dict) else {}
+    """The selected context's server, token and CA file."""
+    return Contexts.load(path).selected()
 
 
 def save_config(server: str, token: str, path: Path | None = None,
-                ca_file: str | None = None) -> Path:
-    """Write the login file readable by its owner only (created 0600, never world-readable)."""
-    path = path or config_path()
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    tmp = path.with_name(f".{path.name}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as fh:
-        json.dump({"server": server, "token": token, **({"ca_file": ca_file} if ca_file else {})},
-                  fh, indent=2)
-        fh.write("\n")
-    os.chmod(tmp, 0o600)
-    os.replace(tmp, path)
-    return path
+                ca_file: str | None = None, context: str | None = None) -> Path:
+    """Save a login as `context` (default: the current one, else "default") and make it the
+    current context."""
+    saved = Contexts.load(path)
+    name = context or saved.current or DEFAULT_CONTEXT
+    saved.contexts[name] = {"server": server, "token": token,
+                            **({"ca_file": ca_file} if ca_file else {})}
+    saved.current = name
+    return saved.save(path)
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from rich.console import Console
 from rich.live import Live
 
 from phalanx.client import (
+    Contexts,
     NoServer,
     PhalanxClient,
     PhalanxError,
@@ -118,6 +119,8 @@ def login(server: Annotated[str, typer.Option("--server", "-s", envvar="PHALANX_
           ca_file: Annotated[Optional[Path], typer.Option(
               "--ca-file", exists=True, dir_okay=False, envvar="PHALANX_CA_FILE",
               help="PEM CA of an https server with the lab's own certificate")] = None,
+          context: Annotated[Optional[str], typer.Option(
+              help="save as this context (default: the current one) and switch to it")] = None,
           ) -> None:
     """Save the server URL and token for later commands (a 0600 config file)."""
     ca = str(ca_file.resolve()) if ca_file else None
@@ -127,8 +130,52 @@ def login(server: Annotated[str, typer.Option("--server", "-s", envvar="PHALANX_
                 client.jobs()
         except PhalanxError as exc:
             fail(str(exc))
-    path = save_config(server.rstrip("/"), token, ca_file=ca)
+    path = save_config(server.rstrip("/"), token, ca_file=ca, context=context)
     out.print(f"Logged in to {server.rstrip('/')}; saved to {path}", highlight=False)
+
+
+config_app = typer.Typer(help="Contexts: the servers you have logged in to, as kubeconfig.",
+                         no_args_is_help=True)
+
+
+@config_app.command("get-contexts")
+def config_get_contexts(output: OutputOpt = Output.table) -> None:
+    """The saved contexts (never their tokens); * marks the current one."""
+    try:
+        saved = Contexts.load()
+    except PhalanxError as exc:
+        fail(str(exc))
+    rows = [{"current": name == saved.current, "name": name, "server": ctx.get("server"),
+             "ca_file": ctx.get("ca_file")} for name, ctx in sorted(saved.contexts.items())]
+
+    def table(items: list[dict[str, Any]]) -> Any:
+        from rich.table import Table
+
+        t = Table(header_style="bold")
+        for col in ("CURRENT", "NAME", "SERVER", "CA FILE"):
+            t.add_column(col, no_wrap=True)
+        for r in items:
+            t.add_row("*" if r["current"] else "", r["name"], view.dash(r["server"]),
+                      view.dash(r["ca_file"]))
+        return t
+
+    emit(rows, output, table)
+
+
+@config_app.command("use-context")
+def config_use_context(name: Annotated[str, typer.Argument(help="a saved context")]) -> None:
+    """Make a saved context the current one."""
+    try:
+        saved = Contexts.load()
+        if name not in saved.contexts:
+            known = ", ".join(sorted(saved.contexts)) or "none: run phalanx login --context"
+            fail(f"no context {name!r} (saved: {known})")
+        saved.current = name
+        saved.save()
+    except PhalanxError as exc:
+        fail(str(exc))
+    out.print(f"Switched to context {name!r} ({saved.contexts[name].get('server')})",
+              highlight=False)
 
 
 # -- devices ----------------------------------------------------------------------------------
@@ -542,4 +589,5 @@ def register(app: typer.Typer) -> None:
     app.add_typer(tokens_app, name="tokens")
     app.add_typer(jobs_app, name="jobs")
     app.add_typer(datasets_app, name="datasets")
+    app.add_typer(config_app, name="config")
 

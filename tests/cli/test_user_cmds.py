@@ -40,8 +40,9 @@ def test_login_saves_a_private_config_that_later_commands_use(cli: Cli) -> None:
                  server=None, token=None)
     assert result.exit_code == 0, result.output
     assert stat.S_IMODE(cli.config.stat().st_mode) == 0o600
-    assert json.loads(cli.config.read_text()) == {"server": cli.server.url,
-                                                  "token": cli.server.admin_token}
+    assert json.loads(cli.config.read_text()) == {
+        "current-context": "default",
+        "contexts": {"default": {"server": cli.server.url, "token": cli.server.admin_token}}}
     listed = cli("datasets", "ls", server=None, token=None)
     assert listed.exit_code == 0, listed.output
     assert "digits" in listed.stdout
@@ -366,3 +367,22 @@ def test_job_events_follow_until_the_job_ends(cli: Cli, tmp_path: Path, monkeypa
     followed = cli("jobs", "events", job_id, "-f")
     assert followed.exit_code == 0, followed.output
     assert "Submitted" in followed.stdout and "Cancelled" in followed.stdout
+
+
+def test_contexts_like_kubeconfig(cli: Cli) -> None:
+    cli.config.parent.mkdir(parents=True, exist_ok=True)
+    cli.config.write_text(json.dumps({"server": cli.server.url, "token": cli.server.admin_token}))
+    assert cli("jobs", "ls", server=None, token=None).exit_code == 0  # a file from before: "default"
+    done = cli("login", "--server", "http://127.0.0.1:9", "--token", "t", "--no-verify",
+               "--context", "far", server=None, token=None)
+    assert done.exit_code == 0, done.output
+    assert stat.S_IMODE(cli.config.stat().st_mode) == 0o600
+    contexts = cli.json("config", "get-contexts", server=None, token=None)
+    assert [(c["name"], c["current"]) for c in contexts] == [("default", False), ("far", True)]
+    assert "t" not in json.dumps(contexts).replace('"', " ").split()  # no token shown
+    assert one_line_error(cli("jobs", "ls", server=None, token=None), code=3)  # far is down
+    near = cli("jobs", "ls", server=None, token=None, env={"PHALANX_CONTEXT": "default"})
+    assert near.exit_code == 0, near.output
+    assert cli("config", "use-context", "default", server=None, token=None).exit_code == 0
+    assert cli("jobs", "ls", server=None, token=None).exit_code == 0
+    assert "no context 'moon'" in one_line_error(cli("config", "use-context", "moon"))
