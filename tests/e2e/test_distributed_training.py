@@ -157,7 +157,8 @@ def test_a_worker_killed_between_state_write_and_commit_loses_nothing(
 
         def mid_step() -> int | None:
             step = c.job(job_id)["step"]
-            return step if r.exists(f"job:{job_id}:state:{step + 1}") else None
+            # state t+1 written (under the applier's nonce), not yet named by a commit
+            return step if r.keys(f"job:{job_id}:state:{step + 1}:*") else None
 
         crashed_at = wait_for("apply_step to be inside its crash window", mid_step, every=0.05)
         first.kill()
