@@ -6,7 +6,7 @@
 #   (the control plane serves this script and /agent.tar.gz, the agent's sources, without auth;
 #   `phalanx tokens create --enroll` prints this line with both hashes filled in)
 #   bash deploy/termux/install.sh --server URL --token TOKEN [--name N] [--label k=v]... \
-#        [--source PIP-SPEC] [--sha256 HEX] [--torch] [--no-enroll]
+#        [--source PIP-SPEC] [--sha256 HEX] [--ca-file PEM] [--torch] [--no-enroll]
 #
 # What it does: pkg install python python-numpy termux-api termux-services (python-torch and
 # python-psutil on request / when available), pip install the agent (numpy comes from pkg:
@@ -14,7 +14,7 @@
 # agent when Android kills it, termux-wake-lock, and a Termux:Boot script.
 set -euo pipefail
 
-SERVER="" TOKEN="" NAME="" SOURCE="" SHA256="" TORCH=0 ENROLL=1
+SERVER="" TOKEN="" NAME="" SOURCE="" SHA256="" CA_FILE="" TORCH=0 ENROLL=1
 LABELS=()
 here="$(cd "$(dirname "${BASH_SOURCE[0]:-$0}")" 2>/dev/null && pwd || echo .)"
 
@@ -27,6 +27,7 @@ while [ $# -gt 0 ]; do
     --label) LABELS+=(--label "$2"); shift 2 ;;
     --source) SOURCE="$2"; shift 2 ;;
     --sha256) SHA256="$2"; shift 2 ;;
+    --ca-file) CA_FILE="$(cd "$(dirname "$2")" && pwd)/$(basename "$2")"; shift 2 ;;
     --torch) TORCH=1; shift ;;
     --no-enroll) ENROLL=0; shift ;;
     -h|--help) usage 0 ;;
@@ -67,7 +68,7 @@ if [ -n "$SHA256" ]; then  # the archive as downloaded must be the one the admin
   esac
   ARCHIVE="${TMPDIR:-$PREFIX/tmp}/phalanx-agent-$$.tar.gz"
   trap 'rm -f "$ARCHIVE"' EXIT
-  curl -fsSL "$SOURCE" -o "$ARCHIVE"
+  curl -fsSL ${CA_FILE:+--cacert "$CA_FILE"} "$SOURCE" -o "$ARCHIVE"
   if ! echo "$SHA256  $ARCHIVE" | sha256sum -c --status; then
     echo "install.sh: $SOURCE does not have sha256 $SHA256: not installed" >&2
     exit 3
@@ -82,7 +83,7 @@ fi
 
 echo "== agent from $SOURCE"
 # --no-deps: numpy (the only dependency) is the pkg build; pip would compile it from source
-pip install --no-deps --upgrade "$SOURCE"
+pip install --no-deps --upgrade ${CA_FILE:+--cert "$CA_FILE"} "$SOURCE"
 
 CONFIG="$HOME/.config/phalanx-agent/config.json"
 if [ "$ENROLL" = 1 ] && [ ! -f "$CONFIG" ]; then
@@ -93,6 +94,7 @@ if [ "$ENROLL" = 1 ] && [ ! -f "$CONFIG" ]; then
   echo "== enroll with $SERVER"
   args=(enroll --server "$SERVER" --token "$TOKEN" --config "$CONFIG" "${LABELS[@]}")
   [ -n "$NAME" ] && args+=(--name "$NAME")
+  [ -n "$CA_FILE" ] && args+=(--ca-file "$CA_FILE")  # the lab's own certificate
   phalanx-agent "${args[@]}"
 fi
 

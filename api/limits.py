@@ -86,7 +86,8 @@ class DeviceRate:
 
     def _level(self, device_id: str, now: float) -> float:
         tokens, at = self._buckets.get(device_id, (self.burst, now))
-        return min(self.burst, tokens + (now - at) * self.rate_s)
+        # a wall clock stepped back must not leave a device refused for that long
+        return min(self.burst, tokens + max(0.0, now - at) * self.rate_s)
 
     def wait_s(self, device_id: str) -> float:
         """Seconds until the device may send one more (0: now)."""

@@ -57,7 +57,8 @@ class Settings(BaseSettings):
     # older than this to get a new one (POST /v1/devices/{id}/token); the old one then works for
     # the grace period (requests in flight), and no longer
     device_token_max_age_s: float = Field(30 * 24 * 3600.0, gt=0)
-    device_token_rotation_grace_s: float = Field(600.0, ge=0)
+    # long enough for a phone whose answer was lost and that then slept (Doze) to ask again
+    device_token_rotation_grace_s: float = Field(24 * 3600.0, ge=0)
     # telemetry
     telemetry_retention_s: float = 7 * 24 * 3600.0
     # history kept per job (newest first) and for devices; pruned by reconcile once a minute

@@ -8,6 +8,7 @@ VERSION = "sched:version"  # bumped on any step or assignment change: wakes long
 PLACEMENT_LOCK = "sched:lock:placement"
 RECONCILE_ASKED = "sched:reconcile:asked"  # dedups API hooks' reconcile requests
 TELEMETRY_PRUNED = "sched:telemetry:pruned"  # set for PRUNE_EVERY_S after a prune: one per window
+HISTORY_PRUNED = "sched:history:pruned"  # the same for events and step metrics (less often)
 EVICTIONS = "sched:evictions"  # JSON list of recent NotReady eviction times (rate limit)
 
 
@@ -18,8 +19,11 @@ def peer_down(address: str) -> str:
 
 def state(job_id: str, step: int, nonce: str | None) -> str:
     """The state of `step` that the job's row names (`jobs.state_nonce`): each apply or restore
-    writes its own, and only the one whose commit won is ever read."""
-    return f"job:{job_id}:state:{step}:{nonce or '-'}"
+    writes its own, and only the one whose commit won is ever read. No nonce: the name before
+    nonces (a job running across the upgrade keeps its state)."""
+    if nonce is None:
+        return f"job:{job_id}:state:{step}"
+    return f"job:{job_id}:state:{step}:{nonce}"
 
 
 def new_nonce() -> str:

@@ -17,28 +17,33 @@ class RecentStates:
 
     def __init__(self, jobs: int = 16) -> None:
         self.jobs = jobs
-        self._states: dict[str, tuple[TrainState, bytes | memoryview | None]] = {}
+        # job -> (state, its nonce: the name the commit gave it, its weights message)
+        self._states: dict[str, tuple[TrainState, str | None, bytes | memoryview | None]] = {}
         self._lock = threading.Lock()
 
-    def remember(self, job_id: str, state: TrainState,
+    def remember(self, job_id: str, state: TrainState, nonce: str | None,
                  weights: bytes | memoryview | None = None) -> None:
-        """`weights`: the weights message of the same step, for the API of this process (a
-        replica that applied the step serves it without a Redis GET)."""
+        """`nonce`: the one the commit named the state by; `weights`: the weights message of
+        the same step, for the API of this process (a replica that applied the step serves it
+        without a Redis GET)."""
         with self._lock:
             self._states.pop(job_id, None)
-            self._states[job_id] = (state, weights)
+            self._states[job_id] = (state, nonce, weights)
             while len(self._states) > self.jobs:
                 self._states.pop(next(iter(self._states)))
 
-    def get(self, job_id: str, step: int) -> TrainState | None:
+    def get(self, job_id: str, step: int, nonce: str | None) -> TrainState | None:
+        """The state of `step` named `nonce`, if this process made it (a step reached again
+        after a rewind is another state, under another nonce)."""
         with self._lock:
-            state, _ = self._states.get(job_id, (None, None))
-        return state if state is not None and state.step == step else None
+            state, made, _ = self._states.get(job_id, (None, None, None))
+        return state if state is not None and state.step == step and made == nonce else None
 
-    def weights(self, job_id: str, step: int) -> bytes | memoryview | None:
+    def weights(self, job_id: str, step: int, nonce: str | None) -> bytes | memoryview | None:
         with self._lock:
-            state, weights = self._states.get(job_id, (None, None))
-        return weights if state is not None and state.step == step else None
+            state, made, weights = self._states.get(job_id, (None, None, None))
+        ok = state is not None and state.step == step and made == nonce
+        return weights if ok else None
 
 
 RECENT = RecentStates()

@@ -137,12 +137,16 @@ class InstallPins:
     archive: str
 
 
-def install_line(server: str, enroll_token: str, pins: InstallPins) -> str:
+def install_line(server: str, enroll_token: str, pins: InstallPins,
+                 ca_file: str | None = None) -> str:
     """The Termux one-liner: the script and the agent archive are checked against the hashes the
-    admin's CLI saw (a lab network in between cannot swap either)."""
-    return (f"curl -fsSLo install.sh {server}/install.sh && echo \"{pins.install_sh}  install.sh\" "
-            f"| sha256sum -c && bash install.sh --server {server} --token {enroll_token} "
-            f"--sha256 {pins.archive}")
+    admin's CLI saw (a lab network in between cannot swap either). `ca_file`: the server's
+    certificate is the lab's own, copied to the phone as `server.pem` beside the line."""
+    cacert = "--cacert server.pem " if ca_file else ""
+    ca = " --ca-file server.pem" if ca_file else ""
+    return (f"curl -fsSL {cacert}-o install.sh {server}/install.sh && echo \"{pins.install_sh}  "
+            f"install.sh\" | sha256sum -c && bash install.sh --server {server} --token "
+            f"{enroll_token} --sha256 {pins.archive}{ca}")
 
 
 @dataclass(frozen=True)
@@ -154,6 +158,8 @@ class Target:
 
 def resolve_target(server: str | None = None, token: str | None = None) -> Target:
     saved = load_config() if server is None or token is None else {}
+    if server and saved.get("server") and server.rstrip("/") != saved["server"].rstrip("/"):
+        saved = {}  # another server than the saved one: its token and CA are not for this one
     server = server or saved.get("server")
     if not server:
         raise NoServer("no server configured: run `phalanx login --server URL` (or pass "
@@ -182,6 +188,7 @@ class PhalanxClient:
                  ca_file: str | None = None) -> None:
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.server = server.rstrip("/")
+        self.ca_file = ca_file
         verify = ssl.create_default_context(cafile=ca_file) if ca_file else True
         self._http = httpx.Client(base_url=self.server, headers=headers, timeout=timeout_s,
                                   transport=transport, verify=verify)

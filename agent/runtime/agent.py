@@ -82,9 +82,20 @@ class AgentRuntime:
         between, the config's old token still works for the server's grace period, and the
         next heartbeat asks for a rotation again."""
         reply = self.client.rotate_token(self.config.device_id)
-        self.config.device_token = str(reply["device_token"])
-        save(self.config_path, self.config)
-        self.client.token = self.config.device_token
+        token = reply.get("device_token") if isinstance(reply, dict) else None
+        if not isinstance(token, str) or not token:
+            log.warning("token rotation answered without a token; the next heartbeat asks again")
+            return
+        previous = self.config.device_token
+        self.config.device_token = token
+        try:
+            save(self.config_path, self.config)
+        except OSError as exc:  # disk full: keep the old token (it works for the grace period)
+            self.config.device_token = previous
+            log.warning("could not save the rotated token (%s); the next heartbeat asks again",
+                        exc)
+            return
+        self.client.token = token
         log.info("device token rotated; the old one works until %s",
                  reply.get("previous_token_expires_at"))
 

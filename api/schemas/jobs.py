@@ -97,8 +97,8 @@ class JobRead(ReadModel):
     total_steps: int
     metrics: dict[str, Any]
     spec: dict[str, Any]
-    owner: str | None = Field(None, description="the user who submitted it (a user token's "
-                              "name, else its id); null: an admin")
+    owner: str | None = Field(None, description="the user who submitted it (their token's id); "
+                              "null: an admin")
     devices: list[str] = []  # every device holding a shard (primary or a straggler's backup)
     shards: dict[str, list[int]] = {}  # device id -> the shards it owns (primary)
     created: dt.datetime

@@ -199,7 +199,6 @@ class StepProtocol:
 
     # -- GET /v1/jobs/{id}/weights?step=t -----------------------------------------------------
     def weights(self, device_id: str, job_id: str, step: int) -> bytes:
-        cached = self._weights.get((job_id, step))
         job, held = self._job_and_held(device_id, job_id)
         if job is None:
             raise NotThere(f"job {job_id} not found")
@@ -207,16 +206,19 @@ class StepProtocol:
             raise ForeignShard(f"device {device_id} holds no shard of {job_id}")
         if job.step != step:
             raise StaleStep(f"job is at step {job.step}, not {step}")
+        # the state the row names: a step reached again after a rewind is another state
+        key = (job_id, step, job.state_nonce)
+        cached = self._weights.get(key)
         if cached is not None:
             return cached
         # every agent asks for the new weights at once: encode them once, not once per agent
         with self._encoding:
-            cached = self._weights.get((job_id, step))
+            cached = self._weights.get(key)
             if cached is not None:
                 return cached
             # made by this process's apply (scheduler.local_apply), else from the state
-            data = RECENT.weights(job_id, step) or self._encode(job, step)
-            self._weights.put((job_id, step), data)
+            data = RECENT.weights(job_id, step, job.state_nonce) or self._encode(job, step)
+            self._weights.put(key, data)
             return data
 
     def _encode(self, job: JobRow, step: int) -> bytes:

@@ -165,8 +165,7 @@ class Job(Base):
     total_steps: Mapped[int] = mapped_column(Integer, default=0)
     metrics: Mapped[dict[str, Any]] = mapped_column(default=dict)
     owner_token_id: Mapped[str | None] = mapped_column(String(40), default=None)
-    # the user (a user token's name, else its id) who sees, cancels and is limited by this
-    # job; None: submitted by an admin
+    # the user (their token's id) who sees, cancels and is limited by this job; None: an admin's
     owner: Mapped[str | None] = mapped_column(String(200), default=None, index=True)
     # names the hot state of `step` (hotstate.keys.state): written by the apply or restore whose
     # commit set it, so a losing applier's state, written under its own nonce, is never read

@@ -1,5 +1,5 @@
 """What the store keeps: the newest K events and step metrics per job, device events for a
-while. Run by reconcile at most once a minute (scheduler/tasks/reconcile.py: prune_history)."""
+while. Run by reconcile at most every 10 minutes (scheduler/tasks/reconcile.py: prune_history)."""
 
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ class Pruned:
 def prune_job_history(session: Session, *, events_kept: int, step_metrics_kept: int,
                       device_events_before: dt.datetime) -> Pruned:
     """Delete all but the newest `events_kept` events and `step_metrics_kept` step metrics of
-    each job (only jobs over the bound are looked at, by index), and device events (those of
-    no job) older than `device_events_before`."""
+    each job (a count per job over the job_id index finds the jobs over the bound; only theirs
+    are deleted), and device events (those of no job) older than `device_events_before`."""
     events = _keep_newest(session, Event.job_id, Event.id, events_kept, Event)
     events += int(session.execute(delete(Event).where(
         Event.job_id.is_(None), Event.ts < device_events_before)).rowcount or 0)  # type: ignore[attr-defined]

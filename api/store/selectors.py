@@ -13,7 +13,7 @@ from sqlalchemy import ColumnElement, or_
 from api.errors import Invalid
 
 KEY = r"[A-Za-z0-9]([A-Za-z0-9._/-]*[A-Za-z0-9])?"
-VALUE = r"[A-Za-z0-9._-]*"
+VALUE = r"[A-Za-z0-9._/-]*"  # as a label value may be (api.schemas.common)
 _TERMS = re.compile(r"\s*((?:[^,(]|\([^)]*\))+)\s*(?:,|$)")
 _SET = re.compile(rf"^({KEY})\s+(in|notin)\s+\(([^)]*)\)$")
 _EQ = re.compile(rf"^({KEY})\s*(==|!=|=)\s*({VALUE})$")
@@ -31,6 +31,8 @@ def parse_selector(text: str | None) -> list[Requirement]:
     """The requirements of a selector; a 422 naming the term that is not one."""
     if not text or not text.strip():
         return []
+    if text.rstrip().endswith(","):
+        raise Invalid("selector", f"selector {text!r} ends with a comma", where="query")
     reqs: list[Requirement] = []
     pos = 0
     for match in _TERMS.finditer(text):
@@ -47,7 +49,7 @@ def parse_selector(text: str | None) -> list[Requirement]:
 def _requirement(term: str) -> Requirement:
     if m := _SET.match(term):
         values = tuple(v.strip() for v in m.group(4).split(","))
-        if not all(re.fullmatch(VALUE, v) for v in values):
+        if not m.group(4).strip() or not all(re.fullmatch(VALUE, v) for v in values):
             raise Invalid("selector", f"bad value in {term!r}", where="query")
         return Requirement(m.group(1), m.group(3), values)
     if m := _EQ.match(term):

@@ -39,11 +39,9 @@ class Principal:
 
     @property
     def user(self) -> str | None:
-        """The tenant this principal acts for: a user token's name (the tokens an admin gives one
-        name are one user, so a rotated token keeps its jobs), else its id; None for an admin."""
-        if self.kind != "user":
-            return None
-        return self.name or self.token_id
+        """The tenant this principal acts for: a user token is one user (its id: names are free
+        text, and two tokens named alike must not share jobs); None for an admin."""
+        return self.token_id if self.kind == "user" else None
 
 
 def create_enrollment_token(session: Session, *, expires_at: dt.datetime, max_uses: int | None,
@@ -113,15 +111,26 @@ def rotate_device_token(session: Session, principal: Principal, now: dt.datetime
                         grace_s: float) -> tuple[str, dt.datetime]:
     """A new token for the asking device; the one it asked with ends after `grace_s` (its
     requests in flight still land), or at its earlier end. The new secret is returned once."""
-    old = session.get(ApiToken, principal.token_id)
+    old = session.get(ApiToken, principal.token_id, with_for_update=True)
     if old is None or old.kind != "device" or old.device_id != principal.device_id:
         raise Forbidden("only a device's own token can be rotated by the device")
+    # checked on the row itself, not a cache: a revoked or ended token mints nothing
+    if old.revoked:
+        raise Unauthorized("bearer token revoked")
+    if old.expires_at is not None and old.expires_at <= now:
+        raise Unauthorized("bearer token expired")
     ends = now + dt.timedelta(seconds=grace_s)
-    if old.expires_at is None or old.expires_at > ends:
-        old.expires_at = ends
+    # every token of the device gets an end, the one asking too: the new token is then the
+    # device's only open one (a successor whose answer was lost does not live on)
+    others = session.scalars(select(ApiToken).where(
+        ApiToken.device_id == old.device_id, ApiToken.kind == "device",
+        ApiToken.revoked.is_(False)).with_for_update())
+    for token in others:
+        if token.expires_at is None or token.expires_at > ends:
+            token.expires_at = ends
     _, secret = create_api_token(session, kind="device", name=old.name, device_id=old.device_id,
                                  now=now)
-    return secret, old.expires_at
+    return secret, old.expires_at or ends
 
 
 def list_api_tokens(session: Session, limit: int, offset: int,

@@ -17,8 +17,8 @@ def upgrade() -> None:
     with op.batch_alter_table('jobs', schema=None) as batch_op:
         batch_op.add_column(sa.Column('owner', sa.String(length=200), nullable=True))
         batch_op.create_index(batch_op.f('ix_jobs_owner'), ['owner'], unique=False)
-    # jobs submitted before: their user token's name (or id); admins' stay NULL
-    op.execute("UPDATE jobs SET owner = (SELECT COALESCE(t.name, t.id) FROM api_tokens t "
+    # jobs submitted before: their user token; admins' stay NULL
+    op.execute("UPDATE jobs SET owner = (SELECT t.id FROM api_tokens t "
                "WHERE t.id = jobs.owner_token_id AND t.kind = 'user') "
                "WHERE owner_token_id IS NOT NULL")
 

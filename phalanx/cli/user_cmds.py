@@ -365,6 +365,7 @@ def tokens_create(
                 body["max_uses"] = max_uses
             created = client.create_enrollment_token(**body)
             pins = client.install_pins()
+            ca_file = client.ca_file
         else:
             extra = {"expires_in_s": ttl} if ttl is not None else {}
             created = client.create_user_token(name or "phalanx-cli", **extra)
@@ -374,8 +375,10 @@ def tokens_create(
         return
     out.print(created.get("token", ""), highlight=False, soft_wrap=True)
     if enroll:
-        err.print("on the phone (Termux):\n" + install_line(server_url, str(created.get("token")),
-                                                           pins), highlight=False, soft_wrap=True)
+        where = (f" (first copy {ca_file} to the phone as server.pem)" if ca_file else "")
+        err.print(f"on the phone (Termux){where}:\n"
+                  + install_line(server_url, str(created.get("token")), pins, ca_file),
+                  highlight=False, soft_wrap=True)
 
 
 # -- jobs -------------------------------------------------------------------------------------

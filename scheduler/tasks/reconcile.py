@@ -40,6 +40,7 @@ from scheduler.tasks.steps import enqueue_apply, step_complete
 
 log = logging.getLogger(__name__)
 HOOK_DEDUP_S = 0.2  # a burst of API changes sends one reconcile
+HISTORY_PRUNE_EVERY_S = 600.0
 PRUNE_EVERY_S = 60.0  # telemetry pruning is a range delete on an indexed ts: cheap, but not per pass
 
 
@@ -99,18 +100,21 @@ def mark_stale(ctx: SchedulerContext, now: dt.datetime) -> int:
 def prune_history(ctx: SchedulerContext, now: dt.datetime) -> dict[str, int]:
     """Drop telemetry samples past the retention window (the latest stays on the device row),
     each job's events and step metrics past the newest K, old device events."""
-    if not ctx.blobs.set_if_absent(keys.TELEMETRY_PRUNED, b"1", ttl=PRUNE_EVERY_S):
-        return {}
-    settings = ctx.settings
-    cutoff = now - dt.timedelta(seconds=settings.telemetry_retention_s)
-    with transaction(ctx.session_factory) as session:
-        telemetry = prune_telemetry(session, cutoff)
-        history = prune_job_history(
-            session, events_kept=settings.events_kept_per_job,
-            step_metrics_kept=settings.step_metrics_kept_per_job,
-            device_events_before=now - dt.timedelta(seconds=settings.device_event_retention_s))
-    return {"telemetry": telemetry, "events": history.events,
-            "step_metrics": history.step_metrics}
+    settings, pruned = ctx.settings, {}
+    if ctx.blobs.set_if_absent(keys.TELEMETRY_PRUNED, b"1", ttl=PRUNE_EVERY_S):
+        cutoff = now - dt.timedelta(seconds=settings.telemetry_retention_s)
+        with transaction(ctx.session_factory) as session:
+            pruned["telemetry"] = prune_telemetry(session, cutoff)
+    # counting rows per job scans the job_id index of both tables: every 10 minutes is enough
+    if ctx.blobs.set_if_absent(keys.HISTORY_PRUNED, b"1", ttl=HISTORY_PRUNE_EVERY_S):
+        with transaction(ctx.session_factory) as session:
+            history = prune_job_history(
+                session, events_kept=settings.events_kept_per_job,
+                step_metrics_kept=settings.step_metrics_kept_per_job,
+                device_events_before=now - dt.timedelta(
+                    seconds=settings.device_event_retention_s))
+        pruned.update(events=history.events, step_metrics=history.step_metrics)
+    return pruned
 
 
 def jobs_to_look_after(ctx: SchedulerContext) -> list[str]:

@@ -29,7 +29,7 @@ def load_state(ctx: SchedulerContext, job_id: str, step: int,
                nonce: str | None) -> TrainState | None:
     """The state of `step` stored under `nonce` (the job row's `state_nonce`)."""
     key = keys.state(job_id, step, nonce)
-    recent = RECENT.get(job_id, step)
+    recent = RECENT.get(job_id, step, nonce)
     if recent is not None and ctx.blobs.exists(key):
         return recent
     data = ctx.blobs.get(key)

@@ -196,7 +196,7 @@ def run_apply_step(ctx: SchedulerContext, job_id: str, step: int) -> str:
     # committed: the next step reads the state from here, if still stored, and this process's
     # API serves the message as made; other processes encode it from the state (one message
     # per step and process instead of 12.9 MB more through Redis on the step's critical path)
-    RECENT.remember(job_id, new_state, message.seal())
+    RECENT.remember(job_id, new_state, nonce, message.seal())
     drop_step_keys(ctx, job_id, keep_state=step + 1)
     bump_version(ctx.blobs)
     return Outcome.APPLIED

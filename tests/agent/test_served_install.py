@@ -128,3 +128,29 @@ def test_install_sh_installs_only_the_archive_whose_sha256_was_pinned(tmp_path: 
     assert bad.returncode == 3 and f"does not have sha256 {pin}" in bad.stderr
     assert "pip install" not in calls.read_text()
     assert not list(tmp_path.glob("phalanx-agent-*.tar.gz"))  # nothing left behind
+
+
+def test_install_sh_trusts_the_labs_own_certificate_for_every_download_and_the_agent(
+        tmp_path: Path) -> None:
+    env, calls = fake_termux(tmp_path)
+    served = tmp_path / "served.tar.gz"
+    served.write_bytes(b"archive")
+    curl = tmp_path / "bin" / "curl"
+    curl.write_text(f'#!/bin/sh\necho "curl $*" >> "{calls}"\n'
+                    f'while [ $# -gt 0 ]; do [ "$1" = -o ] && cp "{served}" "$2"; shift; done\n')
+    curl.chmod(0o755)
+    env["TMPDIR"] = str(tmp_path)
+    (tmp_path / "server.pem").write_text("the lab's certificate")
+    script = tmp_path / "downloaded" / "install.sh"
+    script.parent.mkdir()
+    shutil.copy(REPO / "agent" / "install.sh", script)
+    pin = hashlib.sha256(served.read_bytes()).hexdigest()
+    done = subprocess.run(["bash", str(script), "--server", "https://10.0.0.2:8000", "--token",
+                           "t", "--sha256", pin, "--ca-file", "server.pem"], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    log = calls.read_text()
+    pem = f"{tmp_path}/server.pem"
+    assert f"curl -fsSL --cacert {pem} https://10.0.0.2:8000/agent.tar.gz" in log
+    assert "phalanx-agent enroll --server https://10.0.0.2:8000 --token t" in log
+    assert f"--ca-file {pem}" in log.split("phalanx-agent enroll", 1)[1]

@@ -194,7 +194,8 @@ def test_weights_are_the_message_apply_step_made_or_encoded_from_the_stored_stat
     ctx = context.get_context()
     upload_all(ctx, job_id, 0)
     assert run_apply_step(ctx, job_id, 0) == "applied"
-    made = bytes(RECENT.weights(job_id, 1))
+    nonce = job(ctx, job_id).state_nonce
+    made = bytes(RECENT.weights(job_id, 1, nonce))
     state = decode_state(ctx.blobs.get(state_key(ctx, job_id, 1)), expect_step=1)
     assert made == encode_weights(job_id, 1, state.params, state.buffers)
     served = app_client.get(f"/v1/jobs/{job_id}/weights", params={"step": 1}, headers=hdr)
@@ -203,7 +204,7 @@ def test_weights_are_the_message_apply_step_made_or_encoded_from_the_stored_stat
     if store == "redis":  # the state as another replica finds it in Redis
         blobs = RedisBlobStore(request.getfixturevalue("redis_url"))
         blobs.set(state_key(ctx, job_id, 1), ctx.blobs.get(state_key(ctx, job_id, 1)))
-    RECENT.remember(job_id, state)  # as if another process had applied it: no message here
+    RECENT.remember(job_id, state, nonce)  # as if another process had applied it: no message
     other = StepProtocol(ctx.session_factory, blobs, ctx.settings.data_dir, ctx.clock)
     assert bytes(other.weights(dev, job_id, 1)) == made
     blobs.delete(state_key(ctx, job_id, 1))  # gone (Redis restarted): 503, retry shortly

@@ -494,11 +494,13 @@ def test_the_next_step_reads_the_state_this_process_wrote_but_only_while_it_is_s
     job_id = start(ctx)
     upload_all(ctx, job_id, 0)
     assert run_apply_step(ctx, job_id, 0) == "applied"
-    kept = RECENT.get(job_id, 1)
+    nonce = job(ctx, job_id).state_nonce
+    kept = RECENT.get(job_id, 1, nonce)
     assert kept is not None and kept.step == 1
+    assert RECENT.get(job_id, 1, "another") is None  # the step reached again is another state
     assert stored_state(ctx, job_id, 1) is kept  # the very object: no read, no decode
     assert np.array_equal(decode_state(ctx.blobs.get(state_key(ctx, job_id, 1))).params, kept.params)
-    assert RECENT.get(job_id, 0) is None  # only the step it is for
+    assert RECENT.get(job_id, 0, nonce) is None  # only the step it is for
     ctx.blobs.delete(state_key(ctx, job_id, 1))  # what a Redis restart does to it
     assert stored_state(ctx, job_id, 1) is None  # the restore path runs, as without the cache
 
