@@ -348,6 +348,9 @@ class _Server(CappedThreadingHTTPServer):
 
     def refuse(self, request: socket.socket) -> None:
         REFUSED_CONNECTIONS.labels("max_connections").inc()
+        if self.listener.tls is not None:
+            return  # no handshake here (a thread per connection is what the cap bounds): the
+            # close reads as a reset, which the agent retries on this port
         try:  # a 503 the agent retries (a bare close would read as a port that is gone)
             request.settimeout(0.1)
             request.sendall(BUSY)
