@@ -21,13 +21,14 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from fastapi.exceptions import RequestValidationError
 from starlette.concurrency import run_in_threadpool
 
 from api.app_state import AppState
 from api.auth import parse_bearer
 from api.deps import check_device
 from api.error_responses import error_response
-from api.errors import TooManyRequests, Unauthorized
+from api.errors import ApiError, TooManyRequests, Unauthorized
 from api.limits import BodyTooLarge
 from api.schemas.common import parse_body
 from api.schemas.devices import HeartbeatIn
@@ -75,7 +76,7 @@ async def heartbeat_reply(state: AppState, device_id: str, authorization: str | 
     try:
         body = parse_body(HeartbeatIn, raw_body)
         check_clock(body, state.clock())
-    except Exception:
+    except (RequestValidationError, ApiError):
         if principal is None:  # who asks comes first: a stranger's bad body is a 401, not a 422
             check_device(await run_in_threadpool(auth.lookup, token_hash), device_id)
         raise

@@ -95,10 +95,10 @@ class Contexts:
 
     def selected(self) -> dict[str, Any]:
         """The context PHALANX_CONTEXT names, else the current one (empty: none)."""
-        name = os.environ.get("PHALANX_CONTEXT") or self.current
-        if name and os.environ.get("PHALANX_CONTEXT") and name not in self.contexts:
-            raise PhalanxError(f"no context {name!r} (phalanx config get-contexts lists them)")
-        return self.contexts.get(name or "", {})
+        asked = os.environ.get("PHALANX_CONTEXT")
+        if asked and asked not in self.contexts:
+            raise PhalanxError(f"no context {asked!r} (phalanx config get-contexts lists them)")
+        return self.contexts.get(asked or self.current or "", {})
 
     def save(self, path: Path | None = None) -> Path:
         """Written readable by its owner only (created 0600, never world-readable)."""

@@ -70,8 +70,8 @@ def job_events(job_id: str, principal: UserDep, session: SessionDep, limit: int 
 def job_metrics(job_id: str, principal: UserDep, session: SessionDep,
                 since_step: int = Query(0, ge=0), limit: int = Query(10000, ge=1, le=100000)):
     """The per-step curve (loss, accuracy, lr, ...), oldest step first."""
-    jobs.get_job(session, job_id, principal)
-    rows = list(jobs.step_metrics(session, job_id, since_step=since_step, limit=limit))
+    rows = list(jobs.step_metrics(session, job_id, principal, since_step=since_step,
+                                  limit=limit))
     more = len(rows) > limit
     return {"items": rows[:limit], "next_offset": rows[limit].step if more else None}
 
@@ -80,8 +80,7 @@ def job_metrics(job_id: str, principal: UserDep, session: SessionDep,
             responses={200: {"content": {"application/octet-stream": {}}}})
 def get_checkpoint(job_id: str, principal: UserDep, session: SessionDep, settings: SettingsDep):
     """The latest checkpoint's weights as an .npz of named arrays."""
-    jobs.get_job(session, job_id, principal)
-    row, path = jobs.latest_checkpoint(session, job_id, settings.data_dir)
+    row, path = jobs.latest_checkpoint(session, job_id, principal, settings.data_dir)
     return FileResponse(path, media_type="application/octet-stream",
                         filename=f"{job_id}-step{row.step}.npz",
                         headers={"X-Phalanx-Step": str(row.step), "X-Phalanx-Sha256": row.sha256})

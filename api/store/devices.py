@@ -72,26 +72,21 @@ def relabel(session: Session, device_id: str, patch: dict[str, str | None],
             now: dt.datetime) -> tuple[Device, bool]:
     """Apply a merge patch to the labels (None removes one); an event says what changed."""
     device = get_device(session, device_id, for_update=True)
-    labels = dict(device.labels or {})
-    for key, value in patch.items():
-        if value is None:
-            labels.pop(key, None)
-        else:
-            labels[key] = value
+    before = dict(device.labels or {})
+    labels = {**before, **{k: v for k, v in patch.items() if v is not None}}
+    for key in (k for k, v in patch.items() if v is None):
+        labels.pop(key, None)
     if len(labels) > MAX_LABELS:
         raise Invalid("labels", f"a device has at most {MAX_LABELS} labels, this would make "
                       f"{len(labels)}")
-    changed = labels != (device.labels or {})
-    if changed:
-        before = device.labels or {}
+    changes = [f"{k}={labels[k]}" if k in labels else f"{k}-"
+               for k in sorted(before.keys() | labels.keys()) if before.get(k) != labels.get(k)]
+    if changes:
         device.labels = labels
-        diff = sorted(set(before) | set(labels))
-        events.record(session, "Relabeled", ", ".join(
-            f"{k}={labels[k]}" if k in labels else f"{k}-" for k in diff
-            if before.get(k) != labels.get(k)), now=now, device_id=device_id,
-            data={"labels": labels})
+        events.record(session, "Relabeled", ", ".join(changes), now=now, device_id=device_id,
+                      data={"labels": labels})
         session.flush()
-    return device, changed
+    return device, bool(changes)
 
 
 def delete_device(session: Session, device_id: str, now: dt.datetime) -> Device:

@@ -144,16 +144,17 @@ def cancel_job(session: Session, job_id: str, now: dt.datetime, principal: Princ
     return job
 
 
-def step_metrics(session: Session, job_id: str, *, since_step: int, limit: int
-                 ) -> Sequence[StepMetric]:
-    get_job(session, job_id)
+def step_metrics(session: Session, job_id: str, principal: Principal, *, since_step: int,
+                 limit: int) -> Sequence[StepMetric]:
+    get_job(session, job_id, principal)
     query = (select(StepMetric).where(StepMetric.job_id == job_id, StepMetric.step >= since_step)
              .order_by(StepMetric.step).limit(limit + 1))
     return session.scalars(query).all()
 
 
-def latest_checkpoint(session: Session, job_id: str, data_dir: Path) -> tuple[Checkpoint, Path]:
-    get_job(session, job_id)
+def latest_checkpoint(session: Session, job_id: str, principal: Principal,
+                      data_dir: Path) -> tuple[Checkpoint, Path]:
+    get_job(session, job_id, principal)
     row = session.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id)
                           .order_by(Checkpoint.step.desc(), Checkpoint.id.desc())).first()
     if row is None:

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import datetime as dt
 from dataclasses import dataclass
+from typing import Any
 
 from sqlalchemy import delete, func, select
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import InstrumentedAttribute, Session
 
 from api.store.models import Event, StepMetric
 
@@ -23,15 +24,16 @@ def prune_job_history(session: Session, *, events_kept: int, step_metrics_kept: 
     """Delete all but the newest `events_kept` events and `step_metrics_kept` step metrics of
     each job (a count per job over the job_id index finds the jobs over the bound; only theirs
     are deleted), and device events (those of no job) older than `device_events_before`."""
-    events = _keep_newest(session, Event.job_id, Event.id, events_kept, Event)
+    events = _keep_newest(session, Event.job_id, Event.id, events_kept)
     events += int(session.execute(delete(Event).where(
         Event.job_id.is_(None), Event.ts < device_events_before)).rowcount or 0)  # type: ignore[attr-defined]
-    metrics = _keep_newest(session, StepMetric.job_id, StepMetric.step, step_metrics_kept,
-                           StepMetric)
+    metrics = _keep_newest(session, StepMetric.job_id, StepMetric.step, step_metrics_kept)
     return Pruned(events, metrics)
 
 
-def _keep_newest(session: Session, job_col, order_col, kept: int, model) -> int:  # type: ignore[no-untyped-def]
+def _keep_newest(session: Session, job_col: InstrumentedAttribute[Any],
+                 order_col: InstrumentedAttribute[Any], kept: int) -> int:
+    """Keep the `kept` rows with the highest `order_col` of each `job_col`."""
     over = session.scalars(select(job_col).where(job_col.is_not(None)).group_by(job_col)
                            .having(func.count() > kept)).all()
     removed = 0
@@ -39,6 +41,7 @@ def _keep_newest(session: Session, job_col, order_col, kept: int, model) -> int:
         cutoff = session.scalar(select(order_col).where(job_col == job_id)
                                 .order_by(order_col.desc()).offset(kept - 1).limit(1))
         if cutoff is not None:
-            result = session.execute(delete(model).where(job_col == job_id, order_col < cutoff))
+            result = session.execute(delete(job_col.class_).where(job_col == job_id,
+                                                                  order_col < cutoff))
             removed += int(result.rowcount or 0)  # type: ignore[attr-defined]
     return removed

@@ -14,7 +14,7 @@ from api.errors import Invalid
 
 KEY = r"[A-Za-z0-9]([A-Za-z0-9._/-]*[A-Za-z0-9])?"
 VALUE = r"[A-Za-z0-9._/-]*"  # as a label value may be (api.schemas.common)
-_TERMS = re.compile(r"\s*((?:[^,(]|\([^)]*\))+)\s*(?:,|$)")
+_COMMA = re.compile(r",(?![^(]*\))")  # a comma outside parentheses ends a term
 _SET = re.compile(rf"^({KEY})\s+(in|notin)\s+\(([^)]*)\)$")
 _EQ = re.compile(rf"^({KEY})\s*(==|!=|=)\s*({VALUE})$")
 _EXISTS = re.compile(rf"^(!?)\s*({KEY})$")
@@ -31,19 +31,10 @@ def parse_selector(text: str | None) -> list[Requirement]:
     """The requirements of a selector; a 422 naming the term that is not one."""
     if not text or not text.strip():
         return []
-    if text.rstrip().endswith(","):
-        raise Invalid("selector", f"selector {text!r} ends with a comma", where="query")
-    reqs: list[Requirement] = []
-    pos = 0
-    for match in _TERMS.finditer(text):
-        if match.start() != pos or not match.group(1).strip():
-            break
-        reqs.append(_requirement(match.group(1).strip()))
-        pos = match.end()
-        if pos >= len(text):
-            return reqs
-    raise Invalid("selector", f"cannot read the selector {text!r} past character {pos}",
-                  where="query")
+    terms = [term.strip() for term in _COMMA.split(text)]
+    if not all(terms):
+        raise Invalid("selector", f"selector {text!r} has an empty term", where="query")
+    return [_requirement(term) for term in terms]
 
 
 def _requirement(term: str) -> Requirement:

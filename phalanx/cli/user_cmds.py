@@ -81,17 +81,21 @@ def connect(server: str | None, token: str | None) -> Iterator[PhalanxClient]:
 
 
 def emit(data: Any, output: Output, table: Callable[..., Any]) -> None:
-    """`data` as asked: JSON or YAML as the API gave it, or `table` (wide: with its extra
-    columns, where the table has them)."""
+    """`data` as asked: JSON or YAML as the API gave it, or `table`."""
     if output is Output.json:
         typer.echo(json.dumps(data, indent=2, sort_keys=True, default=str))
     elif output is Output.yaml:
         typer.echo(yaml.safe_dump(json.loads(json.dumps(data, default=str)), sort_keys=False,
                                   allow_unicode=True), nl=False)
-    elif output is Output.wide and "wide" in inspect.signature(table).parameters:
-        out.print(table(data, wide=True))
     else:
-        out.print(table(data))
+        out.print(tabled(data, output, table))
+
+
+def tabled(data: Any, output: Output, table: Callable[..., Any]) -> Any:
+    """The table of `data`; wide: with its extra columns, where the table has them."""
+    if output is Output.wide and "wide" in inspect.signature(table).parameters:
+        return table(data, wide=True)
+    return table(data)
 
 
 def describe(obj: dict[str, Any]) -> str:
@@ -202,12 +206,9 @@ def watched(fetch: Callable[[], Any], output: Output, table: Callable[..., Any],
     last: Any = None
     try:
         if output in (Output.table, Output.wide):
-            with Live(console=out, refresh_per_second=4, auto_refresh=False) as live:
+            with Live(console=out, auto_refresh=False) as live:
                 while True:
-                    data = fetch()
-                    live.update(table(data, wide=True) if output is Output.wide
-                                and "wide" in inspect.signature(table).parameters
-                                else table(data), refresh=True)
+                    live.update(tabled(fetch(), output, table), refresh=True)
                     time.sleep(interval)
         while True:
             data = fetch()
