@@ -73,15 +73,25 @@ def _windows(h: int, w: int, k: int, s: int) -> tuple[int, int]:
     return (h - k) // s + 1, (w - k) // s + 1
 
 
-class MaxPool(Layer):
-    """k x k max pooling with stride s (floor mode); ties go to the first element in scan order."""
+def _pad_hw(x: np.ndarray, p: int, value: float) -> np.ndarray:
+    if p == 0:
+        return x
+    n, h, w, c = x.shape
+    xp = np.full((n, h + 2 * p, w + 2 * p, c), value, dtype=x.dtype)
+    xp[:, p : p + h, p : p + w, :] = x
+    return xp
 
-    def __init__(self, k: int = 2, s: int | None = None) -> None:
-        self.k, self.s = k, s or k
+
+class MaxPool(Layer):
+    """k x k max pooling with stride s (floor mode) over an input padded by p with -inf (as
+    torch pads); ties go to the first element in scan order."""
+
+    def __init__(self, k: int = 2, s: int | None = None, pad: int = 0) -> None:
+        self.k, self.s, self.p = k, s or k, pad
 
     def build(self, in_shape, b):
         c, h, w = in_shape
-        ho, wo = _windows(h, w, self.k, self.s)
+        ho, wo = _windows(h + 2 * self.p, w + 2 * self.p, self.k, self.s)
         return (c, ho, wo)
 
     def _slices(self, ho: int, wo: int):
@@ -90,7 +100,12 @@ class MaxPool(Layer):
             for j in range(k):
                 yield np.s_[:, i : i + s * (ho - 1) + 1 : s, j : j + s * (wo - 1) + 1 : s, :]
 
+    def _unpad(self, dxp: np.ndarray) -> np.ndarray:
+        p = self.p
+        return np.ascontiguousarray(dxp[:, p:-p, p:-p, :]) if p else dxp
+
     def forward(self, x, P, ctx):
+        x = _pad_hw(x, self.p, -np.inf)
         ho, wo = _windows(x.shape[1], x.shape[2], self.k, self.s)
         y = None
         for sl in self._slices(ho, wo):
@@ -105,16 +120,20 @@ class MaxPool(Layer):
             first = (x[sl] == y) & ~taken
             dx[sl] += dy * first
             taken |= first
-        return dx
+        return self._unpad(dx)
 
     def torch_forward(self, x, P, ctx):
         import torch.nn.functional as F
 
-        return F.max_pool2d(x, self.k, self.s)
+        return F.max_pool2d(x, self.k, self.s, self.p)
 
 
 class AvgPool(MaxPool):
+    """k x k average pooling; padding counts as zeros in the average (torch's default,
+    count_include_pad=True)."""
+
     def forward(self, x, P, ctx):
+        x = _pad_hw(x, self.p, 0.0)
         ho, wo = _windows(x.shape[1], x.shape[2], self.k, self.s)
         y = np.zeros((x.shape[0], ho, wo, x.shape[3]), dtype=x.dtype)
         for sl in self._slices(ho, wo):
@@ -126,12 +145,12 @@ class AvgPool(MaxPool):
         part = dy * (1.0 / self.k**2)
         for sl in self._slices(dy.shape[1], dy.shape[2]):
             dx[sl] += part
-        return dx
+        return self._unpad(dx)
 
     def torch_forward(self, x, P, ctx):
         import torch.nn.functional as F
 
-        return F.avg_pool2d(x, self.k, self.s)
+        return F.avg_pool2d(x, self.k, self.s, self.p)
 
 
 class GlobalAvgPool(Layer):

@@ -41,6 +41,7 @@ class TrainSpec:
     decay_epochs: tuple[float, ...] = ()
     decay_factor: float = 0.1
     lr_scaling: bool = True
+    layers: tuple[Any, ...] = field(default=(), hash=False)  # a custom model's layer graph (engine.layerspec)
     n_train: int | None = None
     name: str = ""
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False, hash=False)
@@ -50,15 +51,19 @@ class TrainSpec:
         """Read a job spec dict (defaults as in docs/contracts.md); n_train enables schedules."""
         model = _section(spec, "model")
         opt = _section(spec, "optimizer")
-        if "arch" not in model:
-            raise SpecError("model.arch is required")
+        layers = model.get("layers") or []
+        if not isinstance(layers, list):
+            raise SpecError("model.layers must be a list of layer objects")
+        arch = model.get("arch", "custom" if layers else None)
+        if arch is None:
+            raise SpecError("model.arch or model.layers is required")
         if "dataset" not in spec:
             raise SpecError("dataset is required")
         decay = opt.get("decay_epochs", ()) or ()
         if not isinstance(decay, (list, tuple)):
             raise SpecError("optimizer.decay_epochs must be a list of numbers")
         out = cls(
-            arch=str(model["arch"]),
+            arch=str(arch),
             dataset=str(spec["dataset"]),
             width=_read(model, "width", 1.0, float, "model."),
             hidden=_read(model, "hidden", 128, int, "model."),
@@ -78,6 +83,7 @@ class TrainSpec:
                                for e in decay),
             decay_factor=_read(opt, "decay_factor", 0.1, float, "optimizer."),
             lr_scaling=_read(opt, "lr_scaling", True, bool, "optimizer."),
+            layers=tuple(layers),
             n_train=None if n_train is None else int(n_train),
             name=str(spec.get("name", "")),
             raw=dict(spec),
@@ -129,8 +135,9 @@ class TrainSpec:
 
     @property
     def model_options(self) -> dict[str, Any]:
-        return {"width": self.width, "hidden": self.hidden, "dropout": self.dropout,
-                "blocks": self.blocks}
+        options: dict[str, Any] = {"width": self.width, "hidden": self.hidden,
+                                   "dropout": self.dropout, "blocks": self.blocks}
+        return {**options, "layers": list(self.layers)} if self.layers else options
 
     def _need_n_train(self) -> int:
         if self.n_train is None:

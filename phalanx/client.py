@@ -288,8 +288,10 @@ class PhalanxClient:
         return self.json("POST", "/v1/tokens", json=body)
 
     # -- jobs
-    def submit_job(self, spec: dict[str, Any]) -> dict[str, Any]:
-        return self.json("POST", "/v1/jobs", json=spec)
+    def submit_job(self, spec: dict[str, Any], dry_run: bool = False) -> dict[str, Any]:
+        """The created job; with dry_run, its plan and where it could run (nothing created)."""
+        return self.json("POST", "/v1/jobs", json=spec,
+                         params={"dry_run": "true"} if dry_run else None)
 
     def jobs(self, state: str | None = None) -> list[dict[str, Any]]:
         return self.pages("/v1/jobs", "jobs", params={"state": state} if state else None)

@@ -51,6 +51,7 @@ def device_view(device: Device, job_id: str | None) -> DeviceView:
         archs=frozenset(caps["archs"]) if isinstance(caps.get("archs"), list) else None,
         backends=frozenset(caps["backends"]) if isinstance(caps.get("backends"), list) else None,
         cpu_cores=int(_num((device.spec or {}).get("cpu_cores")) or 4),
+        ram_mb=_num((device.spec or {}).get("ram_mb")),
         speeds=MappingProxyType(speeds),
         job_id=job_id,
     )

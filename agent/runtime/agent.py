@@ -36,7 +36,8 @@ from agent.runtime.state import AgentState
 from agent.runtime.work import WorkLoop
 
 log = logging.getLogger(__name__)
-ARCHS = ["logreg", "mlp", "cnn", "mobilenet_v1", "resnet"]
+ARCHS = ["logreg", "mlp", "cnn", "mobilenet_v1", "resnet", "resnet18", "resnet50",
+         "mobilenet_v2"]
 
 
 class AgentStopped(Exception):
@@ -109,9 +110,11 @@ class AgentRuntime:
     def capabilities(self) -> dict[str, Any]:
         try:
             from engine.models import ARCHS as archs
+            from engine.models import CUSTOM
         except ImportError:  # engine unusable here: say what we were built for
-            archs = ARCHS
-        return {"backends": self.backends, "archs": list(archs)}
+            archs, CUSTOM = tuple(ARCHS), "custom"
+        # `custom`: this agent builds a job's own layer graph (an older one never says so)
+        return {"backends": self.backends, "archs": [*archs, CUSTOM]}
 
     def run(self, stop: threading.Event | None = None, shutdown_grace_s: float = 5.0) -> None:
         """Run until `stop` is set; raises AgentStopped if the control plane cut us off.

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Query, Request
-from fastapi.responses import FileResponse
+from fastapi.responses import FileResponse, JSONResponse
 
 from api.deps import ClockDep, SessionDep, SettingsDep, UserDep
+from api.errors import Invalid
 from api.schemas.common import EventRead, Limit, Offset, Page, errors, page_of
-from api.schemas.jobs import JobCreate, JobRead, StepMetricRead
+from api.schemas.jobs import JobCreate, JobDryRun, JobRead, StepMetricRead
 from api.store import events, jobs
+from scheduler import plan as placement_plan
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=errors(401, 403, 422))
 
@@ -19,14 +21,27 @@ def _read(job, held: jobs.Holdings | None = None) -> JobRead:
                                                           "shards": held.shards})
 
 
-@router.post("", status_code=201, response_model=JobRead)
+@router.post("", status_code=201, response_model=JobRead,
+             responses={200: {"model": JobDryRun, "description": "the plan of a dry run "
+                                                                 "(nothing is created)"}})
 def submit_job(body: JobCreate, request: Request, principal: UserDep, settings: SettingsDep,
-           clock: ClockDep, session: SessionDep):
-    """Validate completely (the dataset too), then queue as Pending."""
-    spec = body.model_dump()
-    total = jobs.plan_total_steps(spec, settings.data_dir)
+               clock: ClockDep, session: SessionDep,
+               dry_run: bool = Query(False, description="answer the job's plan and where it "
+                                     "could run, and create nothing")):
+    """Validate completely (the dataset and the model too), then queue as Pending; 422 when no
+    phone of the fleet has the memory for the job's micro-batch."""
+    spec = body.spec()
+    plan = jobs.plan_summary(spec, jobs.check_spec(spec, settings.data_dir))
+    req = placement_plan.request_for(spec, plan["memory_per_device_bytes"])
     with session.begin():
-        job = jobs.submit_job(session, spec, total_steps=total, now=clock(), principal=principal)
+        if dry_run:
+            return JSONResponse(JobDryRun(
+                name=spec["name"], spec=spec, total_steps=plan["total_steps"],
+                owner=principal.user, plan=plan,
+                placement=placement_plan.eligibility(session, req)).model_dump(mode="json"))
+        if (why := placement_plan.refusal(session, req)) is not None:
+            raise Invalid("model", why)
+        job = jobs.submit_job(session, spec, plan=plan, now=clock(), principal=principal)
     request.app.state.scheduler_hooks.job_changed(job.id)
     return _read(job)
 

@@ -9,16 +9,35 @@ from pydantic import BaseModel, Field, ValidationInfo, field_validator, model_va
 
 from api.schemas.common import Labels, ReadModel, RequestModel
 from api.store.states import JobState
+from engine.models import ARCHS as BUILTIN_ARCHS
+from engine.models import CUSTOM
 
-ARCHS = ("logreg", "mlp", "cnn", "mobilenet_v1", "resnet")
+ARCHS = (*BUILTIN_ARCHS, CUSTOM)  # the engine's list: one place says what exists
 
 
 class ModelSpec(RequestModel):
-    arch: Literal["logreg", "mlp", "cnn", "mobilenet_v1", "resnet"]
+    arch: Literal[ARCHS] = Field(  # type: ignore[valid-type]
+        "custom", description="a built-in architecture, or `custom` (the default when `layers` "
+        "is given) for the job's own layer graph")
+    layers: list[dict[str, Any]] | None = Field(
+        None, max_length=2000, description="the job's own model: a list of layer objects "
+        "(`type` plus that layer's options; docs/models.md), checked against the dataset's "
+        "input shape and class count at submit",
+        examples=[[{"type": "conv2d", "out_channels": 16}, {"type": "relu"},
+                   {"type": "global_avgpool"}, {"type": "dense", "units": 10}]])
     width: float = Field(1.0, ge=0.125, le=4)
     hidden: int = Field(128, ge=1, le=8192)
     dropout: float = Field(0.0, ge=0, le=0.9)
     blocks: int = Field(1, ge=1, le=8)
+
+    @model_validator(mode="after")
+    def _arch_or_layers(self) -> ModelSpec:
+        if self.arch == "custom" and not self.layers:
+            raise ValueError("give model.arch (a built-in architecture) or model.layers "
+                             "(your own layer graph)")
+        if self.arch != "custom" and self.layers:
+            raise ValueError(f"give either model.arch ({self.arch!r}) or model.layers, not both")
+        return self
 
 
 class OptimizerSpec(RequestModel):
@@ -86,6 +105,28 @@ class JobCreate(RequestModel):
                              f"be < epochs ({self.epochs})")
         return self
 
+    def spec(self) -> dict[str, Any]:
+        """The spec a job keeps: every field with its default, a model's unset `layers` left out."""
+        out = self.model_dump()
+        if out["model"]["layers"] is None:
+            del out["model"]["layers"]
+        return out
+
+
+class JobDryRun(BaseModel):
+    """A job as it would be created, its plan and where it could run (`dry_run=true`)."""
+
+    name: str
+    state: JobState = JobState.PENDING
+    spec: dict[str, Any]
+    total_steps: int
+    owner: str | None = None
+    plan: dict[str, Any] = Field(description="parameters, FLOPs per sample (forward + backward), "
+                                 "memory per phone for one micro-batch, bytes moved per step, "
+                                 "and each layer's shape, parameters and FLOPs (docs/models.md)")
+    placement: dict[str, Any] = Field(description="how many devices could take the job now, "
+                                      "and why each other cannot")
+
 
 class JobRead(ReadModel):
     id: str
@@ -99,6 +140,8 @@ class JobRead(ReadModel):
     spec: dict[str, Any]
     owner: str | None = Field(None, description="the user who submitted it (their token's id); "
                               "null: an admin")
+    plan: dict[str, Any] | None = Field(None, description="the estimate made at submit: "
+                                        "parameters, FLOPs, memory per phone, bytes per step")
     devices: list[str] = []  # every device holding a shard (primary or a straggler's backup)
     shards: dict[str, list[int]] = {}  # device id -> the shards it owns (primary)
     created: dt.datetime

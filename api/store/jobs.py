@@ -18,7 +18,7 @@ from api.store.states import JOB_STATES, JobState, transition
 from api.store.states import Event as StateEvent
 from api.store.tokens import Principal
 from engine.data import DatasetError, dataset_info
-from engine.models import parameter_count
+from engine.plan import ModelPlan, model_plan
 from engine.sampler import total_steps
 from engine.spec import TrainSpec
 
@@ -30,36 +30,37 @@ def dataset_facts(name: str, data_dir: Path) -> Any:
         raise Invalid("dataset", str(exc)) from exc
 
 
-def plan_total_steps(spec: dict[str, Any], data_dir: Path) -> int:
-    """The cross-checks that need the dataset: shards fit, and at least one step per epoch."""
+def check_spec(spec: dict[str, Any], data_dir: Path) -> ModelPlan:
+    """The cross-checks that need the dataset (shards fit, at least one step per epoch, the
+    model builds on its samples and is not too large), and the job's plan."""
     info = dataset_facts(spec["dataset"], data_dir)
     if spec["shards"] > info.n_train:
         raise Invalid("shards", f"shards ({spec['shards']}) must be <= the {info.n_train} "
                       f"training samples of dataset {spec['dataset']!r}")
     try:
-        steps = total_steps(info.n_train, spec["shards"], spec["global_batch_size"],
-                            spec["epochs"])
+        total_steps(info.n_train, spec["shards"], spec["global_batch_size"], spec["epochs"])
     except ValueError as exc:
         raise Invalid("global_batch_size", str(exc)) from exc
-    check_model(spec, info)
-    return steps
-
-
-def check_model(spec: dict[str, Any], info: Any) -> None:
-    """The model can be built on this dataset and is not too large for the fleet: counted
-    without allocating it (a spec with 10^9 classes must not cost the server 60 GB)."""
+    # counted without allocating the model (a spec with 10^9 classes must not cost 60 GB)
     try:
         train = TrainSpec.from_job_spec(spec, n_train=info.n_train)
-        parameter_count(train.arch, info.input_shape, info.num_classes, train.model_options)
-    except ValueError as exc:  # ModelTooLarge and SpecError are ValueErrors
+        return model_plan(train, info.input_shape, info.num_classes)
+    except ValueError as exc:  # ModelTooLarge, SpecError and LayerError are ValueErrors
         raise Invalid("model", str(exc)) from exc
 
 
-def submit_job(session: Session, spec: dict[str, Any], *, total_steps: int,
+def plan_summary(spec: dict[str, Any], plan: ModelPlan) -> dict[str, Any]:
+    """The plan as a job keeps and shows it, counting the devices the job asks for at most."""
+    devices = min(spec["placement"]["max_devices"], spec["shards"])
+    return plan.as_dict(devices, spec["shards"])
+
+
+def submit_job(session: Session, spec: dict[str, Any], *, plan: dict[str, Any],
                principal: Principal, now: dt.datetime) -> Job:
+    total_steps = plan["total_steps"]
     job = Job(name=spec["name"], spec=spec, state=JobState.PENDING.value, priority=spec["priority"], step=0,
               total_steps=total_steps, metrics={}, owner_token_id=principal.token_id,
-              owner=principal.user)
+              owner=principal.user, plan={k: v for k, v in plan.items() if k != "layers"})
     session.add(job)
     session.flush()
     events.record(session, "Submitted", f"{total_steps} steps on {spec['dataset']!r}",

@@ -170,6 +170,9 @@ class Job(Base):
     # names the hot state of `step` (hotstate.keys.state): written by the apply or restore whose
     # commit set it, so a losing applier's state, written under its own nonce, is never read
     state_nonce: Mapped[str | None] = mapped_column(String(32), default=None)
+    # engine.plan's estimate at submit (parameters, FLOPs, memory per phone); placement keeps
+    # the job off phones without the memory. None: submitted before plans
+    plan: Mapped[dict[str, Any] | None] = mapped_column(default=None)
     started_at: Mapped[dt.datetime | None] = mapped_column(default=None)
     finished_at: Mapped[dt.datetime | None] = mapped_column(default=None)
     # when the current step's work was handed out (stall and straggler detection)

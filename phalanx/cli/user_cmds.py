@@ -409,12 +409,20 @@ def read_spec(path: Path) -> dict[str, Any]:
 def jobs_submit(
     file: Annotated[Path, typer.Option("--file", "-f", help="job spec, YAML or JSON")],
     watch: Annotated[bool, typer.Option("--watch", "-w", help="follow it until it ends")] = False,
+    dry_run: Annotated[bool, typer.Option(
+        "--dry-run", help="print the plan (parameters, FLOPs, memory per phone, bytes per step, "
+                          "eligible devices) and submit nothing")] = False,
     server: ServerOpt = None, token: TokenOpt = None, output: OutputOpt = Output.table,
 ) -> None:
     """Submit a job spec; the server validates it completely."""
     spec = read_spec(file)
     with connect(server, token) as client:
-        job = client.submit_job(spec)
+        job = client.submit_job(spec, dry_run=dry_run)
+    if dry_run:
+        emit(job, output, view.plan_view)
+        if output is Output.wide:
+            out.print(view.layer_table(job.get("plan") or {}))
+        return
     if output is Output.json:
         emit(job, output, describe)
     else:

@@ -159,6 +159,53 @@ def job_table(jobs: list[dict[str, Any]], wide: bool = False) -> Table:
     return table
 
 
+def si(value: float | None, unit: str = "") -> str:
+    """1234567 -> '1.23 M' (decimal prefixes), None -> '-'."""
+    if value is None:
+        return "-"
+    for factor, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(value) >= factor:
+            return f"{value / factor:.3g} {prefix}{unit}"
+    return f"{value:.3g} {unit}".rstrip()
+
+
+def mib(value: float | None) -> str:
+    return "-" if value is None else f"{value / 2**20:,.0f} MiB"
+
+
+def plan_view(answer: dict[str, Any]) -> Table:
+    """A dry run's answer: the plan's totals, the layers, and where the job could run."""
+    plan, placement = answer.get("plan") or {}, answer.get("placement") or {}
+    table = Table(show_header=False, box=None, title=f"plan of {answer.get('name', '?')}",
+                  title_justify="left", title_style="bold")
+    table.add_column(style="bold")
+    table.add_column()
+    rows = [("parameters", f"{plan.get('parameters', 0):,}"),
+            ("FLOPs per sample (fwd+bwd)", si(plan.get("flops_per_sample"), "FLOP")),
+            ("FLOPs per step", si(plan.get("flops_per_step"), "FLOP")),
+            ("micro-batch per shard", dash(plan.get("micro_batch"))),
+            ("memory per phone", mib(plan.get("memory_per_device_bytes"))),
+            ("total steps", dash(answer.get("total_steps"))),
+            ("bytes per step", f"{si(plan.get('bytes_per_step'), 'B')} "
+                               f"({dash(plan.get('devices_counted'))} devices)"),
+            ("eligible devices now", dash(placement.get("eligible")))]
+    for reason, count in (placement.get("reasons") or {}).items():
+        rows.append((f"  not: {reason}", str(count)))
+    for row in rows:
+        table.add_row(*row)
+    return table
+
+
+def layer_table(plan: dict[str, Any]) -> Table:
+    table = Table(header_style="bold")
+    for col in ("LAYER", "TYPE", "OUTPUT", "PARAMS", "FLOPS/SAMPLE"):
+        table.add_column(col, no_wrap=True)
+    for layer in plan.get("layers") or []:
+        table.add_row(layer["path"], layer["type"], "x".join(map(str, layer["out_shape"])),
+                      f"{layer['parameters']:,}", si(layer["flops_per_sample"]))
+    return table
+
+
 def event_table(events: list[dict[str, Any]]) -> Table:
     table = Table(header_style="bold")
     for col in ("AGE", "TYPE", "REASON", "DEVICE", "MESSAGE"):

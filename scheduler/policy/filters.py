@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from api.store.state_names import DeviceState
@@ -79,6 +79,35 @@ def capability(device: DeviceView, req: PlacementRequest) -> FilterStatus:
     return OK
 
 
+# Of a phone's RAM, what a training agent may count on: Android keeps the system, the launcher
+# and recent apps resident, and kills the biggest process first when memory runs short.
+USABLE_RAM_SHARE = 0.5
+
+
+def memory(device: DeviceView, req: PlacementRequest) -> FilterStatus:
+    if req.memory_mb is None or device.ram_mb is None:
+        return OK
+    usable = device.ram_mb * USABLE_RAM_SHARE
+    if req.memory_mb > usable:
+        return FilterStatus(UNRESOLVABLE, f"too little memory (needs {req.memory_mb:,.0f} MiB "
+                            f"per micro-batch, {usable:,.0f} MiB usable of {device.ram_mb:,.0f})")
+    return OK
+
+
+def fits_no_phone(devices: Sequence[DeviceView], req: PlacementRequest) -> str | None:
+    """Why no phone of the fleet could ever hold the job's micro-batch, or None (it fits one,
+    or no phone has said how much memory it has)."""
+    known = [d.ram_mb for d in devices if d.ram_mb is not None]
+    if req.memory_mb is None or not known:
+        return None
+    largest = max(known) * USABLE_RAM_SHARE
+    if req.memory_mb <= largest:
+        return None
+    return (f"needs {req.memory_mb:,.0f} MiB per phone for one micro-batch, but the largest "
+            f"phone has {largest:,.0f} MiB usable: use more shards (a smaller micro-batch) or a "
+            f"smaller model")
+
+
 def free(device: DeviceView, req: PlacementRequest) -> FilterStatus:
     if device.job_id is None or device.job_id == req.job_id:
         return OK
@@ -89,7 +118,8 @@ Filter = Callable[[DeviceView, PlacementRequest], FilterStatus]
 
 # Cheap and decisive first: most devices of a big fleet fail on the first two.
 FILTERS: tuple[Filter, ...] = (
-    ready, schedulable, not_paused, label_selector, capability, battery, temperature, free,
+    ready, schedulable, not_paused, label_selector, capability, memory, battery, temperature,
+    free,
 )
 # What keeps a device in a job it already runs: only what the device or an admin said.
 # Battery and heat are the agent's to judge (it pauses itself and reports pause_reason).

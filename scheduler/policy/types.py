@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Protocol
 
 from api.store.state_names import DeviceState
 
@@ -26,9 +26,17 @@ class DeviceView:
     archs: frozenset[str] | None = None  # None: the agent did not say (assume it can)
     backends: frozenset[str] | None = None
     cpu_cores: int = 4
+    ram_mb: float | None = None  # the phone's memory, as its agent reported at enrollment
     # measured samples/s per arch, from the agent's profiles
     speeds: Mapping[str, float] = field(default_factory=lambda: EMPTY)
     job_id: str | None = None  # the job this device already holds shards of
+
+
+class JobLike(Protocol):
+    id: str
+    spec: Mapping[str, Any]
+    priority: int
+    plan: Mapping[str, Any] | None
 
 
 @dataclass(frozen=True)
@@ -43,9 +51,18 @@ class PlacementRequest:
     max_temp_c: float = 45.0
     backend: str = "any"
     priority: int = 0
+    memory_mb: float | None = None  # a phone's need for one micro-batch (engine.plan)
 
     @classmethod
-    def from_spec(cls, job_id: str, spec: Mapping[str, Any], priority: int = 0) -> PlacementRequest:
+    def for_job(cls, job: JobLike) -> PlacementRequest:
+        plan = job.plan or {}
+        need = plan.get("memory_per_device_bytes")
+        return cls.from_spec(job.id, job.spec, job.priority,
+                             memory_mb=need / 2**20 if isinstance(need, (int, float)) else None)
+
+    @classmethod
+    def from_spec(cls, job_id: str, spec: Mapping[str, Any], priority: int = 0,
+                  memory_mb: float | None = None) -> PlacementRequest:
         placement = spec.get("placement") or {}
         return cls(
             job_id=job_id,
@@ -58,6 +75,7 @@ class PlacementRequest:
             max_temp_c=float(placement.get("max_temp_c", 45)),
             backend=str(placement.get("backend", "any")),
             priority=int(spec.get("priority", priority)),
+            memory_mb=memory_mb,
         )
 
     @property

@@ -44,7 +44,7 @@ def join_devices(ctx: SchedulerContext, session: Session, job: Job, step: int,
     """Add free eligible devices to a running job, up to max_devices; returns those added."""
     views = store_ops.all_device_views(session)
     usage = store_ops.user_usage(session, job.owner, views, job.id)
-    req = quota.within_limits(PlacementRequest.from_spec(job.id, job.spec, job.priority),
+    req = quota.within_limits(PlacementRequest.for_job(job),
                               job.owner, usage, ctx.user_limits)
     holders = [d for d in views if d.job_id == job.id]
     joiners = [d for d in views if d.job_id is None]
@@ -76,7 +76,7 @@ def demote_stragglers(ctx: SchedulerContext, session: Session, job: Job, new_ste
     slow = persistent_stragglers(late, new_step - 1)
     if not slow or len(holders) < 2:
         return []
-    req = PlacementRequest.from_spec(job.id, job.spec, job.priority)
+    req = PlacementRequest.for_job(job)
     views = {v.id: v for v in store_ops.all_device_views(session) if v.id in holders}
     factors = {d: _factor(ctx, job.id, d) for d in holders}
     for device in slow:

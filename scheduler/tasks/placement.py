@@ -118,7 +118,7 @@ class EvictionBudget:
 
 def keep_running(ctx: SchedulerContext, session: Session, job: Job, fleet: Fleet,
                  budget: EvictionBudget, now: dt.datetime, result: PassResult) -> None:
-    req = PlacementRequest.from_spec(job.id, job.spec, job.priority)
+    req = PlacementRequest.for_job(job)
     holders = fleet.of(job.id)
     current = store_ops.primaries(session, job.id)
     leaving = {d.id for d in holders if not keepable(req, d)}
@@ -168,7 +168,7 @@ def place_pending(ctx: SchedulerContext, session: Session, job: Job, fleet: Flee
     if info is None:
         store_ops.fail_job(session, job, why or "cannot run this spec", now)
         return
-    req = PlacementRequest.from_spec(job.id, job.spec, job.priority)
+    req = PlacementRequest.for_job(job)
     usage = store_ops.user_usage(session, job.owner, fleet.all(), job.id)
     over = quota.refusal(job.owner, usage, ctx.user_limits, req.min_devices)
     if over is not None:  # never preempts: the user's own running jobs hold the room

@@ -68,7 +68,7 @@ def back_up_late_devices(ctx: SchedulerContext, job: Job, info: JobInfo) -> int:
             {k: v for k, v in primary.items() if k not in done}).items()}
         if not missing:
             return 0
-        req = PlacementRequest.from_spec(job.id, job.spec, job.priority)
+        req = PlacementRequest.for_job(job)
         views = {v.id: v for v in store_ops.all_device_views(session) if v.id in holders}
         able = [d for d in holders if d in views and keepable(req, views[d])]
         fastest_first = sorted(able, key=lambda d: (-device_speed(views[d], req.arch), d))

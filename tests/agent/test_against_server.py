@@ -117,7 +117,9 @@ def test_a_real_job_trains_on_the_agent(server: LiveServer, tmp_path: Path, cool
     device_id = enroll(server, home, cool_phone)
     log = tmp_path / "agent.log"
     proc = agent_process(home / "config.json", cool_phone, log)
-    spec = {"name": "digits-logreg", "model": {"arch": "logreg"}, "dataset": "digits",
+    # the user's own layer graph: placed only on agents that say they build one ("custom")
+    own = [{"type": "flatten"}, {"type": "dense", "units": 10}]
+    spec = {"name": "digits-own", "model": {"layers": own}, "dataset": "digits",
             "global_batch_size": 256, "shards": 4, "epochs": 1, "seed": 0,
             "placement": {"min_devices": 1, "max_devices": 1}}  # 5 steps
     try:
@@ -138,7 +140,7 @@ def test_a_real_job_trains_on_the_agent(server: LiveServer, tmp_path: Path, cool
         assert done["state"] == "Succeeded", done
         assert done["step"] == done["total_steps"] > 0
         profile = wait_for("the measured profile on the device",
-                           lambda: device(server, device_id)["profiles"].get("logreg"))
+                           lambda: device(server, device_id)["profiles"].get("custom"))
         assert profile["samples_per_s"] > 0 and profile["backend"] == "numpy"
     finally:
         proc.terminate()

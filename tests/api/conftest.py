@@ -60,9 +60,10 @@ class Api:
         return resp.json()["token"]
 
     def register(self, name: str = "phone", labels: dict[str, str] | None = None,
-                 token: str | None = None) -> dict[str, Any]:
+                 token: str | None = None, **spec: Any) -> dict[str, Any]:
         body = {"enrollment_token": token or self.enrollment_token(), "name": name,
-                "labels": labels or {}, "spec": {"model": "SM-G975F", "cpu_cores": 8}}
+                "labels": labels or {},
+                "spec": {"model": "SM-G975F", "cpu_cores": 8, **spec}}
         resp = self.client.post("/v1/devices/register", json=body)
         assert resp.status_code == 201, resp.text
         return resp.json()

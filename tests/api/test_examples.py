@@ -8,14 +8,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from engine.models import ARCHS
+from engine.models import ARCHS, CUSTOM
 
 EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.yaml"))
 
 
-def test_there_is_an_example_for_every_built_in_model() -> None:
-    archs = {yaml.safe_load(p.read_text())["model"]["arch"] for p in EXAMPLES}
-    assert archs == set(ARCHS)
+def test_there_is_an_example_for_every_built_in_model_and_an_own_layer_graph() -> None:
+    archs = {yaml.safe_load(p.read_text())["model"].get("arch", CUSTOM) for p in EXAMPLES}
+    assert archs == {*ARCHS, CUSTOM}
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.stem for p in EXAMPLES])

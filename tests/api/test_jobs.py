@@ -185,3 +185,67 @@ def test_checkpoint_is_404_until_one_is_recorded_then_streams_the_latest(api):
     assert resp.status_code == 200 and resp.headers["x-phalanx-step"] == "100"
     with np.load(io.BytesIO(resp.content), allow_pickle=False) as arrays:
         assert arrays["w"].tolist() == [100.0] * 3
+
+
+OWN_MODEL = {"layers": [{"type": "conv2d", "out_channels": 8}, {"type": "batchnorm"},
+                        {"type": "relu"}, {"type": "maxpool"}, {"type": "flatten"},
+                        {"type": "dense", "units": 10}]}
+
+
+def test_a_users_own_layer_graph_is_accepted_as_custom_and_a_bad_one_names_its_layer(api):
+    resp = api.post("/v1/jobs", json={**SPEC, "model": OWN_MODEL})
+    assert resp.status_code == 201, resp.text
+    job = resp.json()
+    assert job["spec"]["model"]["arch"] == "custom"
+    assert job["spec"]["model"]["layers"] == OWN_MODEL["layers"]
+    assert job["plan"]["parameters"] == 8 * 9 + 8 + 16 + 8 * 4 * 4 * 10 + 10
+    assert "layers" not in api.post("/v1/jobs", json=SPEC).json()["spec"]["model"]
+    bad = {"layers": [*OWN_MODEL["layers"][:4], {"type": "dense", "units": 10}]}
+    resp = api.post("/v1/jobs", json={**SPEC, "model": bad})
+    assert resp.status_code == 422
+    (err,) = resp.json()["detail"]
+    assert err["field"] == "model"
+    assert "model.layers[4] (dense): needs a flat input, got shape (8, 4, 4)" in err["msg"]
+    both = api.post("/v1/jobs", json={**SPEC, "model": {**OWN_MODEL, "arch": "cnn"}})
+    assert both.status_code == 422 and "either model.arch" in both.text
+    assert api.count(Job) == 2
+
+
+def test_a_dry_run_answers_the_plan_and_where_it_could_run_and_creates_nothing(api):
+    api.register("roomy", labels={"rack": "a"}, ram_mb=8000)
+    api.register("tiny", labels={"rack": "a"}, ram_mb=100)
+    api.register("elsewhere", labels={"rack": "b"}, ram_mb=8000)
+    events = api.count(Event)
+    resp = api.post("/v1/jobs?dry_run=true", json=SPEC)
+    assert resp.status_code == 200, resp.text
+    answer = resp.json()
+    assert api.count(Job) == 0 and api.count(Event) == events
+    assert answer["state"] == "Pending" and answer["total_steps"] == 100
+    plan = answer["plan"]
+    assert plan["parameters"] == 53_002 and plan["micro_batch"] == 16
+    # cnn on 8x8: conv1 is 32 x 8 x 8 outputs of 9 multiply-adds, forward + backward = 3 x 2
+    conv1 = plan["layers"][0]
+    assert conv1["path"] == "model.layers[0]" and conv1["out_shape"] == [32, 8, 8]
+    assert conv1["flops_per_sample"] == 3 * 2 * 32 * 8 * 8 * 9
+    assert plan["flops_per_sample"] == sum(layer["flops_per_sample"] for layer in plan["layers"])
+    assert plan["bytes_per_step"] == 8 * plan["weights_bytes"] + 16 * plan["gradient_bytes"]
+    assert 64 << 20 < plan["memory_per_device_bytes"] < 100 << 20
+    placement = answer["placement"]
+    assert placement["eligible"] == 1 and placement["ineligible"] == 2
+    reasons = {d["reason"] for d in placement["ineligible_devices"]}
+    assert any(r.startswith("too little memory (needs") for r in reasons), reasons
+    assert "label rack!=a" in reasons
+
+
+def test_a_job_no_phone_has_the_memory_for_is_refused_with_the_reason(api):
+    api.register("small", ram_mb=100)
+    api.register("smaller", ram_mb=90)
+    resp = api.post("/v1/jobs", json=_with("placement.selector", {}))
+    assert resp.status_code == 422
+    (err,) = resp.json()["detail"]
+    assert err["field"] == "model" and "the largest phone has 50 MiB usable" in err["msg"]
+    assert api.count(Job) == 0
+    api.register("big", ram_mb=4000)  # one phone that can hold it is enough
+    resp = api.post("/v1/jobs", json=_with("placement.selector", {}))
+    assert resp.status_code == 201, resp.text
+    assert resp.json()["plan"]["memory_per_device_bytes"] > 50 << 20

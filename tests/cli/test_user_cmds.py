@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import stat
 from collections.abc import Callable
 from pathlib import Path
@@ -185,6 +186,19 @@ def test_a_json_spec_file_works_too(cli: Cli, tmp_path: Path) -> None:
     path.write_text(json.dumps(SMALL_JOB))
     job = cli.json("jobs", "submit", "-f", str(path))
     assert job["name"] == "tiny-logreg" and job["state"] == "Pending"
+
+
+def test_a_dry_run_prints_the_plan_and_submits_nothing(cli: Cli, tmp_path: Path) -> None:
+    path = write_spec(tmp_path, SMALL_JOB)
+    shown = cli("jobs", "submit", "-f", str(path), "--dry-run", "-o", "wide")
+    assert shown.exit_code == 0, shown.output
+    text = " ".join(re.sub(r"[^\x00-\x7f]", " ", shown.stdout).split())  # no table borders
+    assert "parameters 650" in text  # 64 x 10 + 10 for logreg on 8x8 digits
+    assert "memory per phone" in text and "total steps 22" in text
+    assert "model.layers[1] dense 10 650" in text  # the layer table (-o wide)
+    plan = cli.json("jobs", "submit", "-f", str(path), "--dry-run")["plan"]
+    assert plan["flops_per_sample"] == 3 * (64 + 2 * 64 * 10)  # flatten + the dense layer
+    assert cli.json("jobs", "ls") == []
 
 
 def test_invalid_yaml_names_the_file_and_line(cli: Cli, tmp_path: Path) -> None:

@@ -39,6 +39,8 @@ CASES = {
     "max pool 2": (lambda: MaxPool(2), (3, 6, 6)),
     "max pool 3 stride 2": (lambda: MaxPool(3, 2), (3, 7, 7)),
     "avg pool 2": (lambda: AvgPool(2), (3, 5, 5)),
+    "max pool 3 stride 2 pad 1 (resnet stem)": (lambda: MaxPool(3, 2, 1), (3, 7, 7)),
+    "avg pool 3 stride 2 pad 1": (lambda: AvgPool(3, 2, 1), (3, 6, 6)),
     "global average pool": (lambda: GlobalAvgPool(), (3, 4, 5)),
     "flatten": (lambda: Flatten(), (3, 2, 4)),
     "dropout": (lambda: Dropout(0.4), (3, 4, 4)),

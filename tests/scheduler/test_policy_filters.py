@@ -4,12 +4,19 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler.policy.filters import FILTERS, KEEP_FILTERS, UNRESOLVABLE, UNSCHEDULABLE, run_filters
+from scheduler.policy.filters import (
+    FILTERS,
+    KEEP_FILTERS,
+    UNRESOLVABLE,
+    UNSCHEDULABLE,
+    fits_no_phone,
+    run_filters,
+)
 from scheduler.policy.scores import device_speed, score
 from scheduler.policy.types import DeviceView, PlacementRequest
 
 REQ = PlacementRequest(job_id="job-a", arch="cnn", shards=8, min_battery=20, max_temp_c=45,
-                       selector={"rack": "a"})
+                       selector={"rack": "a"}, memory_mb=1500)
 BASE = DeviceView(id="dev-1", labels={"rack": "a"}, battery_pct=80, charging=False, temp_c=35)
 
 FILTER_CASES = {
@@ -36,6 +43,9 @@ FILTER_CASES = {
         DeviceView(**{**BASE.__dict__, "job_id": "job-b"}), UNSCHEDULABLE),
     "a phone already in this job is free for it": (
         DeviceView(**{**BASE.__dict__, "job_id": "job-a"}), None),
+    "a 2 GB phone cannot hold a micro-batch that needs 1500 MiB": (
+        DeviceView(**{**BASE.__dict__, "ram_mb": 2000}), UNRESOLVABLE),
+    "a 4 GB phone can": (DeviceView(**{**BASE.__dict__, "ram_mb": 4000}), None),
     "a phone with no telemetry yet is not refused for it": (
         DeviceView(id="dev-2", labels={"rack": "a"}), None),
 }
@@ -57,6 +67,15 @@ KEEP_CASES = {
     "a NotReady phone loses its shards": (
         DeviceView(**{**BASE.__dict__, "state": "NotReady"}), False),
 }
+
+
+def test_a_job_no_phone_could_hold_says_so_with_the_largest_phone() -> None:
+    fleet = [DeviceView(id="a", ram_mb=2000), DeviceView(id="b", ram_mb=2800),
+             DeviceView(id="c")]
+    assert "the largest phone has 1,400 MiB usable" in fits_no_phone(fleet, REQ)
+    assert fits_no_phone([*fleet, DeviceView(id="d", ram_mb=3000)], REQ) is None
+    assert fits_no_phone([DeviceView(id="c")], REQ) is None  # nobody said: not refused
+    assert fits_no_phone(fleet, PlacementRequest(job_id="j", arch="cnn", shards=8)) is None
 
 
 @pytest.mark.parametrize("case", KEEP_CASES)

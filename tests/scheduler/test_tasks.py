@@ -165,8 +165,26 @@ def test_an_applier_that_loses_the_commit_is_never_read_whatever_it_wrote(ctx, m
     assert ctx.blobs.keys(f"job:{job_id}:state:1:") == [state_key(ctx, job_id, 1)]
 
 
-def test_a_whole_run_matches_the_reference_trainer(ctx, tmp_path: Path) -> None:
-    spec = tiny_spec()
+# a user's own graph with every kind of layer the format has (1x4x4 inputs, 3 classes)
+OWN_GRAPH = [
+    {"type": "conv2d", "out_channels": 4, "kernel": 3},
+    {"type": "batchnorm"}, {"type": "relu6"},
+    {"type": "residual", "layers": [
+        {"type": "depthwise_conv2d", "stride": 2}, {"type": "batchnorm"}, {"type": "relu"},
+        {"type": "conv2d", "out_channels": 6, "kernel": 1, "bias": False}],
+     "shortcut": [{"type": "conv2d", "out_channels": 6, "kernel": 1, "stride": 2}]},
+    {"type": "maxpool", "kernel": 2, "stride": 1, "padding": 1},
+    {"type": "avgpool", "kernel": 2},
+    {"type": "dropout", "rate": 0.25},
+    {"type": "global_avgpool"}, {"type": "flatten"},
+    {"type": "dense", "units": 5}, {"type": "relu"}, {"type": "dense", "units": 3},
+]
+
+
+@pytest.mark.parametrize("model", [{"arch": "mlp", "hidden": 8}, {"layers": OWN_GRAPH}],
+                         ids=["built-in", "own-layer-graph"])
+def test_a_whole_run_matches_the_reference_trainer(ctx, tmp_path: Path, model) -> None:
+    spec = {**tiny_spec(), "model": model}
     job_id = start(ctx, spec)
     run_to(ctx, job_id, job(ctx, job_id).total_steps)
     done = job(ctx, job_id)
