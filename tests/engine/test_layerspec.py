@@ -124,3 +124,18 @@ def test_the_plan_counts_parameters_flops_memory_and_bytes_of_the_graph():
     bigger = model_plan(TrainSpec.from_job_spec({**spec.raw, "shards": 1}, n_train=320),
                         (2, 8, 8), 3)
     assert bigger.memory_bytes > plan.memory_bytes  # 32 samples a micro-batch instead of 8
+
+
+def test_the_graphs_in_docs_models_md_build_on_their_datasets():
+    import re
+    from pathlib import Path
+
+    import yaml
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "models.md").read_text()
+    blocks = [yaml.safe_load(b) for b in re.findall(r"```yaml\n(.*?)```", text, re.S)]
+    shapes = [(1, 8, 8), (1, 8, 8), (3, 32, 32)]  # digits, digits, 3x32x32 images
+    assert len(blocks) == len(shapes)
+    for block, shape in zip(blocks, shapes):
+        model = build_model("custom", shape, 10, block["model"])
+        assert model.n_params > 0
