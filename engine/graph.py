@@ -136,12 +136,13 @@ class Model:
         return {name: s.view(flat) for name, s in layout.items()}
 
     def loss_and_grad(self, params: np.ndarray, buffers: np.ndarray, x: np.ndarray,
-                      y: np.ndarray, seed: int = 0, step: int = 0, shard: int = 0) -> LossGrad:
+                      y: np.ndarray, seed: int = 0, step: int = 0, shard: int = 0,
+                      label_smoothing: float = 0.0) -> LossGrad:
         """Summed loss over the micro-batch x (NCHW) and its gradient (numpy backend)."""
         ctx = Ctx(True, seed, step, shard, self.named(buffers, "buffers"))
         P = self.named(params)
         logits, caches = self.net.forward(to_nhwc(x.astype(params.dtype, copy=False)), P, ctx)
-        loss_sum, correct, dlogits = softmax_cross_entropy(logits, y)
+        loss_sum, correct, dlogits = softmax_cross_entropy(logits, y, label_smoothing)
         grad = np.zeros_like(params)
         self.net.backward(dlogits, caches, P, self.named(grad), need_dx=False)
         return LossGrad(grad, loss_sum, correct, len(y), self._stats_vector(ctx, params.dtype))

@@ -223,14 +223,26 @@ class Dropout(Layer):
         return x * torch.from_numpy(m).to(x.dtype)
 
 
-def softmax_cross_entropy(logits: np.ndarray, y: np.ndarray) -> tuple[float, int, np.ndarray]:
-    """Summed loss, correct count and d(loss_sum)/d(logits)."""
+def softmax_cross_entropy(logits: np.ndarray, y: np.ndarray,
+                          smoothing: float = 0.0) -> tuple[float, int, np.ndarray]:
+    """Summed loss, correct count and d(loss_sum)/d(logits). With label smoothing e (torch's
+    `label_smoothing`), the target is (1 - e) on the label plus e / K on every class."""
     z = logits - logits.max(axis=1, keepdims=True)
     e = np.exp(z)
     total = e.sum(axis=1, keepdims=True)
     rows = np.arange(len(y))
-    logp = z[rows, y] - np.log(total[:, 0])
+    log_total = np.log(total[:, 0])
+    logp = z[rows, y] - log_total
     grad = e / total
-    grad[rows, y] -= 1
+    if smoothing:
+        k = logits.shape[1]
+        mean_logp = z.mean(axis=1) - log_total
+        loss = -((1.0 - smoothing) * logp.astype(np.float64)
+                 + smoothing * mean_logp.astype(np.float64)).sum()
+        grad -= smoothing / k
+        grad[rows, y] -= 1.0 - smoothing
+    else:
+        loss = -logp.astype(np.float64).sum()
+        grad[rows, y] -= 1
     correct = int((logits.argmax(axis=1) == y).sum())
-    return float(-logp.astype(np.float64).sum()), correct, grad
+    return float(loss), correct, grad

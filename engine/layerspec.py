@@ -32,7 +32,7 @@ from engine.norm import BatchNorm
 
 MAX_LAYERS = 2000  # every layer object, nested ones included (resnet50 has 228)
 MAX_DEPTH = 8  # residual blocks inside residual blocks
-MAX_WIDTH = 1 << 16  # channels or units of one layer
+MAX_INT = 2**31 - 1  # any size option; how big a model may be is MAX_PARAMS's to say
 
 
 class LayerError(ValueError):
@@ -174,8 +174,8 @@ def _options(spec: dict[str, Any], kind: str, where: str) -> dict[str, Any]:
 def _value(value: Any, check: str, what: str) -> Any:
     if check in ("int", "int0"):
         low = 1 if check == "int" else 0
-        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= MAX_WIDTH:
-            raise LayerError(f"{what} must be an integer in [{low}, {MAX_WIDTH}], got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= MAX_INT:
+            raise LayerError(f"{what} must be an integer >= {low}, got {value!r}")
     elif check == "bool" and not isinstance(value, bool):
         raise LayerError(f"{what} must be true or false, got {value!r}")
     elif check == "rate" and (isinstance(value, bool) or not isinstance(value, (int, float))

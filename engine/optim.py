@@ -1,4 +1,5 @@
-"""Learning-rate schedule and SGD over flat vectors, as pure functions.
+"""Learning-rate schedule and the optimizers (SGD, AdamW, LARS) over flat vectors, as pure
+functions.
 
 lr(t) for the step t being applied (0-based), with spe = steps per epoch and T = total steps:
 
@@ -8,19 +9,56 @@ lr(t) for the step t being applied (0-based), with spe = steps per epoch and T =
 * then `constant`: base; `cosine`: base x (1 + cos(pi x (t - W) / (T - W))) / 2;
   `step`: base x decay_factor ** (number of decay_epochs <= t / spe).
 
-Update (weight decay only on kernels, not biases or BN): g = grad_mean + wd x mask x p;
-v = momentum x v + g; p -= lr x (g + momentum x v if nesterov else v).
+Updates (weight decay only on kernels, not biases or BN: `mask`), g = the mean gradient, all in
+float64 from the float32 state, one rounding per step:
+
+* `sgd` (torch.optim.SGD): g += wd x mask x p; v = momentum x v + g;
+  p -= lr x (g + momentum x v if nesterov else v). State: v.
+* `adamw` (torch.optim.AdamW, decoupled decay): p *= 1 - lr x wd x mask;
+  m = b1 m + (1 - b1) g; v = b2 v + (1 - b2) g^2; with t = step + 1,
+  p -= (lr / (1 - b1^t)) x m / (sqrt(v) / sqrt(1 - b2^t) + eps). State: m, then v.
+* `lars` (You et al. 2017, as NVIDIA apex's LARC without clipping): for each kernel tensor
+  (mask 1) d = trust x (g + wd x p) with trust = eta x |p| / (|g| + wd x |p| + eps) (1 when
+  |p| or |g| is 0); biases and BN take d = g; then SGD's momentum step on d. State: v.
 """
 
 from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import numpy as np
 
+from engine.base import Slot
 from engine.spec import TrainSpec
+
+OPTIMIZERS = ("sgd", "adamw", "lars")
+# the optimizer state's vectors, each n_params long, by name (checkpoints use these names)
+STATE_SLOTS = {"sgd": ("momentum",), "adamw": ("exp_avg", "exp_avg_sq"), "lars": ("momentum",)}
+
+
+@dataclass(frozen=True)
+class Hyper:
+    """One step's optimizer settings: the spec's, the step's lr and its 1-based number."""
+
+    kind: str
+    lr: float
+    t: int
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+    nesterov: bool = False
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    trust_coefficient: float = 0.001
+
+    @classmethod
+    def of(cls, spec: TrainSpec, step: int) -> Hyper:
+        return cls(spec.optimizer, lr_at(spec, step), step + 1, spec.momentum,
+                   spec.weight_decay, spec.nesterov, (spec.beta1, spec.beta2), spec.eps,
+                   spec.trust_coefficient)
 
 
 def base_lr(spec: TrainSpec) -> float:
@@ -98,6 +136,30 @@ def _pool(workers: int) -> ThreadPoolExecutor:
         return pool
 
 
+def _fused(grads: list[np.ndarray], n: int, update_block: Callable[[slice, np.ndarray], None],
+           workers: int) -> None:
+    """Call update_block(block, g) for every block, g the float64 sum of the grads' block added
+    in list order; `workers` threads take contiguous ranges (numpy releases the GIL)."""
+
+    def run(lo: int, hi: int) -> None:
+        for start in range(lo, hi, FUSED_BLOCK):
+            block = slice(start, min(start + FUSED_BLOCK, hi))
+            g = np.zeros(block.stop - block.start, np.float64)
+            for a in grads:
+                g += a[block]
+            update_block(block, g)
+
+    blocks = -(-n // FUSED_BLOCK)
+    workers = max(1, min(workers, blocks))
+    if workers == 1:
+        run(0, n)
+        return
+    per = -(-blocks // workers) * FUSED_BLOCK
+    futures = [_pool(workers).submit(run, lo, min(lo + per, n)) for lo in range(0, n, per)]
+    for f in futures:
+        f.result()
+
+
 def sum_and_update(grads: list[np.ndarray], params: np.ndarray, momentum_buf: np.ndarray,
                    lr: float, momentum: float, weight_decay: float, nesterov: bool,
                    decay_mask: np.ndarray, grad_divisor: float = 1.0, workers: int = 1,
@@ -114,23 +176,86 @@ def sum_and_update(grads: list[np.ndarray], params: np.ndarray, momentum_buf: np
     """
     n = params.size
     new_params, new_momentum = out or (np.empty(n, np.float32), np.empty(n, np.float32))
-
-    def run(lo: int, hi: int) -> None:
-        for start in range(lo, hi, FUSED_BLOCK):
-            block = slice(start, min(start + FUSED_BLOCK, hi))
-            g = np.zeros(block.stop - block.start, np.float64)
-            for a in grads:
-                g += a[block]
-            _update_block(block, g, params, momentum_buf, new_params, new_momentum, lr,
-                          momentum, weight_decay, nesterov, decay_mask, grad_divisor)
-
-    blocks = -(-n // FUSED_BLOCK)
-    workers = max(1, min(workers, blocks))
-    if workers == 1:
-        run(0, n)
-        return new_params, new_momentum
-    per = -(-blocks // workers) * FUSED_BLOCK
-    futures = [_pool(workers).submit(run, lo, min(lo + per, n)) for lo in range(0, n, per)]
-    for f in futures:
-        f.result()
+    _fused(grads, n, lambda block, g: _update_block(
+        block, g, params, momentum_buf, new_params, new_momentum, lr, momentum, weight_decay,
+        nesterov, decay_mask, grad_divisor), workers)
     return new_params, new_momentum
+
+
+def optimizer_step(grads: list[np.ndarray], params: np.ndarray, opt_state: np.ndarray,
+                   hp: Hyper, decay_mask: np.ndarray, slots: Sequence[Slot],
+                   grad_divisor: float = 1.0, workers: int = 1,
+                   out: tuple[np.ndarray, np.ndarray] | None = None,
+                   ) -> tuple[np.ndarray, np.ndarray]:
+    """The new float32 (params, optimizer state) from the float64 sum of `grads` (added in
+    list order) divided by `grad_divisor`; `slots`: the parameter tensors (LARS scales each)."""
+    n = params.size
+    width = len(STATE_SLOTS[hp.kind]) * n
+    if opt_state.size != width:
+        raise ValueError(f"{hp.kind} keeps {width // n} vector(s) of state per parameter; "
+                         f"the state holds {opt_state.size / n:g}")
+    if hp.kind == "sgd":
+        return sum_and_update(grads, params, opt_state, hp.lr, hp.momentum, hp.weight_decay,
+                              hp.nesterov, decay_mask, grad_divisor, workers, out)
+    new_params, new_state = out or (np.empty(n, np.float32), np.empty(width, np.float32))
+    if hp.kind == "adamw":
+        _fused(grads, n, lambda block, g: _adamw_block(
+            block, g, params, opt_state, new_params, new_state, hp, decay_mask, grad_divisor),
+            workers)
+    elif hp.kind == "lars":
+        _lars(grads, params, opt_state, new_params, new_state, hp, decay_mask, slots,
+              grad_divisor)
+    else:
+        raise ValueError(f"unknown optimizer {hp.kind!r}; one of {', '.join(OPTIMIZERS)}")
+    return new_params, new_state
+
+
+def _adamw_block(block: slice, g: np.ndarray, params: np.ndarray, state: np.ndarray,
+                 new_params: np.ndarray, new_state: np.ndarray, hp: Hyper,
+                 decay_mask: np.ndarray, grad_divisor: float) -> None:
+    n = params.size
+    second = slice(n + block.start, n + block.stop)
+    p = params[block].astype(np.float64)
+    if grad_divisor != 1.0:
+        g /= grad_divisor
+    if hp.weight_decay:
+        p *= 1.0 - hp.lr * hp.weight_decay * decay_mask[block]
+    b1, b2 = hp.betas
+    m = b1 * state[block].astype(np.float64) + (1.0 - b1) * g
+    v = b2 * state[second].astype(np.float64) + (1.0 - b2) * (g * g)
+    denom = np.sqrt(v) / math.sqrt(1.0 - b2**hp.t) + hp.eps
+    new_params[block] = p - (hp.lr / (1.0 - b1**hp.t)) * (m / denom)
+    new_state[block] = m
+    new_state[second] = v
+
+
+def _lars(grads: list[np.ndarray], params: np.ndarray, state: np.ndarray,
+          new_params: np.ndarray, new_state: np.ndarray, hp: Hyper, decay_mask: np.ndarray,
+          slots: Sequence[Slot], grad_divisor: float) -> None:
+    """LARS needs each tensor's whole gradient norm before any of it is updated: the sum is
+    made first (in list order, as everywhere), then the update, element-wise."""
+    n = params.size
+    g = np.empty(n, np.float64)
+
+    def keep(block: slice, part: np.ndarray) -> None:
+        g[block] = part
+
+    _fused(grads, n, keep, 1)
+    if grad_divisor != 1.0:
+        g /= grad_divisor
+    p = params.astype(np.float64)
+    d = g + hp.weight_decay * decay_mask * p if hp.weight_decay else g
+    for s in slots:
+        if not s.decay:
+            continue
+        part = slice(s.offset, s.offset + s.size)
+        # np.add.reduce: numpy's pairwise sum, the same on every machine (BLAS's dot may not be)
+        w_norm = math.sqrt(float(np.add.reduce(p[part] * p[part])))
+        g_norm = math.sqrt(float(np.add.reduce(g[part] * g[part])))
+        if w_norm > 0 and g_norm > 0:
+            d[part] *= hp.trust_coefficient * w_norm / (
+                g_norm + hp.weight_decay * w_norm + hp.eps)
+    v = hp.momentum * state.astype(np.float64) + d
+    update = d + hp.momentum * v if hp.nesterov else v
+    new_params[:] = p - hp.lr * update
+    new_state[:] = v

@@ -14,6 +14,7 @@ from typing import Any
 from engine.sampler import steps_per_epoch as _steps_per_epoch
 
 SCHEDULES = ("constant", "cosine", "step")
+OPTIMIZER_TYPES = ("sgd", "adamw", "lars")  # engine.optim implements each
 
 
 class SpecError(ValueError):
@@ -32,8 +33,14 @@ class TrainSpec:
     shards: int = 16
     epochs: int = 10
     seed: int = 0
+    optimizer: str = "sgd"
     lr: float = 0.1
     momentum: float = 0.9
+    beta1: float = 0.9  # adamw
+    beta2: float = 0.999  # adamw
+    eps: float = 1e-8  # adamw, lars
+    trust_coefficient: float = 0.001  # lars (eta)
+    label_smoothing: float = 0.0
     nesterov: bool = False
     weight_decay: float = 0.0
     warmup_epochs: float = 0.0
@@ -73,7 +80,13 @@ class TrainSpec:
             shards=_read(spec, "shards", 16, int),
             epochs=_read(spec, "epochs", 10, int),
             seed=_read(spec, "seed", 0, int),
+            optimizer=str(opt.get("type", "sgd")),
             lr=_read(opt, "lr", 0.1, float, "optimizer."),
+            beta1=_read(opt, "beta1", 0.9, float, "optimizer."),
+            beta2=_read(opt, "beta2", 0.999, float, "optimizer."),
+            eps=_read(opt, "eps", 1e-8, float, "optimizer."),
+            trust_coefficient=_read(opt, "trust_coefficient", 0.001, float, "optimizer."),
+            label_smoothing=_read(spec, "label_smoothing", 0.0, float),
             momentum=_read(opt, "momentum", 0.9, float, "optimizer."),
             nesterov=_read(opt, "nesterov", False, bool, "optimizer."),
             weight_decay=_read(opt, "weight_decay", 0.0, float, "optimizer."),
@@ -102,6 +115,12 @@ class TrainSpec:
             )
         if self.epochs < 1:
             raise SpecError("epochs must be >= 1")
+        if self.optimizer not in OPTIMIZER_TYPES:
+            raise SpecError(f"optimizer.type must be one of {', '.join(OPTIMIZER_TYPES)}")
+        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
+            raise SpecError("optimizer.beta1 and optimizer.beta2 must be in [0, 1)")
+        if not 0 <= self.label_smoothing < 1:
+            raise SpecError("label_smoothing must be in [0, 1)")
         if self.schedule not in SCHEDULES:
             raise SpecError(f"optimizer.schedule must be one of {', '.join(SCHEDULES)}")
         if not self.lr > 0:

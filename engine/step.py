@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.graph import Model
-from engine.optim import lr_at, sum_and_update
+from engine.optim import STATE_SLOTS, Hyper, optimizer_step
 from engine.spec import TrainSpec
 
 BN_MOMENTUM = 0.1  # running = (1 - 0.1) x running + 0.1 x (shard-averaged batch statistic)
@@ -35,7 +35,7 @@ class ShardResult:
 class TrainState:
     step: int
     params: np.ndarray
-    momentum: np.ndarray
+    opt_state: np.ndarray  # the optimizer's vectors, each n_params long (optim.STATE_SLOTS)
     buffers: np.ndarray
 
 
@@ -61,12 +61,13 @@ def compute_shard(model: Model, params: np.ndarray, buffers: np.ndarray, x_shard
     """Gradient sum of shard `shard` at `step`. x_shard/y_shard: this step's micro-batch
     (`sampler.select_microbatch` picks it out of the shard's data)."""
     if backend == "numpy":
-        r = model.loss_and_grad(params, buffers, x_shard, y_shard, spec.seed, step, shard)
+        r = model.loss_and_grad(params, buffers, x_shard, y_shard, spec.seed, step, shard,
+                                spec.label_smoothing)
     elif backend == "torch":
         from engine import torch_backend
 
         r = torch_backend.loss_and_grad(model, params, buffers, x_shard, y_shard, spec.seed,
-                                        step, shard)
+                                        step, shard, spec.label_smoothing)
     else:
         raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     return ShardResult(shard, r.grad_sum.astype(np.float32, copy=False), r.loss_sum, r.correct,
@@ -75,7 +76,8 @@ def compute_shard(model: Model, params: np.ndarray, buffers: np.ndarray, x_shard
 
 def initial_state(model: Model, spec: TrainSpec) -> TrainState:
     params, buffers = model.init(spec.seed)
-    return TrainState(0, params, np.zeros_like(params), buffers)
+    slots = len(STATE_SLOTS[spec.optimizer])
+    return TrainState(0, params, np.zeros(slots * params.size, np.float32), buffers)
 
 
 def apply_step(model: Model, spec: TrainSpec, state: TrainState,
@@ -84,7 +86,7 @@ def apply_step(model: Model, spec: TrainSpec, state: TrainState,
                ) -> tuple[TrainState, StepMetrics]:
     """Average every shard's gradient for state.step, update, and return step + 1.
     `workers` threads share the (element-wise) work; the result is the same bit for bit.
-    `out`: float32 (params, momentum, buffers) arrays the new state is written into."""
+    `out`: float32 (params, optimizer state, buffers) arrays the new state is written into."""
     ordered = _check_results(model, spec, list(results))
     # shard order: the one summation order every placement shares
     stats = ordered_sum([r.stats for r in ordered], model.n_stats)
@@ -94,11 +96,11 @@ def apply_step(model: Model, spec: TrainSpec, state: TrainState,
         loss += r.loss_sum
         correct += r.correct
         count += r.count
-    lr = lr_at(spec, state.step)
-    params, momentum = sum_and_update([r.grad_sum for r in ordered], state.params,
-                                      state.momentum, lr, spec.momentum, spec.weight_decay,
-                                      spec.nesterov, model.decay_mask, grad_divisor=count,
-                                      workers=workers, out=out[:2] if out else None)
+    hp = Hyper.of(spec, state.step)
+    params, opt_state = optimizer_step([r.grad_sum for r in ordered], state.params,
+                                       state.opt_state, hp, model.decay_mask,
+                                       list(model.layout.values()), grad_divisor=count,
+                                       workers=workers, out=out[:2] if out else None)
     buffers = state.buffers
     if model.n_buffers:
         mean_stats = stats / len(ordered)
@@ -107,8 +109,8 @@ def apply_step(model: Model, spec: TrainSpec, state: TrainState,
     if out is not None:
         out[2][:] = buffers
         buffers = out[2]
-    metrics = StepMetrics(state.step, loss / count, correct / count, lr, count)
-    return TrainState(state.step + 1, params, momentum, buffers), metrics
+    metrics = StepMetrics(state.step, loss / count, correct / count, hp.lr, count)
+    return TrainState(state.step + 1, params, opt_state, buffers), metrics
 
 
 # Elements per block of `ordered_sum`: a 256 KB float64 accumulator stays in the cache while

@@ -33,7 +33,8 @@ def _torch() -> Any:
 
 
 def loss_and_grad(model: Model, params: np.ndarray, buffers: np.ndarray, x: np.ndarray,
-                  y: np.ndarray, seed: int = 0, step: int = 0, shard: int = 0) -> LossGrad:
+                  y: np.ndarray, seed: int = 0, step: int = 0, shard: int = 0,
+                  label_smoothing: float = 0.0) -> LossGrad:
     torch = _torch()
     import torch.nn.functional as F
 
@@ -42,7 +43,7 @@ def loss_and_grad(model: Model, params: np.ndarray, buffers: np.ndarray, x: np.n
     xt = torch.from_numpy(np.ascontiguousarray(x, dtype=params.dtype))
     logits = model.net.torch_forward(xt, model.named(flat), ctx)
     yt = torch.from_numpy(np.asarray(y, dtype=np.int64))
-    loss = F.cross_entropy(logits, yt, reduction="sum")
+    loss = F.cross_entropy(logits, yt, reduction="sum", label_smoothing=label_smoothing)
     loss.backward()
     out = logits.detach().numpy()
     stats = np.zeros(model.n_stats, dtype=params.dtype)

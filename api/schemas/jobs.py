@@ -41,8 +41,16 @@ class ModelSpec(RequestModel):
 
 
 class OptimizerSpec(RequestModel):
+    type: Literal["sgd", "adamw", "lars"] = Field(
+        "sgd", description="sgd (momentum, optional nesterov), adamw (decoupled weight decay) "
+        "or lars (layer-wise trust ratio over SGD with momentum); docs/contracts.md")
     lr: float = Field(0.1, gt=0, le=100)
-    momentum: float = Field(0.9, ge=0, le=0.999)
+    momentum: float = Field(0.9, ge=0, le=0.999, description="sgd and lars")
+    beta1: float = Field(0.9, ge=0, lt=1, description="adamw")
+    beta2: float = Field(0.999, ge=0, lt=1, description="adamw")
+    eps: float = Field(1e-8, gt=0, le=1, description="adamw and lars")
+    trust_coefficient: float = Field(0.001, gt=0, le=1, description="lars: eta, the trust "
+                                     "ratio's coefficient")
     nesterov: bool = False
     weight_decay: float = Field(0.0, ge=0, le=1)
     warmup_epochs: float = Field(0.0, ge=0, le=1000)
@@ -88,6 +96,8 @@ class JobCreate(RequestModel):
     optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
     placement: PlacementSpec = Field(default_factory=PlacementSpec)
     priority: int = Field(0, ge=-1000, le=1000)
+    label_smoothing: float = Field(0.0, ge=0, lt=1, description="the target is (1 - e) on the "
+                                   "label plus e / classes on every class (torch's)")
     checkpoint_every: int = Field(50, ge=1, le=100000)
 
     @field_validator("shards")

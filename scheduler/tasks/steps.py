@@ -31,6 +31,7 @@ from api.store.states import Event as StateEvent
 from api.store.states import JobState, transition
 from engine.data import load_dataset
 from engine.jobinfo import JobInfo, job_info_or_reason
+from engine.optim import STATE_SLOTS
 from engine.runner import final_metrics
 from engine.step import ShardResult, StepMetrics, TrainState
 from engine.step import apply_step as engine_apply_step
@@ -167,13 +168,13 @@ def run_apply_step(ctx: SchedulerContext, job_id: str, step: int) -> str:
         return Outcome.INCOMPLETE
     # the update is written straight into the two blobs it is stored as: the weights message
     # every agent downloads next (the API serves it as stored) and the state (weights,
-    # momentum, buffers); only the weights are copied, from one into the other
+    # optimizer state, buffers); only the weights are copied, from one into the other
     n_params, n_buffers = info.model.n_params, info.model.n_buffers
     message = WeightsMessage(job_id, step + 1, n_params, n_buffers)
-    blob = StateBlob(step + 1, n_params, n_buffers)
+    blob = StateBlob(step + 1, n_params, n_buffers, len(STATE_SLOTS[info.spec.optimizer]))
     new_state, metrics = engine_apply_step(info.model, info.spec, state, results,
                                            workers=ctx.tuning.apply_threads,
-                                           out=(message.params, blob.momentum, message.buffers))
+                                           out=(message.params, blob.opt_state, message.buffers))
     blob.params[:] = message.params
     blob.buffers[:] = message.buffers
     nonce = keys.new_nonce()

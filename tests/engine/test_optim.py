@@ -9,6 +9,7 @@ import pytest
 
 from engine.optim import lr_at, sgd_update
 from engine.spec import SpecError, TrainSpec
+from tests.support.optional import require
 
 
 def _spec(**opt) -> TrainSpec:
@@ -130,3 +131,148 @@ def test_fused_sum_and_update_is_bit_identical_to_sum_then_update(workers, neste
     got_p, got_v = sum_and_update(grads, p, v, 0.05, 0.9, wd, nesterov, mask, grad_divisor=96,
                                   workers=workers)
     assert got_p.tobytes() == want_p.tobytes() and got_v.tobytes() == want_v.tobytes()
+
+
+# -- AdamW and LARS against PyTorch, label smoothing against torch's cross entropy -------------
+
+def _model_and_grads(steps: int = 4, seed: int = 0):
+    from engine.models import build_model
+
+    model = build_model("cnn", (1, 8, 8), 10, {"width": 0.25})
+    params, _ = model.init(seed)
+    rng = np.random.default_rng(seed)
+    # each step's gradient as three shards' sums and the sample count that divides them
+    grads = [[rng.standard_normal(model.n_params).astype(np.float32) for _ in range(3)]
+             for _ in range(steps)]
+    return model, params, grads
+
+
+def _ours(kind: str, model, params, grads, lrs, **hyper):
+    from engine.optim import STATE_SLOTS, Hyper, optimizer_step
+
+    state = np.zeros(len(STATE_SLOTS[kind]) * params.size, np.float32)
+    p = params
+    for t, (shards, lr) in enumerate(zip(grads, lrs)):
+        p, state = optimizer_step(shards, p, state, Hyper(kind, lr, t + 1, **hyper),
+                                  model.decay_mask, list(model.layout.values()),
+                                  grad_divisor=48.0)
+    return p
+
+
+def _torch_params(torch, model, params):
+    """One float64 tensor per layout slot, grouped as our decay mask groups them."""
+    tensors = {name: torch.tensor(s.view(params).astype(np.float64), requires_grad=True)
+               for name, s in model.layout.items()}
+    decay = [tensors[n] for n, s in model.layout.items() if s.decay]
+    rest = [tensors[n] for n, s in model.layout.items() if not s.decay]
+    return tensors, decay, rest
+
+
+def _set_grads(torch, model, tensors, shards):
+    total = np.zeros(model.n_params, np.float64)
+    for g in shards:
+        total += g
+    total /= 48.0
+    for name, s in model.layout.items():
+        tensors[name].grad = torch.tensor(s.view(total).copy())
+
+
+def _flat(model, tensors) -> np.ndarray:
+    return np.concatenate([tensors[n].detach().numpy().ravel() for n in model.layout])
+
+
+def test_adamw_equals_torch_adamw_for_a_few_steps_on_the_same_gradients():
+    torch = require("torch")
+    model, params, grads = _model_and_grads()
+    lrs = [1e-3, 2e-3, 3e-3, 2.5e-3]
+    ours = _ours("adamw", model, params, grads, lrs, weight_decay=0.05, betas=(0.9, 0.95),
+                 eps=1e-8)
+    tensors, decay, rest = _torch_params(torch, model, params)
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.05},
+                             {"params": rest, "weight_decay": 0.0}], betas=(0.9, 0.95), eps=1e-8)
+    for shards, lr in zip(grads, lrs):
+        for group in opt.param_groups:
+            group["lr"] = lr
+        _set_grads(torch, model, tensors, shards)
+        opt.step()
+    theirs = _flat(model, tensors)
+    assert not np.allclose(theirs, params)  # it moved
+    np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-7)
+
+
+def _lars_reference(torch, model, params, grads, lrs, wd, eta, momentum):
+    """LARS as NVIDIA apex's LARC (clip=False) wraps torch.optim.SGD: each kernel's gradient
+    plus weight decay, scaled by eta |w| / (|g| + wd |w| + eps); biases and BN untouched."""
+    tensors, decay, rest = _torch_params(torch, model, params)
+    opt = torch.optim.SGD(decay + rest, lr=lrs[0], momentum=momentum, weight_decay=0.0)
+    for shards, lr in zip(grads, lrs):
+        opt.param_groups[0]["lr"] = lr
+        _set_grads(torch, model, tensors, shards)
+        with torch.no_grad():
+            for p in decay:
+                w_norm, g_norm = torch.norm(p), torch.norm(p.grad)
+                trust = eta * w_norm / (g_norm + wd * w_norm + 1e-8)
+                p.grad.add_(p, alpha=wd).mul_(trust)
+        opt.step()
+    return _flat(model, tensors)
+
+
+def test_lars_equals_the_layer_wise_rule_on_torch_sgd():
+    torch = require("torch")
+    model, params, grads = _model_and_grads()
+    lrs = [0.5, 1.0, 2.0, 1.5]
+    ours = _ours("lars", model, params, grads, lrs, weight_decay=5e-4, momentum=0.9,
+                 trust_coefficient=0.02)
+    theirs = _lars_reference(torch, model, params, grads, lrs, 5e-4, 0.02, 0.9)
+    np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-7)
+    # the trust ratio is per tensor: scaling one kernel's gradient leaves its own step alone
+    # (|g| cancels) but changes nothing elsewhere either
+    scaled = [[g.copy() for g in shards] for shards in grads]
+    s = model.layout["conv1.weight"]
+    for shards in scaled:
+        for g in shards:
+            g[s.offset : s.offset + s.size] *= 10
+    again = _ours("lars", model, params, scaled, lrs, weight_decay=0.0, momentum=0.9,
+                  trust_coefficient=0.02)
+    plain = _ours("lars", model, params, grads, lrs, weight_decay=0.0, momentum=0.9,
+                  trust_coefficient=0.02)
+    np.testing.assert_allclose(s.view(again), s.view(plain), rtol=1e-5)
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.1, 0.3])
+def test_label_smoothing_equals_torch_cross_entropy(smoothing):
+    torch = require("torch")
+    from engine.layers import softmax_cross_entropy
+
+    rng = np.random.default_rng(1)
+    logits, y = rng.standard_normal((7, 5)) * 3, rng.integers(0, 5, 7)
+    loss, _, grad = softmax_cross_entropy(logits, y, smoothing)
+    lt = torch.tensor(logits, requires_grad=True)
+    ref = torch.nn.functional.cross_entropy(lt, torch.tensor(y), reduction="sum",
+                                            label_smoothing=smoothing)
+    ref.backward()
+    assert loss == pytest.approx(ref.item(), rel=1e-12)
+    np.testing.assert_allclose(grad, lt.grad.numpy(), rtol=1e-10, atol=1e-12)
+
+
+def test_the_optimizer_and_its_settings_are_read_and_checked():
+    s = _spec(type="adamw", beta1=0.8, beta2=0.99, eps=1e-6)
+    assert (s.optimizer, s.beta1, s.beta2, s.eps) == ("adamw", 0.8, 0.99, 1e-6)
+    with pytest.raises(SpecError, match="optimizer.type must be one of sgd, adamw, lars"):
+        _spec(type="adam")
+    with pytest.raises(SpecError, match="beta1 and optimizer.beta2 must be in"):
+        _spec(type="adamw", beta2=1.0)
+
+
+def test_an_adamw_checkpoint_keeps_both_moments_under_torchs_names():
+    from engine.checkpoint import load_npz, save_npz, state_from_arrays, state_to_arrays
+    from engine.step import TrainState
+
+    model, params, _ = _model_and_grads(steps=0)
+    rng = np.random.default_rng(3)
+    state = TrainState(5, params, rng.standard_normal(2 * model.n_params).astype(np.float32),
+                       np.zeros(model.n_buffers, np.float32))
+    arrays = load_npz(save_npz(state_to_arrays(model, state)))
+    assert "exp_avg/conv1.weight" in arrays and "exp_avg_sq/fc2.bias" in arrays
+    back = state_from_arrays(model, arrays)
+    assert back.step == 5 and np.array_equal(back.opt_state, state.opt_state)

@@ -52,7 +52,7 @@ def _results(model, spec, state, shards, keep=None, backend="numpy"):
 
 
 def _close(a, b, rel=1e-6):
-    for name in ("params", "momentum", "buffers"):
+    for name in ("params", "opt_state", "buffers"):
         x, y = getattr(a, name), getattr(b, name)
         assert np.abs(x - y).max() <= rel * max(np.abs(y).max(), 1e-30), name
 

@@ -11,7 +11,7 @@ import pytest
 from engine.step import TrainState
 from hotstate.blobs import MGET_GROUP, BlobStore, MemoryBlobStore, RedisBlobStore
 from hotstate.locks import acquire, release
-from hotstate.trainstate import StateError, decode_state, encode_state
+from hotstate.trainstate import StateError, decode_state, encode_state, read_weights
 
 
 @pytest.fixture(params=["memory", "redis"])
@@ -79,20 +79,39 @@ def test_a_lock_is_held_once_and_freed_by_its_holder_only(store: BlobStore) -> N
     assert acquire(store, "lock", ttl=10)
 
 
-def test_state_round_trips_exactly() -> None:
+@pytest.mark.parametrize("slots", [1, 2], ids=["sgd-momentum", "adamw-two-moments"])
+def test_state_round_trips_exactly(slots: int) -> None:
     rng = np.random.default_rng(0)
     state = TrainState(7, rng.standard_normal(1000).astype(np.float32),
-                       rng.standard_normal(1000).astype(np.float32),
+                       rng.standard_normal(slots * 1000).astype(np.float32),
                        rng.standard_normal(10).astype(np.float32))
     back = decode_state(encode_state(state), expect_step=7)
     assert back.step == 7
-    for a, b in ((state.params, back.params), (state.momentum, back.momentum),
+    for a, b in ((state.params, back.params), (state.opt_state, back.opt_state),
                  (state.buffers, back.buffers)):
         assert np.array_equal(a, b)
     with pytest.raises(StateError):
         decode_state(encode_state(state), expect_step=8)
     with pytest.raises(StateError):
         decode_state(encode_state(state)[:-4])
+
+
+def test_a_state_written_before_optimizer_slots_still_decodes() -> None:
+    """A job running across the upgrade: its version-1 state (one momentum vector, a header
+    without the slot count) reads as before, and its weights by range too."""
+    import struct
+
+    rng = np.random.default_rng(1)
+    params, momentum, buffers = (rng.standard_normal(n).astype("<f4") for n in (50, 50, 4))
+    old = struct.pack("<6sQQQ", b"PHLXS1", 3, 50, 4) + params.tobytes() + momentum.tobytes() \
+        + buffers.tobytes()
+    back = decode_state(old, expect_step=3)
+    assert np.array_equal(back.opt_state, momentum) and np.array_equal(back.buffers, buffers)
+    store = MemoryBlobStore()
+    store.set("k", old)
+    weights = read_weights(store, "k", expect_step=3)
+    assert weights is not None
+    assert np.array_equal(weights[0], params) and np.array_equal(weights[1], buffers)
 
 
 def test_redis_sends_a_big_value_uncopied_and_it_round_trips(redis_url: str) -> None:

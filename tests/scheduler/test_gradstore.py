@@ -74,7 +74,7 @@ def test_a_state_blob_filled_in_place_is_byte_for_byte_encode_state() -> None:
                        rng.standard_normal(50).astype(np.float32),
                        rng.standard_normal(7).astype(np.float32))
     blob = StateBlob(4, 50, 7)
-    blob.params[:], blob.momentum[:], blob.buffers[:] = state.params, state.momentum, state.buffers
+    blob.params[:], blob.opt_state[:], blob.buffers[:] = state.params, state.opt_state, state.buffers
     assert bytes(blob.data) == encode_state(state)
     back = decode_state(memoryview(blob.data).toreadonly(), expect_step=4)
-    assert back.momentum.tobytes() == state.momentum.tobytes()
+    assert back.opt_state.tobytes() == state.opt_state.tobytes()

@@ -181,10 +181,15 @@ OWN_GRAPH = [
 ]
 
 
-@pytest.mark.parametrize("model", [{"arch": "mlp", "hidden": 8}, {"layers": OWN_GRAPH}],
-                         ids=["built-in", "own-layer-graph"])
-def test_a_whole_run_matches_the_reference_trainer(ctx, tmp_path: Path, model) -> None:
-    spec = {**tiny_spec(), "model": model}
+@pytest.mark.parametrize("change", [
+    {},
+    {"model": {"layers": OWN_GRAPH}},
+    {"optimizer": {"type": "adamw", "lr": 0.01, "weight_decay": 0.05}},
+    {"optimizer": {"type": "lars", "lr": 2.0, "trust_coefficient": 0.02, "nesterov": True},
+     "label_smoothing": 0.1},
+], ids=["sgd", "own-layer-graph", "adamw", "lars+label-smoothing"])
+def test_a_whole_run_matches_the_reference_trainer(ctx, tmp_path: Path, change) -> None:
+    spec = {**tiny_spec(), **change}
     job_id = start(ctx, spec)
     run_to(ctx, job_id, job(ctx, job_id).total_steps)
     done = job(ctx, job_id)
