@@ -17,9 +17,10 @@ from typing import Any
 
 import numpy as np
 
+from engine.augment import augment
 from engine.graph import Model
 from engine.models import build_model
-from engine.sampler import select_microbatch
+from engine.sampler import microbatch
 from engine.spec import TrainSpec
 from engine.step import ShardResult, TrainState, evaluate
 from engine.step import compute_shard as _compute_shard
@@ -55,10 +56,11 @@ def shard_arrays(npz: bytes | str) -> tuple[np.ndarray, np.ndarray]:
 def shard_gradient(job: JobModel, params: np.ndarray, buffers: np.ndarray, x: np.ndarray,
                    y: np.ndarray, step: int, shard: int, backend: str = "numpy") -> ShardResult:
     """Shard `shard`'s gradient sum at `step`, from all of that shard's samples (x, y): its
-    micro-batch is drawn here, seeded by (seed, step, shard)."""
+    micro-batch is drawn here, seeded by (seed, step, shard), and augmented as the spec asks."""
     spec = job.spec
-    xb, yb = select_microbatch(x, y, spec.per_shard_batch, spec.seed, step, shard,
-                               spec.steps_per_epoch)
+    pos = microbatch(len(x), spec.per_shard_batch, spec.seed, step, shard, spec.steps_per_epoch)
+    xb = augment(x[pos], pos, spec.seed, step, shard, spec.crop_padding, spec.horizontal_flip)
+    yb = y[pos]
     return _compute_shard(job.model, params, buffers, xb, yb, spec, step, shard, backend)
 
 

@@ -41,6 +41,8 @@ class TrainSpec:
     eps: float = 1e-8  # adamw, lars
     trust_coefficient: float = 0.001  # lars (eta)
     label_smoothing: float = 0.0
+    crop_padding: int = 0  # augment: random crop after zero-padding by this much
+    horizontal_flip: bool = False  # augment: mirror half the samples
     nesterov: bool = False
     weight_decay: float = 0.0
     warmup_epochs: float = 0.0
@@ -58,6 +60,7 @@ class TrainSpec:
         """Read a job spec dict (defaults as in docs/contracts.md); n_train enables schedules."""
         model = _section(spec, "model")
         opt = _section(spec, "optimizer")
+        aug = _section(spec, "augment")
         layers = model.get("layers") or []
         if not isinstance(layers, list):
             raise SpecError("model.layers must be a list of layer objects")
@@ -87,6 +90,8 @@ class TrainSpec:
             eps=_read(opt, "eps", 1e-8, float, "optimizer."),
             trust_coefficient=_read(opt, "trust_coefficient", 0.001, float, "optimizer."),
             label_smoothing=_read(spec, "label_smoothing", 0.0, float),
+            crop_padding=_read(aug, "crop_padding", 0, int, "augment."),
+            horizontal_flip=_read(aug, "horizontal_flip", False, bool, "augment."),
             momentum=_read(opt, "momentum", 0.9, float, "optimizer."),
             nesterov=_read(opt, "nesterov", False, bool, "optimizer."),
             weight_decay=_read(opt, "weight_decay", 0.0, float, "optimizer."),
@@ -119,6 +124,8 @@ class TrainSpec:
             raise SpecError(f"optimizer.type must be one of {', '.join(OPTIMIZER_TYPES)}")
         if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
             raise SpecError("optimizer.beta1 and optimizer.beta2 must be in [0, 1)")
+        if not 0 <= self.crop_padding <= 64:
+            raise SpecError("augment.crop_padding must be in [0, 64]")
         if not 0 <= self.label_smoothing < 1:
             raise SpecError("label_smoothing must be in [0, 1)")
         if self.schedule not in SCHEDULES:

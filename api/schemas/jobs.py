@@ -67,6 +67,12 @@ class OptimizerSpec(RequestModel):
         return sorted(value)
 
 
+class AugmentSpec(RequestModel):
+    crop_padding: int = Field(0, ge=0, le=64, description="random crop: zero-pad by this many "
+                              "pixels, then take a window of the input's size (0: off)")
+    horizontal_flip: bool = Field(False, description="mirror each sample with probability 1/2")
+
+
 class PlacementSpec(RequestModel):
     min_devices: int = Field(1, ge=1, le=10000)
     max_devices: int = Field(8, ge=1, le=10000)
@@ -96,6 +102,9 @@ class JobCreate(RequestModel):
     optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
     placement: PlacementSpec = Field(default_factory=PlacementSpec)
     priority: int = Field(0, ge=-1000, le=1000)
+    augment: AugmentSpec = Field(default_factory=AugmentSpec, description="drawn per sample "
+                                 "from (seed, step, shard, its position in the shard): the "
+                                 "same on every phone and in the reference trainer")
     label_smoothing: float = Field(0.0, ge=0, lt=1, description="the target is (1 - e) on the "
                                    "label plus e / classes on every class (torch's)")
     checkpoint_every: int = Field(50, ge=1, le=100000)

@@ -16,8 +16,8 @@ from api.store.db import make_engine, make_session_factory, transaction
 from api.store.models import Device, Event, Job, ShardAssignment
 from engine.data import load_dataset
 from engine.jobinfo import job_info
-from engine.sampler import select_microbatch, shard_indices
-from engine.step import compute_shard
+from engine.runner import shard_gradient
+from engine.sampler import shard_indices
 from hotstate import keys
 from hotstate.blobs import BlobStore, MemoryBlobStore
 from scheduler import context
@@ -123,9 +123,8 @@ def shard_result_blobs(ctx: SchedulerContext, job_id: str, step: int) -> dict[in
     data = load_dataset(info.spec.dataset)
     out = {}
     for k, idx in enumerate(shard_indices(info.n_train, info.spec.shards, info.spec.seed)):
-        xb, yb = select_microbatch(data.x_train[idx], data.y_train[idx], info.spec.per_shard_batch,
-                                   info.spec.seed, step, k, info.spec.steps_per_epoch)
-        r = compute_shard(info.model, state.params, state.buffers, xb, yb, info.spec, step, k)
+        r = shard_gradient(info, state.params, state.buffers, data.x_train[idx],
+                           data.y_train[idx], step, k)
         out[k] = encode_results(job_id, step, [r])
     return out
 
