@@ -145,16 +145,24 @@ def test_a_numpy_shard_has_the_same_bits_whatever_thread_count_the_phone_chose(
     job = step_zero(CNN)
     req = {**make_request(job, tmp_path, 3), "op": "step"}
     shard = Path(req["shards"]["3"])
-    grads = []
+    # four shards held: a 2-thread worker computes two at a time, side by side
+    for k in (4, 5, 6):
+        req["shards"][str(k)] = make_request(job, tmp_path, k)["shards"][str(k)]
+    results = {}
     for threads in (1, 2):
         worker = ComputeWorker(ExecConfig("numpy", threads))
         try:
             out = tmp_path / f"result-{threads}.bin"
             worker.request({**req, "out_path": str(out)})
+            bench = worker.request({**req, "op": "bench", "repeats": 1})
         finally:
             worker.close()
-        grads.append(decode_results(out.read_bytes())[0].grad_sum.tobytes())
-    assert grads[0] == grads[1]
+        assert bench["samples"] == threads * job.spec.per_shard_batch  # what it does at once
+        results[threads] = out.read_bytes()
+    assert results[1] == results[2]  # every shard's bytes, in the same order
+    decoded = decode_results(results[2])
+    assert [r.shard for r in decoded] == [3, 4, 5, 6]
+    grads = [decoded[0].grad_sum.tobytes()]
     assert blas_threads(ExecConfig("numpy", 2)) == 1 and blas_threads(ExecConfig("torch", 2)) == 2
     import numpy as np
 

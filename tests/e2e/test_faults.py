@@ -230,7 +230,7 @@ def test_a_replica_killed_while_phones_long_poll_it_behind_a_load_balancer(
 
 def test_a_partition_between_the_worker_and_redis_heals_and_loses_nothing(
         private_redis: PrivateRedis, pg_url: str, tmp_path: Path) -> None:
-    """The worker reaches Redis (broker and hot state) through a link that is cut for 20 s
+    """The worker reaches Redis (broker and hot state) through a link that is cut for 10 s
     mid-job: every connection reset, new ones refused. The workers apply every step here, so
     the job waits for the link; once it heals, the worker reconnects (one that exited is
     started again, as its supervisor would) and the job ends where the reference ends."""
@@ -248,7 +248,7 @@ def test_a_partition_between_the_worker_and_redis_heals_and_loses_nothing(
         job_id = cluster.submit(SPEC)
         cluster.wait_job(job_id, lambda j: j["step"] >= 3, "step 3")
         link.cut()
-        time.sleep(20)  # the partition itself; nothing is asserted about time
+        time.sleep(10)  # the partition itself; nothing is asserted about time
         cut_at = cluster.job(job_id)["step"]
         link.heal()
 
