@@ -1,6 +1,8 @@
-"""numpy vs torch, single thread, same inputs: a 3x3 conv layer and mobilenet_v1, fwd+bwd.
+"""numpy vs torch, single thread, same inputs: a 3x3 conv layer, mobilenet_v1, and resnet50 and
+mobilenet_v2 at 224x224 (batch 32, 1000 classes), forward + backward.
 
 Run:  env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE .venv/bin/python bench/engine_bench.py [--reps 7]
+      [--cases 224 --reps 2 --no-trainer]   (only the full-size models: minutes, ~10 GB)
 Then trains the DESIGN.md digits cnn spec with the reference trainer (numpy backend) and
 prints its samples/s. Prints each case's best-of-reps time for both backends and the ratio torch_time / numpy_time
 (numpy's speed as a fraction of torch's; the target is >= 0.5). Reps alternate backends so
@@ -70,14 +72,20 @@ def conv_case(torch) -> dict[str, Callable[[], object]]:
     return {"numpy": numpy_step, "torch": torch_step}
 
 
-def model_case(arch: str, shape, width: float) -> dict[str, Callable[[], object]]:
+def model_case(arch: str, shape, width: float, classes: int = 10
+               ) -> Callable[[], dict[str, Callable[[], object]]]:
+    """Built when its case runs: a 224x224 resnet50's inputs and caches take gigabytes."""
+    return lambda: _model_fns(arch, shape, width, classes)
+
+
+def _model_fns(arch: str, shape, width: float, classes: int) -> dict[str, Callable[[], object]]:
     from engine import torch_backend
 
-    model = build_model(arch, shape, 10, {"width": width})
+    model = build_model(arch, shape, classes, {"width": width})
     params, buffers = model.init(0)
     rng = np.random.default_rng(0)
     x = rng.random((32, *shape), dtype=np.float32)
-    y = rng.integers(0, 10, 32)
+    y = rng.integers(0, classes, 32)
     return {
         "numpy": lambda: model.loss_and_grad(params, buffers, x, y),
         "torch": lambda: torch_backend.loss_and_grad(model, params, buffers, x, y),
@@ -97,23 +105,31 @@ def blas_kernel() -> str:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--cases", default="", help="only the cases whose name holds this text")
+    ap.add_argument("--no-trainer", action="store_true", help="skip the reference trainer run")
     args = ap.parse_args()
     import torch
 
     torch.set_num_threads(1)
     cases = {
-        "conv3x3 b32 32->64 32x32 fwd+bwd": conv_case(torch),
+        "conv3x3 b32 32->64 32x32 fwd+bwd": lambda: conv_case(torch),
         "mobilenet_v1 w1.0 b32 3x32x32 fwd+bwd": model_case("mobilenet_v1", (3, 32, 32), 1.0),
         "cnn b32 1x8x8 fwd+bwd": model_case("cnn", (1, 8, 8), 1.0),
+        # the seed papers' models at full size (targets: resnet50 >= 0.7x, mobilenet_v2 >= 1.0x)
+        "resnet50 b32 3x224x224 1000 classes": model_case("resnet50", (3, 224, 224), 1.0, 1000),
+        "mobilenet_v2 b32 3x224x224 1000 classes": model_case("mobilenet_v2", (3, 224, 224), 1.0,
+                                                              1000),
     }
+    cases = {name: make for name, make in cases.items() if args.cases in name}
     print(f"numpy {np.__version__} (OpenBLAS kernel {blas_kernel()}), torch {torch.__version__}, "
           f"1 thread each, best of {args.reps}")
     print(f"{'case':42} {'numpy ms':>9} {'torch ms':>9} {'numpy speed / torch':>20}")
-    for name, fns in cases.items():
-        t = best(fns, args.reps)
+    for name, make in cases.items():
+        t = best(make(), args.reps)
         print(f"{name:42} {t['numpy'] * 1e3:9.2f} {t['torch'] * 1e3:9.2f} "
-              f"{t['torch'] / t['numpy']:19.2f}x")
-    reference_trainer()
+              f"{t['torch'] / t['numpy']:19.2f}x", flush=True)
+    if not args.no_trainer:
+        reference_trainer()
 
 
 def reference_trainer() -> None:

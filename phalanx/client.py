@@ -315,6 +315,19 @@ class PhalanxClient:
     def job_metrics(self, job_id: str) -> Any:
         return self.json("GET", f"/v1/jobs/{job_id}/metrics")
 
+    def job_curve(self, job_id: str) -> list[dict[str, Any]]:
+        """Every step's metrics, oldest first (the pages follow `since_step`)."""
+        items: list[dict[str, Any]] = []
+        since = 0
+        while True:
+            page = self.json("GET", f"/v1/jobs/{job_id}/metrics",
+                             params={"since_step": since, "limit": 10000})
+            items.extend(_items(page, "metrics"))
+            nxt = page.get("next_offset") if isinstance(page, dict) else None
+            if not isinstance(nxt, int) or nxt <= since:
+                return items
+            since = nxt
+
     def cancel_job(self, job_id: str) -> dict[str, Any]:
         return self.json("POST", f"/v1/jobs/{job_id}/cancel")
 

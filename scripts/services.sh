@@ -103,3 +103,23 @@ ensure_prometheus() {
   PHALANX_TEST_PROMTOOL=${PHALANX_TEST_PROMTOOL:-$(command -v promtool)}
   export PHALANX_TEST_PROMETHEUS PHALANX_TEST_PROMTOOL
 }
+
+# A real headless browser for the pages' tests (tests/cli/test_report.py): Debian's chromium.
+ensure_chromium() {
+  if [ -x "${PHALANX_TEST_CHROMIUM:-}" ]; then export PHALANX_TEST_CHROMIUM; return 0; fi
+  if ! command -v chromium >/dev/null; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+      echo "installing Debian's chromium package (a headless browser for the page tests)"
+      DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium >/dev/null \
+        || { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive \
+             apt-get install -y -q --no-install-recommends chromium >/dev/null; } || true
+    fi
+  fi
+  if ! command -v chromium >/dev/null; then
+    echo "error: the page tests need a headless Chromium on PATH." >&2
+    echo "       Install it (Debian: apt-get install chromium) or set PHALANX_TEST_CHROMIUM." >&2
+    return 1
+  fi
+  PHALANX_TEST_CHROMIUM=$(command -v chromium)
+  export PHALANX_TEST_CHROMIUM
+}

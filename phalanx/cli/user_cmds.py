@@ -22,6 +22,7 @@ import yaml
 from rich.console import Console
 from rich.live import Live
 
+from phalanx import report
 from phalanx.client import (
     Contexts,
     NoServer,
@@ -453,6 +454,18 @@ def jobs_describe(job_id: IdArg, server: ServerOpt = None, token: TokenOpt = Non
     if events:
         out.print("Events:")
         out.print(view.event_table(events[-10:]))
+
+
+@jobs_app.command("report")
+def jobs_report(job_id: IdArg,
+                out_file: Annotated[Path, typer.Option(
+                    "--output-file", "-O", help="where to write the page")] = Path("report.html"),
+                server: ServerOpt = None, token: TokenOpt = None) -> None:
+    """One self-contained HTML page of a job: loss, accuracy, step time, samples/s, energy,
+    and a timeline of which phone held its shards, with its events (opens offline)."""
+    with connect(server, token) as client:
+        path = report.write(client, job_id, out_file)
+    out.print(f"report written to {path}", highlight=False)
 
 
 @jobs_app.command("events")

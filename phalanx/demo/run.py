@@ -20,6 +20,7 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 
+from phalanx import report
 from phalanx.client import PhalanxClient, PhalanxError
 from phalanx.demo import view
 from phalanx.demo.faults import FaultPlan
@@ -68,6 +69,7 @@ class DemoResult:
     server_url: str
     admin_token: str
     faults: list[str] = field(default_factory=list)
+    report: Path | None = None  # the job's page (phalanx.report)
 
     @property
     def succeeded(self) -> bool:
@@ -193,6 +195,7 @@ class Demo:
             result = DemoResult(job=job, wall_s=time.monotonic() - started, job_s=job_s,
                                 energy_j=self.rack.energy_j() - energy0,
                                 checkpoint=self.save_checkpoint(client, job),
+                                report=self.save_report(client, job),
                                 server_url=self.server.url if self.server else "",
                                 admin_token=self.server.admin_token if self.server else "",
                                 faults=list(self.plan.log))
@@ -211,6 +214,12 @@ class Demo:
         path.write_bytes(client.checkpoint(str(job["id"])))
         return path
 
+    def save_report(self, client: PhalanxClient, job: dict[str, Any]) -> Path:
+        names = {str(p.device_id): p.name for p in (self.rack.phones if self.rack else [])
+                 if p.device_id}
+        return report.write(client, str(job["id"]),
+                            self.data_dir / "reports" / f"{job['id']}.html", names)
+
     def summary(self, r: DemoResult) -> None:
         acc = view.metric(r.job, "val_accuracy")
         lines = [
@@ -222,6 +231,7 @@ class Demo:
             f"energy estimate: {r.energy_j:.0f} J ({r.energy_j / 3600:.3f} Wh) for "
             f"{len(self.rack.phones) if self.rack else 0} phones during the job",
             f"checkpoint: {r.checkpoint}" if r.checkpoint else "checkpoint: (none)",
+            f"report (open it in a browser): {r.report}",
         ]
         for line in lines:
             self.console.print(line, highlight=False)

@@ -63,7 +63,9 @@ def join_devices(ctx: SchedulerContext, session: Session, job: Job, step: int,
     store_ops.record_event(session, "ShardsMoved",
                            f"{len(moved_shards(current, plan.shards))} shard(s) rebalanced over "
                            f"{len(plan.devices)} device(s) at step {step}", now=now,
-                           job_id=job.id, data={"shards": moved, "devices": list(plan.devices)})
+                           job_id=job.id, data={"shards": moved, "devices": list(plan.devices),
+                                                "step": step,
+                                                "counts": store_ops.shard_counts(plan.shards)})
     return added
 
 
@@ -92,7 +94,8 @@ def demote_stragglers(ctx: SchedulerContext, session: Session, job: Job, new_ste
             session, "ShardsMoved",
             f"{len(moved)} shard(s) moved at step {new_step} away from persistent "
             f"straggler(s) {', '.join(slow)}", now=now, job_id=job.id,
-            data={"shards": moved, "from": slow, "reason": "straggler"})
+            data={"shards": moved, "from": slow, "reason": "straggler", "step": new_step,
+                  "counts": store_ops.shard_counts(plan)})
     return slow
 
 

@@ -147,7 +147,8 @@ def keep_running(ctx: SchedulerContext, session: Session, job: Job, fleet: Fleet
         f"{len(moved)} shard(s) moved at step {job.step}"
         + (f" away from {', '.join(sorted(gone))}" if gone else ""),
         now=now, job_id=job.id,
-        data={"shards": moved, "from": sorted(gone), "devices": list(plan.devices)},
+        data={"shards": moved, "from": sorted(gone), "devices": list(plan.devices),
+              "step": job.step, "counts": store_ops.shard_counts(plan.shards)},
     )
 
 
@@ -191,7 +192,8 @@ def place_pending(ctx: SchedulerContext, session: Session, job: Job, fleet: Flee
     scheduled = StateEvent(
         "Scheduled", f"placed on {len(plan.devices)} device(s) at step {job.step}: "
         + ", ".join(f"{d}={n}" for d, n in sorted(store_ops.shard_counts(plan.shards).items())),
-        data={"devices": list(plan.devices), "step": job.step})
+        data={"devices": list(plan.devices), "step": job.step,
+              "counts": store_ops.shard_counts(plan.shards)})
     if not transition(session, job.id, JobState.RUNNING, scheduled, now=now,
                       expect={"step": job.step}, reason=None, started_at=job.started_at or now,
                       step_started_at=now, total_steps=total):

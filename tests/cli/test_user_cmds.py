@@ -298,6 +298,29 @@ def test_watch_follows_a_job_to_success_and_checkpoint_downloads_its_weights(
     assert cli.json("jobs", "describe", submitted["id"])["state"] == "Succeeded"
     fleet.join(timeout=60)  # it stops by itself once the job has ended
     assert not fleet.is_alive()
+    check_report_in_a_browser(cli, submitted["id"], tmp_path)
+
+
+def check_report_in_a_browser(cli: Cli, job_id: str, tmp_path: Path) -> None:
+    """The job's page opens offline in a real browser without complaint, and its curves hold
+    the job's points."""
+    from tests.support.browser import console_errors, render
+
+    page = tmp_path / "report.html"
+    written = cli("jobs", "report", job_id, "-O", str(page))
+    assert written.exit_code == 0, written.output
+    html = page.read_text()
+    assert "<script" not in html and "http://" not in html and "https://" not in html
+    shown = render(page, tmp_path, screenshot=tmp_path / "report.png")
+    assert console_errors(shown.log) == [], shown.log[-3000:]
+    with cli.server.client() as c:
+        curve = c.get(f"/v1/jobs/{job_id}/metrics").json()["items"]
+    losses = [m for m in curve if m["train_loss"] is not None]
+    assert losses
+    found = re.search(r'data-series="train" data-points="(\d+)"', shown.dom)
+    assert found and int(found.group(1)) == len(losses), shown.dom[:2000]
+    assert 'aria-label="timeline"' in shown.dom and "data-device=" in shown.dom
+    assert (tmp_path / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_reads_filter_on_the_server_and_print_yaml_and_wide(cli: Cli, register_device,
