@@ -96,6 +96,10 @@ def test_demo_trains_through_faults_and_leaves_a_checkpoint(tmp_path: Path) -> N
         assert re.search(r"fault: phone-\d .* cooling fails", text), text
         assert re.search(r"wall time: [\d.]+ s", text)
         assert re.search(r"energy estimate: \d+ J", text)
+        report = Path(re.search(r"report \(open it in a browser\): (\S+\.html)", text)
+                      .group(1))  # type: ignore[union-attr]
+        page = report.read_text()
+        assert "Scheduled" in page and "data-series=\"train\"" in page and "data-device=" in page
 
         headers = {"Authorization": f"Bearer {token}"}
         jobs = httpx.get(f"{url}/v1/jobs", headers=headers, timeout=30).json()["items"]
