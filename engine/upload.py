@@ -1,8 +1,11 @@
-"""Validation of an uploaded dataset (.npz with `x`, `y`, optionally `x_val`, `y_val`).
+"""Validation of an uploaded dataset (.npz with `x`, `y`, optionally `x_val`, `y_val`, `mean`,
+`std`).
 
 Loaded with allow_pickle=False only. Accepted: x float16/32/64 or uint8 (scaled by 1/255) of
 shape (N, C, H, W), (N, H, W) -> (N, 1, H, W) or (N, F) -> (N, F, 1, 1), all finite; y integer
-of shape (N,) with labels 0..K-1, K >= 2. `max_bytes` bounds both the file and the arrays it
+of shape (N,) with labels 0..K-1, K >= 2. `mean` and `std` (C values each, std > 0): every
+sample is normalized per channel, x = (x - mean) / std, after the uint8 scaling (`phalanx
+datasets import` writes them from the training images), in float32 the same way on every load. `max_bytes` bounds both the file and the arrays it
 unpacks to (so a small compressed file cannot expand without limit). Without x_val/y_val a
 fixed seeded 20% of the samples becomes the validation split.
 """
@@ -16,7 +19,7 @@ import numpy as np
 
 from engine.dataset import Dataset, DatasetError
 
-ALLOWED_KEYS = ("x", "y", "x_val", "y_val")
+ALLOWED_KEYS = ("x", "y", "x_val", "y_val", "mean", "std")
 MAX_CLASSES = 65536
 _SPLIT_SEED = 0
 
@@ -38,6 +41,11 @@ def validate_npz(data: bytes, max_bytes: int) -> Dataset:
         perm = np.random.default_rng(_SPLIT_SEED).permutation(len(y))
         n_val = len(y) // 5
         x, y, x_val, y_val = x[perm[n_val:]], y[perm[n_val:]], x[perm[:n_val]], y[perm[:n_val]]
+    if ("mean" in arrays) != ("std" in arrays):
+        raise DatasetError("mean and std must be given together")
+    if "mean" in arrays:
+        mean, std = _moments(arrays["mean"], arrays["std"], x.shape[1])
+        x, x_val = (x - mean) / std, (x_val - mean) / std
     k = int(max(y.max(), y_val.max() if len(y_val) else 0)) + 1
     if k < 2:
         raise DatasetError("y has a single class: labels must span at least 2 classes")
@@ -88,6 +96,22 @@ def _features(x: np.ndarray, key: str) -> np.ndarray:
     if x.ndim == 2:
         return x.reshape(x.shape[0], x.shape[1], 1, 1)
     return x[:, None] if x.ndim == 3 else x
+
+
+def _moments(mean: np.ndarray, std: np.ndarray, channels: int
+             ) -> tuple[np.ndarray, np.ndarray]:
+    """Per-channel mean and std, shaped to broadcast over (N, C, H, W)."""
+    out = []
+    for key, value in (("mean", mean), ("std", std)):
+        if value.dtype.kind != "f" or value.shape != (channels,):
+            raise DatasetError(f"{key} must be {channels} float values (one per channel), got "
+                               f"{value.dtype} of shape {value.shape}")
+        if not np.isfinite(value).all():
+            raise DatasetError(f"{key} has NaN or infinite values")
+        out.append(value.astype(np.float32).reshape(1, channels, 1, 1))
+    if (out[1] <= 0).any():
+        raise DatasetError("std must be > 0 for every channel")
+    return out[0], out[1]
 
 
 def _labels(y: np.ndarray, key: str, n: int) -> np.ndarray:

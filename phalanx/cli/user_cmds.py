@@ -607,6 +607,44 @@ def datasets_upload(
         out.print(f"dataset {created.get('name', name or file.stem)} uploaded", highlight=False)
 
 
+@datasets_app.command("import")
+def datasets_import(
+    folder: Annotated[Path, typer.Argument(help="one sub-folder of images per class")],
+    name: Annotated[Optional[str], typer.Option(help="dataset name (default: folder name)")] = None,
+    size: Annotated[Optional[int], typer.Option(
+        min=1, max=4096, help="resize every image to SIZE x SIZE (else all must match)")] = None,
+    grayscale: Annotated[bool, typer.Option(help="one channel instead of RGB")] = False,
+    save: Annotated[Optional[Path], typer.Option(
+        help="also write the .npz here (and upload it later with datasets upload)")] = None,
+    server: ServerOpt = None, token: TokenOpt = None, output: OutputOpt = Output.table,
+) -> None:
+    """Import a folder of images (classes = sub-folders, in name order) as a dataset: uint8
+    pixels with the per-channel mean and std the server normalizes them by."""
+    from rich.progress import Progress
+
+    from phalanx import images
+
+    try:
+        found, _ = images.scan(folder)
+        with Progress(console=out, transient=True) as bar:
+            task = bar.add_task("decoding images", total=len(found))
+            imported = images.load(folder, size, grayscale, lambda: bar.advance(task))
+    except images.FolderError as exc:
+        fail(str(exc))
+    data = imported.npz()
+    if save is not None:
+        save.write_bytes(data)
+    out.print(f"{len(imported.y)} images of {len(imported.classes)} classes "
+              f"({', '.join(imported.classes[:8])}{', ...' if len(imported.classes) > 8 else ''}), "
+              f"{'x'.join(map(str, imported.x.shape[1:]))}, {len(data):,} bytes", highlight=False)
+    with connect(server, token) as client:
+        created = client.upload_dataset(name or folder.resolve().name, data)
+    if output is Output.json:
+        emit(created, output, describe)
+    else:
+        out.print(f"dataset {created.get('name')} uploaded", highlight=False)
+
+
 def register(app: typer.Typer) -> None:
     """Mount this module's commands on the root app."""
     app.command("login")(login)

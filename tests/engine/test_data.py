@@ -106,6 +106,11 @@ X, Y = np.zeros((10, 2, 3, 3), np.float32), np.arange(10) % 2
     (_npz(x=np.array([object()] * 10, dtype=object), y=Y), "not objects"),
     (_zip_with("x.npy", b"\x93NUMPY garbage"), "missing array 'y'"),
     (_zip_with("y.npy", b"junk") + b"", "missing array 'x'"),
+    (_npz(x=X, y=Y, mean=np.zeros(2, np.float32)), "mean and std must be given together"),
+    (_npz(x=X, y=Y, mean=np.zeros(3, np.float32), std=np.ones(3, np.float32)),
+     r"mean must be 2 float values \(one per channel\)"),
+    (_npz(x=X, y=Y, mean=np.zeros(2, np.float32), std=np.zeros(2, np.float32)),
+     "std must be > 0"),
 ])
 def test_bad_uploads_are_refused_saying_what_is_wrong(data, needle):
     with pytest.raises(DatasetError, match=needle):
