@@ -145,10 +145,12 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 
 class _UploadPaths(tuple):
-    """Paths that get the upload size limit: dataset uploads, plus gradient uploads."""
+    """Paths that get the upload size limit: dataset uploads (whole, or chunks of a resumable
+    one), plus gradient uploads."""
 
     def __contains__(self, path: object) -> bool:
-        return is_gradient_upload(path) or tuple.__contains__(self, path)
+        return (is_gradient_upload(path) or tuple.__contains__(self, path)
+                or (isinstance(path, str) and path.startswith("/v1/datasets/uploads/")))
 
 
 def _asgi_chain(app: FastAPI, state: AppState, settings: Settings) -> None:

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, File, Form, UploadFile
+from fastapi import APIRouter, File, Form, Query, Request, UploadFile
 from starlette.concurrency import run_in_threadpool
 
 from api.deps import SessionDep, SettingsDep, UserDep
 from api.errors import PayloadTooLarge
 from api.schemas.common import Page, errors
-from api.schemas.jobs import DatasetRead
-from api.store import datasets
+from api.schemas.jobs import DatasetRead, UploadOpen, UploadRead
+from api.store import datasets, uploads
 from api.store.jobs import dataset_facts
 
 router = APIRouter(prefix="/v1/datasets", tags=["datasets"],
@@ -50,3 +50,52 @@ def _store(session, name, data, dataset, settings) -> DatasetRead:
     with session.begin():
         row = datasets.store_dataset(session, name, data, dataset, settings.data_dir)
     return _uploaded(row)
+
+
+# -- resumable uploads (api/store/uploads.py says the protocol) ---------------------------------
+
+@router.post("/uploads", status_code=201, response_model=UploadRead)
+def open_upload(body: UploadOpen, principal: UserDep, session: SessionDep,
+                settings: SettingsDep):
+    """Open a resumable upload of a dataset file: its name, size and SHA-256 first."""
+    datasets.check_name(body.name)
+    datasets.check_free(session, body.name)
+    upload = uploads.open_upload(settings.data_dir, body.name, body.size, body.sha256,
+                                 principal, settings.max_upload_bytes)
+    return upload.answer(0)
+
+
+@router.get("/uploads/{upload_id}", response_model=UploadRead, responses=errors(404))
+def upload_status(upload_id: str, principal: UserDep, settings: SettingsDep):
+    """Where an upload stands: the offset to send the next chunk from."""
+    upload, offset = uploads.find(settings.data_dir, upload_id, principal)
+    return upload.answer(offset)
+
+
+@router.put("/uploads/{upload_id}", response_model=UploadRead, responses=errors(404, 413),
+            openapi_extra={"requestBody": {"required": True, "content": {
+                "application/octet-stream": {"schema": {"type": "string",
+                                                        "format": "binary"}}}}})
+async def upload_chunk(upload_id: str, request: Request, principal: UserDep,
+                       settings: SettingsDep,
+                       offset: int = Query(ge=0, description="where this chunk starts: the "
+                                           "upload's current offset")):
+    """Append one chunk (raw bytes, at most `chunk_max_bytes`); 409 with the offset to resume
+    from when `offset` is not where the upload stands."""
+    upload, _ = uploads.find(settings.data_dir, upload_id, principal)
+    chunk = await request.body()
+    at = await run_in_threadpool(uploads.append, settings.data_dir, upload, offset, chunk)
+    return upload.answer(at)
+
+
+@router.post("/uploads/{upload_id}/complete", status_code=201, response_model=DatasetRead,
+             responses=errors(404))
+def complete_upload(upload_id: str, principal: UserDep, session: SessionDep,
+                    settings: SettingsDep):
+    """Every byte is there and matches the SHA-256: validate the .npz and store the dataset."""
+    upload, _ = uploads.find(settings.data_dir, upload_id, principal)
+    data = uploads.assembled(settings.data_dir, upload)
+    dataset = datasets.validate_upload(data, settings.max_upload_bytes)
+    stored = _store(session, upload.name, data, dataset, settings)
+    uploads.close(settings.data_dir, upload_id)
+    return stored

@@ -193,3 +193,18 @@ class DatasetRead(BaseModel):
     size_bytes: int | None = None
     sha256: str | None = None
     created: dt.datetime | None = None
+
+
+class UploadOpen(RequestModel):
+    name: str = Field(min_length=1, max_length=64, description="the dataset's name")
+    size: int = Field(ge=1, description="the file's size in bytes")
+    sha256: str = Field(description="the file's SHA-256, 64 lowercase hex digits; checked at "
+                        "completion")
+
+
+class UploadRead(BaseModel):
+    id: str
+    name: str
+    size: int
+    offset: int = Field(description="bytes received: where the next chunk starts")
+    chunk_max_bytes: int

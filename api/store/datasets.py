@@ -26,6 +26,11 @@ def check_name(name: str) -> None:
         raise Conflict(f"dataset name {name!r} is reserved for a built-in dataset")
 
 
+def check_free(session: Session, name: str) -> None:
+    if session.get(Dataset, name) is not None:
+        raise Conflict(f"dataset {name!r} already exists")
+
+
 def validate_upload(data: bytes, max_bytes: int) -> Any:
     try:
         return validate_npz(data, max_bytes)
@@ -39,8 +44,7 @@ def store_dataset(session: Session, name: str, data: bytes, dataset: Any, data_d
     publishes both. A duplicate name is 409 and writes nothing: of two uploads of one name at
     once, the second waits at the row's insert until the first commits, then loses there,
     before touching the file."""
-    if session.get(Dataset, name) is not None:
-        raise Conflict(f"dataset {name!r} already exists")
+    check_free(session, name)
     folder = data_dir / "datasets"
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{name}.npz"  # a file without a row is a failed earlier upload: replaced

@@ -573,6 +573,23 @@ def _dataset_table(items: list[dict[str, Any]]) -> Any:
     return table
 
 
+def upload_with_progress(client: PhalanxClient, name: str, data: bytes) -> dict[str, Any]:
+    """A resumable upload (it survives a dropped connection) with a bar of the bytes sent."""
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TransferSpeedColumn,
+    )
+
+    with Progress(TextColumn("uploading {task.description}"), BarColumn(), DownloadColumn(),
+                  TransferSpeedColumn(), console=out, transient=True) as bar:
+        task = bar.add_task(name, total=len(data))
+        return client.upload_resumable(name, data,
+                                       on_progress=lambda sent: bar.update(task, completed=sent))
+
+
 @datasets_app.command("ls")
 def datasets_ls(server: ServerOpt = None, token: TokenOpt = None,
                 output: OutputOpt = Output.table) -> None:
@@ -600,7 +617,7 @@ def datasets_upload(
     if missing:
         fail(f"{file}: missing array(s) {', '.join(sorted(missing))}; need x and y")
     with connect(server, token) as client:
-        created = client.upload_dataset(name or file.stem, data)
+        created = upload_with_progress(client, name or file.stem, data)
     if output is Output.json:
         emit(created, output, describe)
     else:
@@ -638,7 +655,7 @@ def datasets_import(
               f"({', '.join(imported.classes[:8])}{', ...' if len(imported.classes) > 8 else ''}), "
               f"{'x'.join(map(str, imported.x.shape[1:]))}, {len(data):,} bytes", highlight=False)
     with connect(server, token) as client:
-        created = client.upload_dataset(name or folder.resolve().name, data)
+        created = upload_with_progress(client, name or folder.resolve().name, data)
     if output is Output.json:
         emit(created, output, describe)
     else:

@@ -105,3 +105,66 @@ def test_concurrent_uploads_of_one_name_leave_one_dataset_whose_file_is_its_row(
         assert stored in files
     leftovers = list((api.settings.data_dir / "datasets").glob(".*.tmp"))
     assert leftovers == []
+
+
+def _open(api, name: str, data: bytes, token: str):
+    import hashlib
+
+    return api.post("/v1/datasets/uploads", token=token,
+                    json={"name": name, "size": len(data),
+                          "sha256": hashlib.sha256(data).hexdigest()})
+
+
+def _chunk(api, upload_id: str, offset: int, chunk: bytes, token: str):
+    return api.client.put(f"/v1/datasets/uploads/{upload_id}", params={"offset": offset},
+                          content=chunk, headers={**api.headers(token),
+                                                  "Content-Type": "application/octet-stream"})
+
+
+def test_a_resumable_upload_survives_a_lost_chunk_and_lands_as_a_dataset(api):
+    data = _npz(200)
+    alice = api.user_token()
+    opened = _open(api, "big", data, alice)
+    assert opened.status_code == 201, opened.text
+    up = opened.json()
+    assert up["offset"] == 0 and up["size"] == len(data) and up["id"].startswith("upl-")
+    third = len(data) // 3
+    assert _chunk(api, up["id"], 0, data[:third], alice).json()["offset"] == third
+    # the connection dropped after the second chunk was sent: the client does not know
+    # whether it arrived, so it asks, then resumes from there
+    assert _chunk(api, up["id"], third, data[third : 2 * third], alice).status_code == 200
+    again = _chunk(api, up["id"], third, data[third : 2 * third], alice)
+    assert again.status_code == 409 and f"resume from {2 * third}" in again.text
+    status = api.get(f"/v1/datasets/uploads/{up['id']}", token=alice).json()
+    assert status["offset"] == 2 * third
+    early = api.post(f"/v1/datasets/uploads/{up['id']}/complete", token=alice)
+    assert early.status_code == 409 and "send the rest" in early.text
+    assert _chunk(api, up["id"], 2 * third, data[2 * third :], alice).json()["offset"] == len(data)
+    done = api.post(f"/v1/datasets/uploads/{up['id']}/complete", token=alice)
+    assert done.status_code == 201, done.text
+    assert done.json()["name"] == "big" and done.json()["n_train"] == 160
+    assert (api.settings.data_dir / "datasets" / "big.npz").read_bytes() == data
+    assert not list((api.settings.data_dir / "uploads").glob(f"{up['id']}*"))
+
+
+def test_an_upload_is_its_openers_and_checked_before_it_lands(api):
+    data = _npz(50)
+    alice, bob = api.user_token("alice"), api.user_token("bob")
+    up = _open(api, "mine", data, alice).json()
+    for answer in (api.get(f"/v1/datasets/uploads/{up['id']}", token=bob),
+                   _chunk(api, up["id"], 0, data, bob),
+                   api.post(f"/v1/datasets/uploads/{up['id']}/complete", token=bob),
+                   api.get("/v1/datasets/uploads/upl-../../etc", token=alice)):
+        assert answer.status_code == 404, answer.text
+    assert _chunk(api, up["id"], 0, data[:-1] + b"?", alice).status_code == 200
+    corrupted = api.post(f"/v1/datasets/uploads/{up['id']}/complete", token=alice)
+    assert corrupted.status_code == 422 and "SHA-256" in corrupted.text
+    assert api.count(Dataset) == 0
+    too_big = _open(api, "huge", b"x" * 10, alice)
+    assert too_big.status_code == 201  # a small announced size is fine...
+    over = _chunk(api, too_big.json()["id"], 0, b"x" * 11, alice)
+    assert over.status_code == 413  # ...but not more bytes than announced
+    assert _open(api, "digits", data, alice).status_code == 409  # reserved name
+    huge = api.post("/v1/datasets/uploads", token=alice,
+                    json={"name": "h", "size": 10**12, "sha256": "0" * 64})
+    assert huge.status_code == 413

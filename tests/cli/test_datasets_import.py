@@ -3,14 +3,17 @@ live server, and the ways such a folder can be wrong."""
 
 from __future__ import annotations
 
+import hashlib
 import io
 from pathlib import Path
 
+import httpx
 import numpy as np
 from PIL import Image
 
 from engine.upload import validate_npz
 from phalanx import images
+from phalanx.client import PhalanxClient
 from tests.cli.conftest import Cli, one_line_error
 
 
@@ -76,3 +79,40 @@ def test_grayscale_keeps_one_channel_and_moments_match_a_direct_computation(
     np.testing.assert_allclose(got.std, (got.x / 255.0).std(axis=(0, 2, 3)), rtol=1e-5)
     with np.load(io.BytesIO(got.npz()), allow_pickle=False) as npz:
         assert sorted(npz.files) == ["mean", "std", "x", "y"]
+
+
+class LosesAnswers(httpx.BaseTransport):
+    """A real connection to the server whose first `drops` chunk answers are lost on the way
+    back: the server stored the chunk, the client saw the connection drop."""
+
+    def __init__(self, drops: int) -> None:
+        self.inner, self.drops, self.sent = httpx.HTTPTransport(), drops, 0
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        response = self.inner.handle_request(request)
+        if request.method == "PUT":
+            self.sent += 1
+            if self.drops:
+                self.drops -= 1
+                response.read()
+                raise httpx.ReadError("connection reset by peer", request=request)
+        return response
+
+
+def test_an_upload_resumes_where_the_server_stands_after_lost_answers(cli: Cli) -> None:
+    rng = np.random.default_rng(5)
+    buf = io.BytesIO()
+    np.savez(buf, x=rng.random((400, 1, 8, 8), dtype=np.float32), y=np.arange(400) % 4)
+    data = buf.getvalue()
+    transport = LosesAnswers(drops=2)
+    seen: list[int] = []
+    with PhalanxClient(cli.server.url, cli.server.admin_token, transport=transport) as client:
+        created = client.upload_resumable("resumed", data, on_progress=seen.append,
+                                          chunk_bytes=20_000)
+    assert created["name"] == "resumed" and created["n_train"] == 320
+    assert seen[-1] == len(data) and seen == sorted(seen)
+    chunks = -(-len(data) // 20_000)
+    assert transport.sent == chunks  # each chunk sent once: the lost answers were not resent
+    with cli.server.client() as c:
+        listed = {d["name"]: d for d in c.get("/v1/datasets").json()["items"]}
+    assert listed["resumed"]["sha256"] == hashlib.sha256(data).hexdigest()

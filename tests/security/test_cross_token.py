@@ -103,7 +103,12 @@ def test_the_matrix_covers_every_operation(api) -> None:
     operations the matrix checks for more than a missing token."""
     classified = PUBLIC | DEVICE_ONLY | ADMIN_ONLY | OWNED_JOB
     users_reads = {op for op in operations(api) if op not in classified}
+    # resumable uploads: any user opens one, only its opener sees it (tests/api/test_datasets.py)
     assert users_reads == {("get", "/v1/datasets"), ("post", "/v1/datasets"),
+                           ("post", "/v1/datasets/uploads"),
+                           ("get", "/v1/datasets/uploads/{upload_id}"),
+                           ("put", "/v1/datasets/uploads/{upload_id}"),
+                           ("post", "/v1/datasets/uploads/{upload_id}/complete"),
                            ("get", "/v1/devices"), ("get", "/v1/devices/{device_id}"),
                            ("get", "/v1/devices/{device_id}/events"),
                            ("get", "/v1/devices/{device_id}/telemetry"),

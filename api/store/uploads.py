@@ -1,0 +1,129 @@
+"""Resumable dataset uploads: a file sent in chunks that survives a dropped connection.
+
+The protocol (docs/api.md): `POST /v1/datasets/uploads {name, size, sha256}` opens an upload;
+`PUT /v1/datasets/uploads/{id}?offset=N` appends one chunk that must start where the upload
+stands (else 409 naming the offset to resume from); `GET /v1/datasets/uploads/{id}` says where
+it stands; `POST /v1/datasets/uploads/{id}/complete` checks the size and the SHA-256, validates
+the .npz and stores it as a dataset. The parts live on disk under `<data_dir>/uploads/` (shared
+by the replicas, as the datasets are), never in a process's memory until completion; an upload
+is its opener's only, and one left alone for UPLOAD_TTL_S is dropped at the next open.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import re
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from api.errors import Conflict, Invalid, NotFound, PayloadTooLarge
+from api.store.tokens import Principal
+
+CHUNK_MAX_BYTES = 8 * 1024 * 1024
+UPLOAD_TTL_S = 24 * 3600
+_ID = re.compile(r"^upl-[0-9a-f]{32}\Z")
+_SHA256 = re.compile(r"^[0-9a-f]{64}\Z")
+
+
+@dataclass(frozen=True)
+class Upload:
+    id: str
+    name: str
+    size: int
+    sha256: str
+    owner: str  # the opener's token id
+    opened: float
+
+    def answer(self, offset: int) -> dict[str, object]:
+        return {"id": self.id, "name": self.name, "size": self.size, "offset": offset,
+                "chunk_max_bytes": CHUNK_MAX_BYTES}
+
+
+def _folder(data_dir: Path) -> Path:
+    folder = data_dir / "uploads"
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def _paths(data_dir: Path, upload_id: str) -> tuple[Path, Path]:
+    folder = _folder(data_dir)
+    return folder / f"{upload_id}.json", folder / f"{upload_id}.part"
+
+
+def open_upload(data_dir: Path, name: str, size: int, sha256: str, principal: Principal,
+                max_bytes: int) -> Upload:
+    if size > max_bytes:
+        raise PayloadTooLarge(f"a dataset of {size} bytes is over the {max_bytes}-byte limit")
+    if not _SHA256.match(sha256):
+        raise Invalid("sha256", "the file's SHA-256 as 64 lowercase hex digits")
+    drop_stale(data_dir, time.time())
+    upload = Upload(f"upl-{uuid.uuid4().hex}", name, size, sha256,
+                    principal.token_id or "admin", time.time())
+    meta, part = _paths(data_dir, upload.id)
+    part.touch()
+    meta.write_text(json.dumps(asdict(upload)))
+    return upload
+
+
+def find(data_dir: Path, upload_id: str, principal: Principal) -> tuple[Upload, int]:
+    """The upload and how many bytes it holds; 404 for an unknown id or another's upload."""
+    if not _ID.match(upload_id):
+        raise NotFound(f"upload {upload_id} not found")
+    meta, part = _paths(data_dir, upload_id)
+    try:
+        upload = Upload(**json.loads(meta.read_text()))
+    except (OSError, ValueError, TypeError):
+        raise NotFound(f"upload {upload_id} not found") from None
+    if upload.owner != (principal.token_id or "admin") and not principal.is_admin:
+        raise NotFound(f"upload {upload_id} not found")
+    return upload, part.stat().st_size if part.exists() else 0
+
+
+def append(data_dir: Path, upload: Upload, offset: int, chunk: bytes) -> int:
+    """Add `chunk` at `offset` (where the upload stands); the new offset."""
+    if len(chunk) > CHUNK_MAX_BYTES:
+        raise PayloadTooLarge(f"a chunk is at most {CHUNK_MAX_BYTES} bytes")
+    _, part = _paths(data_dir, upload.id)
+    with part.open("ab") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)  # two replicas appending at once: one at a time
+        at = fh.seek(0, os.SEEK_END)
+        if offset != at:
+            raise Conflict(f"the upload stands at byte {at}, not {offset}: resume from {at}")
+        if at + len(chunk) > upload.size:
+            raise PayloadTooLarge(f"the upload was opened for {upload.size} bytes")
+        fh.write(chunk)
+        fh.flush()
+        os.fsync(fh.fileno())
+        return at + len(chunk)
+
+
+def assembled(data_dir: Path, upload: Upload) -> bytes:
+    """The whole file, once every byte is there and its SHA-256 is the one announced."""
+    _, part = _paths(data_dir, upload.id)
+    data = part.read_bytes()
+    if len(data) != upload.size:
+        raise Conflict(f"the upload holds {len(data)} of {upload.size} bytes: send the rest first")
+    if hashlib.sha256(data).hexdigest() != upload.sha256:
+        raise Invalid("sha256", "the bytes received do not have the SHA-256 announced: "
+                      "open a new upload")
+    return data
+
+
+def close(data_dir: Path, upload_id: str) -> None:
+    for path in _paths(data_dir, upload_id):
+        path.unlink(missing_ok=True)
+
+
+def drop_stale(data_dir: Path, now: float) -> None:
+    """Drop the uploads nobody added to for UPLOAD_TTL_S."""
+    for part in _folder(data_dir).glob("upl-*.part"):
+        try:
+            if now - part.stat().st_mtime > UPLOAD_TTL_S:
+                close(data_dir, part.stem)
+        except OSError:
+            pass
