@@ -36,7 +36,8 @@ def demo(
     def wait_for_ctrl_c(result: DemoResult) -> None:
         console.print(f"\nserver: {result.server_url}\nadmin token: {result.admin_token}\n"
                       f"try:  PHALANX_SERVER={result.server_url} PHALANX_TOKEN={result.admin_token}"
-                      " phalanx devices ls\nPress Ctrl-C to stop.", highlight=False, soft_wrap=True)
+                      f" phalanx devices ls\nin a browser: {result.server_url}/ui (log in with "
+                      "the admin token)\nPress Ctrl-C to stop.", highlight=False, soft_wrap=True)
         try:
             while True:
                 time.sleep(3600)

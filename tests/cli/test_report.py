@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from phalanx.report import event_steps, holdings, line_chart
+from pictures.report import event_steps, holdings, line_chart
 
 
 def test_holdings_follow_the_counts_the_placement_events_carry():

@@ -321,6 +321,20 @@ def check_report_in_a_browser(cli: Cli, job_id: str, tmp_path: Path) -> None:
     assert found and int(found.group(1)) == len(losses), shown.dom[:2000]
     assert 'aria-label="timeline"' in shown.dom and "data-device=" in shown.dom
     assert (tmp_path / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the server's own pages, as a logged-in browser gets them, rendered the same way
+    with httpx.Client(base_url=cli.server.url) as browser:
+        assert browser.post("/ui/login", data={"token": cli.server.admin_token}).status_code == 303
+        for name, path in (("ui-fleet.html", "/ui"), ("ui-job.html", f"/ui/jobs/{job_id}")):
+            got = browser.get(path)
+            assert got.status_code == 200 and "<script" not in got.text
+            (tmp_path / name).write_text(got.text)
+            shown = render(tmp_path / name, tmp_path)
+            assert console_errors(shown.log) == [], shown.log[-3000:]
+            assert job_id in shown.dom
+    fleet_dom = render(tmp_path / "ui-fleet.html", tmp_path).dom
+    with cli.server.client() as c:
+        fleet = c.get("/v1/devices").json()["items"]
+    assert fleet_dom.count("<tr data-device=") == len(fleet)
 
 
 def test_reads_filter_on_the_server_and_print_yaml_and_wide(cli: Cli, register_device,
