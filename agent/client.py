@@ -150,6 +150,11 @@ class Client:
         """A new device token (the one asking keeps working for the server's grace period)."""
         return self._send("POST", f"/v1/devices/{_q(device_id)}/token", json_body={}).json()
 
+    def ship_logs(self, device_id: str, lines: list[dict[str, Any]]) -> dict[str, Any]:
+        """The agent's recent log lines, answering an operator's request."""
+        return self._send("POST", f"/v1/devices/{_q(device_id)}/logs",
+                          json_body={"lines": lines}).json()
+
     def work(self, device_id: str, wait_s: float) -> Assignment | None:
         """This step's work for the device, or None; an assignment this agent cannot read is
         a TransportError naming what differs (retried: a server mid-upgrade)."""

@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 import ssl
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -264,6 +265,21 @@ class PhalanxClient:
         `state` (comma-separated), filtered by the server."""
         params = {k: v for k, v in (("selector", selector), ("state", state)) if v}
         return self.pages("/v1/devices", "devices", params=params)
+
+    def device_logs(self, device_id: str, timeout_s: float = 60.0,
+                    poll_s: float = 0.5) -> dict[str, Any]:
+        """Ask a device's agent for its recent log lines and wait for them (it ships them after
+        its next heartbeat); PhalanxError when none came within `timeout_s`."""
+        self.json("POST", f"/v1/devices/{device_id}/logs/request")
+        deadline = time.monotonic() + timeout_s
+        while True:
+            got = self.json("GET", f"/v1/devices/{device_id}/logs")
+            if got.get("requested_at") is None and got.get("shipped_at"):
+                return got  # the request was answered (shipping clears it)
+            if time.monotonic() > deadline:
+                raise PhalanxError(f"device {device_id} sent no logs within {timeout_s:g} s: is "
+                                   f"it online? (phalanx devices describe {device_id})")
+            time.sleep(poll_s)
 
     def device(self, device_id: str) -> dict[str, Any]:
         return self.json("GET", f"/v1/devices/{device_id}")

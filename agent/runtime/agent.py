@@ -23,7 +23,7 @@ from agent.hardware import backends as installed_backends
 from agent.probes import Probes
 from agent.probes.busy import own_cpu_s
 from agent.probes.cpu import clusters, read_cores
-from agent.runtime import choice
+from agent.runtime import choice, logring
 from agent.runtime.buffer import TelemetryBuffer
 from agent.runtime.cache import WorkCache
 from agent.runtime.execution import ExecutionManager
@@ -55,6 +55,7 @@ class AgentRuntime:
         state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         clean_temp_files(self.config_path)
         self.state = AgentState()
+        logring.install()  # recent lines, shipped when an operator asks (phalanx devices logs)
         self.execution: ExecutionManager | None = None
         self.probes = probes or Probes(termux_timeout_s=cfg.termux_timeout_s,
                                        own_cpu=self._own_cpu)
@@ -72,11 +73,16 @@ class AgentRuntime:
         self.heartbeat = HeartbeatLoop(self.client, cfg.device_id, self.monitor, self.state,
                                        TelemetryBuffer(cfg.telemetry_buffer), self.capabilities,
                                        interval_s=cfg.heartbeat_interval_s,
-                                       rotate_token=self._rotate_token)
+                                       rotate_token=self._rotate_token,
+                                       ship_logs=self._ship_logs)
         self.work = WorkLoop(self.client, cfg.device_id, self.monitor, self.state,
                              WorkCache(state_dir / "cache"), UploadLedger(state_dir / "uploads.jsonl"),
                              self.execution, shared_default=cfg.shared_mode,
                              wait_s=work_wait_s if work_wait_s is not None else cfg.work_wait_s)
+
+    def _ship_logs(self) -> None:
+        """The recent lines (logring.RING), asked for by the control plane."""
+        self.client.ship_logs(self.config.device_id, logring.RING.snapshot())
 
     def _rotate_token(self) -> None:
         """A new device token, saved (atomically, 0600) before it is used: after a crash in

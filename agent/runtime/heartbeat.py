@@ -22,10 +22,11 @@ class HeartbeatLoop:
     def __init__(self, client: Client, device_id: str, monitor: Monitor, state: AgentState,
                  buffer: TelemetryBuffer, capabilities: Callable[[], dict[str, Any]],
                  interval_s: float = 10.0, backoff: Backoff | None = None,
-                 rotate_token: Callable[[], None] | None = None) -> None:
+                 rotate_token: Callable[[], None] | None = None,
+                 ship_logs: Callable[[], None] | None = None) -> None:
         self.client, self.device_id = client, device_id
-        self.rotate_token = rotate_token
-        self.rotation_asked = False
+        self.rotate_token, self.ship_logs = rotate_token, ship_logs
+        self.rotation_asked = self.logs_asked = False
         self.monitor, self.state, self.buffer = monitor, state, buffer
         self.capabilities = capabilities
         self.interval_s = interval_s
@@ -65,7 +66,7 @@ class HeartbeatLoop:
             self.interval_s = float(interval)
         self.state.device_state = resp.get("state")
         drain = resp.get("state") == "Draining"
-        self.rotation_asked = False
+        self.rotation_asked = self.logs_asked = False
         for cmd in resp.get("commands") or []:
             kind = cmd.get("type") if isinstance(cmd, dict) else None
             if kind == "drain":
@@ -74,6 +75,8 @@ class HeartbeatLoop:
                 self.state.request_profile(cmd["arch"])
             elif kind == "rotate_token":
                 self.rotation_asked = True
+            elif kind == "logs":
+                self.logs_asked = True
         self.state.draining = drain  # lifted when the server no longer asks for it
 
     def run(self, stop: threading.Event) -> None:
@@ -85,6 +88,8 @@ class HeartbeatLoop:
                 wait = self.interval_s
                 if self.rotation_asked and self.rotate_token is not None:
                     self.rotate_token()  # a failure is retried: the server asks again
+                if self.logs_asked and self.ship_logs is not None:
+                    self.ship_logs()  # likewise: asked again until the lines arrive
             except Unauthorized as exc:
                 self.state.stop_for_good(revoked_message(exc))
                 break

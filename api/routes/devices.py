@@ -18,6 +18,8 @@ from api.schemas.devices import (
     DeviceTokenRotated,
     HeartbeatIn,
     HeartbeatOut,
+    LogsIn,
+    LogsRead,
     TelemetrySampleRead,
 )
 from api.store import devices, events, lifecycle, tokens
@@ -164,3 +166,31 @@ def device_telemetry(device_id: str, _: UserDep, session: SessionDep, since: dt.
         since = since.replace(tzinfo=dt.timezone.utc)
     rows = devices.telemetry_history(session, device_id, since=since, limit=limit, offset=offset)
     return page_of(list(rows), limit, offset)
+
+
+# -- logs: an operator asks, the agent ships its recent lines with its next heartbeat --------
+
+@router.post("/{device_id}/logs/request", status_code=202, response_model=LogsRead,
+             responses=errors(404))
+def request_logs(device_id: str, _: AdminDep, session: SessionDep, clock: ClockDep):
+    """Ask the device's agent for its recent log lines (it ships them after its next
+    heartbeat); read them with GET .../logs once `shipped_at` passes `requested_at`."""
+    with session.begin():
+        devices.request_logs(session, device_id, clock())
+        return devices.read_logs(session, device_id)
+
+
+@router.get("/{device_id}/logs", response_model=LogsRead, responses=errors(404))
+def read_logs(device_id: str, _: AdminDep, session: SessionDep):
+    """The lines the agent shipped last, and whether a request is still open."""
+    return devices.read_logs(session, device_id)
+
+
+@router.post("/{device_id}/logs", response_model=LogsRead, responses=errors(404, 413))
+def ship_logs(device_id: str, body: LogsIn, _: DeviceDep, session: SessionDep,
+              clock: ClockDep):
+    """The agent's recent lines (its bounded ring), answering a request (device token)."""
+    with session.begin():
+        devices.ship_logs(session, device_id, [line.model_dump() for line in body.lines],
+                          clock())
+        return devices.read_logs(session, device_id)

@@ -136,3 +136,26 @@ class DevicePatch(RequestModel):
     def _valid(cls, labels: dict[str, str | None]) -> dict[str, str | None]:
         check_labels({k: v or "" for k, v in labels.items()})
         return labels
+
+
+class LogLine(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    seq: int = Field(ge=0, description="the agent's line counter: later lines, larger numbers")
+    ts: float = Field(description="when it was logged, Unix seconds (the phone's clock)")
+    level: str = Field(max_length=10)
+    message: str = Field(max_length=4000)
+
+
+class LogsIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    lines: list[LogLine] = Field(max_length=1000)
+
+
+class LogsRead(BaseModel):
+    device_id: str
+    requested_at: dt.datetime | None = Field(
+        None, description="an operator's request not yet answered by the agent")
+    shipped_at: dt.datetime | None = Field(None, description="when the lines below arrived")
+    lines: list[LogLine] = []

@@ -12,7 +12,7 @@ from sqlalchemy.orm import Session
 from api.errors import Invalid
 from api.store import events, tokens
 from api.store.lifecycle import READY, STATES, get_device
-from api.store.models import Device, TelemetrySample
+from api.store.models import Device, DeviceLog, TelemetrySample
 from api.store.selectors import Requirement, sql_conditions
 
 
@@ -114,3 +114,33 @@ def prune_telemetry(session: Session, older_than: dt.datetime) -> int:
     """Delete history samples older than `older_than` (the latest stays on the device row)."""
     result = session.execute(delete(TelemetrySample).where(TelemetrySample.ts < older_than))
     return int(result.rowcount or 0)  # type: ignore[attr-defined]
+
+
+def request_logs(session: Session, device_id: str, now: dt.datetime) -> Device:
+    """Ask the agent for its recent log lines: its heartbeats carry `logs` until it ships them."""
+    device = get_device(session, device_id, for_update=True)
+    device.logs_requested_at = now
+    session.flush()
+    return device
+
+
+def ship_logs(session: Session, device_id: str, lines: list[dict[str, Any]],
+              now: dt.datetime) -> DeviceLog:
+    """Keep the lines the agent shipped (replacing the last shipment) and end the request."""
+    device = get_device(session, device_id, for_update=True)
+    row = session.get(DeviceLog, device_id)
+    if row is None:
+        row = DeviceLog(device_id=device_id, shipped_at=now, lines=lines)
+        session.add(row)
+    else:
+        row.shipped_at, row.lines = now, lines
+    device.logs_requested_at = None
+    session.flush()
+    return row
+
+
+def read_logs(session: Session, device_id: str) -> dict[str, Any]:
+    device = get_device(session, device_id)
+    row = session.get(DeviceLog, device_id)
+    return {"device_id": device_id, "requested_at": device.logs_requested_at,
+            "shipped_at": row.shipped_at if row else None, "lines": row.lines if row else []}

@@ -168,6 +168,8 @@ def _commands(device: Any, profiles: dict[str, Any], active_archs: set[str],
         commands.append({"type": "profile", "arch": missing[0]})  # one at a time
     if rotate:
         commands.append({"type": "rotate_token"})
+    if device.logs_requested_at is not None:  # until the agent ships them
+        commands.append({"type": "logs"})
     return commands
 
 
@@ -198,7 +200,7 @@ def read_batch(session: Session, items: list[tuple[str, str, HeartbeatIn]]) -> d
     hashes = sorted({token_hash for _, token_hash, _ in items})
     query = (select(ApiToken.token_hash, ApiToken.revoked, ApiToken.expires_at,
                     ApiToken.created.label("token_created"), ApiToken.device_id, Device.state, Device.cordoned, Device.draining,
-                    Device.pause_reason, Device.profiles)
+                    Device.pause_reason, Device.profiles, Device.logs_requested_at)
              .join(Device, Device.id == ApiToken.device_id)
              .where(ApiToken.token_hash.in_(hashes), ApiToken.kind == "device"))
     return {row.token_hash: row for row in session.execute(query)}

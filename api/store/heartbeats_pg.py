@@ -56,7 +56,8 @@ WITH v AS (
   WHERE devices.id = v.id AND old.id = devices.id
   RETURNING devices.id, v.token_hash, old.state AS old_state, old.pause_reason AS old_pause,
             devices.pause_reason AS pause, v.pause_event, v.pause_message, devices.cordoned,
-            devices.draining, devices.profiles, ok.created AS token_created,
+            devices.draining, devices.profiles, devices.logs_requested_at,
+            ok.created AS token_created,
             ok.expires_at AS token_expires_at
 ), appended AS (
   INSERT INTO telemetry_samples (device_id, ts, battery_pct, charging, battery_temp_c,

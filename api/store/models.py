@@ -99,6 +99,20 @@ class Device(Base):
     profiles: Mapped[dict[str, Any]] = mapped_column(default=dict)
     latest_telemetry: Mapped[dict[str, Any]] = mapped_column(default=dict)
     latest_telemetry_at: Mapped[dt.datetime | None] = mapped_column(default=None)
+    # an operator asked for the agent's recent log lines: each heartbeat carries a `logs`
+    # command until the agent ships them (device_logs), which clears it
+    logs_requested_at: Mapped[dt.datetime | None] = mapped_column(default=None)
+
+
+class DeviceLog(Base):
+    """The latest log lines a device's agent shipped on request (its bounded ring)."""
+
+    __tablename__ = "device_logs"
+
+    device_id: Mapped[str] = mapped_column(ForeignKey("devices.id", ondelete="CASCADE"),
+                                           primary_key=True)
+    shipped_at: Mapped[dt.datetime]
+    lines: Mapped[list[Any]] = mapped_column(default=list)
 
 
 class EnrollmentToken(Base):

@@ -7,6 +7,7 @@ or JSON with `-o json`. A server error is one line on stderr and exit status 1.
 
 from __future__ import annotations
 
+import datetime as dt
 import enum
 import inspect
 import io
@@ -245,6 +246,37 @@ def devices_describe(device_id: IdArg, server: ServerOpt = None, token: TokenOpt
     if events:
         out.print("Events:")
         out.print(view.event_table(events[-10:]))
+
+
+@devices_app.command("logs")
+def devices_logs(
+    device_id: IdArg,
+    follow: Annotated[bool, typer.Option("--follow", "-f",
+                                         help="keep asking and print new lines as they come")] = False,
+    timeout: Annotated[float, typer.Option(help="seconds to wait for the agent's answer")] = 60.0,
+    interval: IntervalOpt = 5.0,
+    server: ServerOpt = None, token: TokenOpt = None, output: OutputOpt = Output.table,
+) -> None:
+    """The agent's recent log lines (its last 500), fetched from the phone through the control
+    plane: the agent ships them after its next heartbeat (admin)."""
+    last = 0
+    with connect(server, token) as client:
+        while True:
+            got = client.device_logs(device_id, timeout_s=timeout)
+            lines = got.get("lines") or []
+            if lines and lines[-1]["seq"] < last:
+                last = 0  # the agent restarted: its count began again
+            new = [line for line in lines if line["seq"] > last]
+            if output is not Output.table:
+                emit(new, output, describe)
+            for line in new if output is Output.table else []:
+                when = dt.datetime.fromtimestamp(line["ts"], dt.timezone.utc)
+                out.print(f"{when:%Y-%m-%d %H:%M:%S} {line['level']:<7} {line['message']}",
+                          highlight=False, markup=False, soft_wrap=True)
+            last = lines[-1]["seq"] if lines else last
+            if not follow:
+                return
+            time.sleep(interval)
 
 
 @devices_app.command("label")

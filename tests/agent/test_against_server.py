@@ -142,6 +142,17 @@ def test_a_real_job_trains_on_the_agent(server: LiveServer, tmp_path: Path, cool
         profile = wait_for("the measured profile on the device",
                            lambda: device(server, device_id)["profiles"].get("custom"))
         assert profile["samples_per_s"] > 0 and profile["backend"] == "numpy"
+        # an operator reads the agent's recent lines from the control plane (phalanx devices
+        # logs): asked in a heartbeat command, shipped by the agent from its ring
+        from phalanx.client import PhalanxClient
+
+        with PhalanxClient(server.url, server.admin_token) as client:
+            shipped = client.device_logs(device_id, timeout_s=60)
+        messages = [line["message"] for line in shipped["lines"]]
+        assert any("execution choice for" in m for m in messages), messages
+        assert any(m.startswith("agent.cli: agent ") for m in messages), messages
+        assert [line["seq"] for line in shipped["lines"]] == sorted(
+            line["seq"] for line in shipped["lines"])
     finally:
         proc.terminate()
         proc.wait(timeout=30)

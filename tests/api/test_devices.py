@@ -147,3 +147,25 @@ def test_an_admin_sets_and_removes_labels_with_a_merge_patch(api):
                             headers=api.headers(api.user_token()))
     assert user.status_code == 403
     assert api.get(path).json()["labels"] == {"rack": "b", "row": "3"}
+
+
+def test_logs_are_asked_for_in_the_heartbeat_shipped_by_the_device_and_read_by_the_admin(api):
+    device = api.register("phone-logs")
+    dev_id = device["device_id"]
+    assert not [c for c in api.heartbeat(device).json()["commands"] if c["type"] == "logs"]
+    asked = api.post(f"/v1/devices/{dev_id}/logs/request")
+    assert asked.status_code == 202 and asked.json()["requested_at"] is not None
+    for _ in range(2):  # every heartbeat asks until the lines arrive
+        assert {"type": "logs"} in api.heartbeat(device).json()["commands"]
+    lines = [{"seq": i, "ts": 1_765_000_000.0 + i, "level": "INFO", "message": f"line {i}"}
+             for i in range(1, 4)]
+    shipped = api.post(f"/v1/devices/{dev_id}/logs", token=device["device_token"],
+                       json={"lines": lines})
+    assert shipped.status_code == 200, shipped.text
+    got = api.get(f"/v1/devices/{dev_id}/logs").json()
+    assert got["requested_at"] is None and got["shipped_at"] is not None
+    assert [line["message"] for line in got["lines"]] == ["line 1", "line 2", "line 3"]
+    assert not [c for c in api.heartbeat(device).json()["commands"] if c["type"] == "logs"]
+    too_many = api.post(f"/v1/devices/{dev_id}/logs", token=device["device_token"],
+                        json={"lines": [lines[0]] * 1001})
+    assert too_many.status_code in (413, 422)

@@ -438,3 +438,39 @@ def test_contexts_like_kubeconfig(cli: Cli) -> None:
     assert cli("config", "use-context", "default", server=None, token=None).exit_code == 0
     assert cli("jobs", "ls", server=None, token=None).exit_code == 0
     assert "no context 'moon'" in one_line_error(cli("config", "use-context", "moon"))
+
+
+def test_devices_logs_prints_what_the_agent_ships_and_says_when_nothing_comes(
+        cli: Cli, register_device) -> None:
+    """The phone side is played here over HTTP as the agent does it (its ring and the
+    heartbeat command are tested with the real agent in tests/agent/test_against_server.py)."""
+    import threading
+    import time as clock
+
+    device = register_device("phone-logs")
+    dev_id, token = device["device_id"], device["device_token"]
+    lines = [{"seq": i, "ts": 1_765_000_000.0 + i, "level": "WARNING" if i == 2 else "INFO",
+              "message": f"agent.runtime.work: step {i} done"} for i in (1, 2, 3)]
+
+    def phone() -> None:
+        headers = {"Authorization": f"Bearer {token}"}
+        for _ in range(100):
+            beat = httpx.post(f"{cli.server.url}/v1/devices/{dev_id}/heartbeat",
+                              json={"telemetry": []}, headers=headers, timeout=30)
+            if {"type": "logs"} in beat.json().get("commands", []):
+                httpx.post(f"{cli.server.url}/v1/devices/{dev_id}/logs", json={"lines": lines},
+                           headers=headers, timeout=30)
+                return
+            clock.sleep(0.2)
+
+    playing = threading.Thread(target=phone, daemon=True)
+    playing.start()
+    shown = cli("devices", "logs", dev_id, "--timeout", "30")
+    playing.join(timeout=30)
+    assert shown.exit_code == 0, shown.output
+    printed = shown.stdout.strip().splitlines()
+    assert printed[1] == "2025-12-06 05:46:42 WARNING agent.runtime.work: step 2 done"
+    assert len(printed) == 3
+    silent = register_device("phone-silent")["device_id"]
+    line = one_line_error(cli("devices", "logs", silent, "--timeout", "1"))
+    assert f"device {silent} sent no logs within 1 s: is it online?" in line

@@ -19,14 +19,16 @@ PUBLIC = {("get", "/healthz"), ("get", "/readyz"), ("get", "/install.sh"),
 DEVICE_ONLY = {("post", "/v1/devices/{device_id}/heartbeat"), ("get", "/v1/devices/{device_id}/work"),
                ("get", "/v1/jobs/{job_id}/weights"), ("get", "/v1/jobs/{job_id}/shards/{shard}/data"),
                ("post", "/v1/jobs/{job_id}/steps/{step}/gradients"),
-               ("post", "/v1/devices/{device_id}/token")}
+               ("post", "/v1/devices/{device_id}/token"), ("post", "/v1/devices/{device_id}/logs")}
 ADMIN_ONLY = {("get", "/v1/enrollment-tokens"), ("post", "/v1/enrollment-tokens"),
               ("delete", "/v1/enrollment-tokens/{token_id}"), ("get", "/v1/tokens"),
               ("post", "/v1/tokens"), ("delete", "/v1/tokens/{token_id}"),
               ("delete", "/v1/devices/{device_id}"), ("patch", "/v1/devices/{device_id}"),
               ("post", "/v1/devices/{device_id}/cordon"),
               ("post", "/v1/devices/{device_id}/uncordon"),
-              ("post", "/v1/devices/{device_id}/drain")}
+              ("post", "/v1/devices/{device_id}/drain"),
+              ("post", "/v1/devices/{device_id}/logs/request"),
+              ("get", "/v1/devices/{device_id}/logs")}
 OWNED_JOB = {("get", "/v1/jobs/{job_id}"), ("post", "/v1/jobs/{job_id}/cancel"),
              ("get", "/v1/jobs/{job_id}/events"), ("get", "/v1/jobs/{job_id}/metrics"),
              ("get", "/v1/jobs/{job_id}/checkpoint")}
@@ -42,7 +44,7 @@ def world(api) -> dict[str, Any]:
     return {"alice": alice, "bob": bob, "a": phone_a, "b": phone_b, "job": job,
             "enrollment": enrollment,
             "params": {"device_id": phone_b["device_id"], "job_id": job, "token_id": enrollment,
-                       "step": "0", "shard": "0"}}
+                       "step": "0", "shard": "0", "upload_id": "upl-" + "0" * 32}}
 
 
 def operations(api) -> list[tuple[str, str]]:

@@ -1,0 +1,48 @@
+"""The agent's recent log lines, kept in a bounded ring so an operator can read them from the
+control plane (`phalanx devices logs`): the server asks with a heartbeat command, the agent
+ships the ring. Nothing is written to the phone's storage for it."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from typing import Any
+
+CAPACITY = 500  # lines kept
+MAX_CHARS = 1000  # of one line (a traceback is cut): 500 lines stay well under 1 MiB
+
+
+class LogRing(logging.Handler):
+    def __init__(self, capacity: int = CAPACITY) -> None:
+        super().__init__()
+        self.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+        self._lines: deque[dict[str, Any]] = deque(maxlen=capacity)
+        self._seq = 0
+        self._lock_ring = threading.Lock()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            message = self.format(record)[:MAX_CHARS]
+        except Exception:  # a bad format string must not break the agent's logging
+            message = str(record.msg)[:MAX_CHARS]
+        with self._lock_ring:
+            self._seq += 1
+            self._lines.append({"seq": self._seq, "ts": record.created,
+                                "level": record.levelname[:10], "message": message})
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        with self._lock_ring:
+            return list(self._lines)
+
+
+RING = LogRing()
+
+
+def install(logger: logging.Logger | None = None) -> LogRing:
+    """Keep the agent's log lines (INFO and up) in RING; idempotent."""
+    target = logger or logging.getLogger()
+    if RING not in target.handlers:
+        RING.setLevel(logging.INFO)
+        target.addHandler(RING)
+    return RING
