@@ -71,12 +71,14 @@ def histogram(name: str, help_text: str, bounds: Sequence[float],
 
 
 def fleet_metrics(session: Session) -> Iterable[Any]:
-    rows = session.execute(select(Device.state, Device.pause_reason, Device.latest_telemetry)).all()
+    rows = session.execute(select(Device.state, Device.pause_reason, Device.latest_telemetry,
+                                  Device.name)).all()
     by_state = dict.fromkeys(DEVICE_STATES, 0)
     paused = dict.fromkeys(PAUSE_REASONS, 0)
     throttled = busy = 0
     readings: dict[str, list[float]] = defaultdict(list)
-    for state, pause_reason, telemetry in rows:
+    named: dict[str, tuple[float, str]] = {}  # sensor key -> (hottest reading, its phone)
+    for state, pause_reason, telemetry, name in rows:
         by_state[state] = by_state.get(state, 0) + 1
         if state == DeviceState.NOT_READY:
             continue  # a silent phone's last reading is not the fleet's present
@@ -89,6 +91,10 @@ def fleet_metrics(session: Session) -> Iterable[Any]:
             value = _number(telemetry.get(hist.key))
             if value is not None:
                 readings[hist.key].append(value)
+        for key in ("cpu_temp_c", "battery_temp_c"):
+            value = _number(telemetry.get(key))
+            if value is not None and value > named.get(key, (float("-inf"), ""))[0]:
+                named[key] = (value, name)
     yield _gauge("phalanx_devices", "Enrolled devices by state", "state", by_state)
     yield _gauge("phalanx_devices_paused", "Live devices paused by the agent (phone first), by "
                  "reason", "reason", paused)
@@ -103,6 +109,15 @@ def fleet_metrics(session: Session) -> Iterable[Any]:
     for sensor, key in (("cpu", "cpu_temp_c"), ("battery", "battery_temp_c")):
         hottest.add_metric([sensor], max(readings[key], default=0.0))
     yield hottest
+    # one series per sensor whose label names the phone (bounded: never a series per device),
+    # so an alert can say which phone to go and look at
+    hottest_named = GaugeMetricFamily("phalanx_hottest_device_temperature_celsius",
+                                      "The hottest live device's latest reading, by sensor, "
+                                      "labelled with its name", labels=["sensor", "device"])
+    for sensor, key in (("cpu", "cpu_temp_c"), ("battery", "battery_temp_c")):
+        if key in named:
+            hottest_named.add_metric([sensor, named[key][1]], named[key][0])
+    yield hottest_named
     for hist in FLEET_HISTOGRAMS:
         yield histogram(hist.metric, hist.help, hist.bounds, readings[hist.key])
     enrolled = session.scalar(select(func.count()).select_from(Event)

@@ -80,9 +80,45 @@ def dashboard(uid: str, title: str, panels: list[tuple[Panel, int, int]],
     }
 
 
+# the rack view: every phone, hottest first, each name a link to its device dashboard
+FLEET_TABLE = """
+SELECT d.name AS phone, d.id AS id, d.state AS state,
+       COALESCE(d.pause_reason, '') AS paused,
+       CAST(d.latest_telemetry ->> 'cpu_temp_c' AS double precision) AS cpu_c,
+       CAST(d.latest_telemetry ->> 'battery_temp_c' AS double precision) AS battery_c,
+       CAST(d.latest_telemetry ->> 'battery_pct' AS double precision) AS battery_pct,
+       CAST(d.labels AS text) AS labels, d.lease_renewed_at AS last_seen
+FROM devices AS d
+ORDER BY GREATEST(COALESCE(CAST(d.latest_telemetry ->> 'cpu_temp_c' AS double precision), -1),
+                  COALESCE(CAST(d.latest_telemetry ->> 'battery_temp_c' AS double precision), -1))
+         DESC, d.name
+LIMIT 1000
+"""
+
+
+def fleet_table() -> Panel:
+    link = {"title": "Device dashboard", "url": "/d/phalanx-device?var-device=${__data.fields.id}"}
+    table = panel("table", "Phones, hottest first", [sql(FLEET_TABLE, "table")],
+                  description="Every phone with its state, why its agent paused, its latest "
+                  "temperatures and charge, labels and when it last renewed its lease. Click a "
+                  "name for its device dashboard.")
+    table["fieldConfig"]["overrides"] = [
+        {"matcher": {"id": "byName", "options": "phone"},
+         "properties": [{"id": "links", "value": [link]}]},
+        {"matcher": {"id": "byName", "options": "id"},
+         "properties": [{"id": "custom.hidden", "value": True}]},
+        {"matcher": {"id": "byRegexp", "options": "cpu_c|battery_c"},
+         "properties": [{"id": "unit", "value": "celsius"}]},
+        {"matcher": {"id": "byName", "options": "battery_pct"},
+         "properties": [{"id": "unit", "value": "percent"}]},
+    ]
+    return table
+
+
 def fleet() -> dict:
     rate = "$__rate_interval"
     return dashboard("phalanx-fleet", "Phalanx / Fleet", [
+        (fleet_table(), 24, 10),
         (panel("stat", "Devices by state", [prom("max by (state) (phalanx_devices)", "{{state}}")],
                options={"options": {"reduceOptions": {"calcs": ["lastNotNull"]}}}), 8, 5),
         (panel("stat", "Jobs by state", [prom("max by (state) (phalanx_jobs)", "{{state}}")],

@@ -52,6 +52,12 @@ def test_fleet_gauges_count_devices_by_state_and_bucket_their_telemetry(api) -> 
     assert value(samples, "phalanx_devices_paused", reason="busy") == 1
     assert value(samples, "phalanx_fleet_power_total_watts") == 6.0
     assert value(samples, "phalanx_fleet_max_temperature_celsius", sensor="cpu") == 62.0
+    # the alert's bounded series names the phone: one series per sensor, never one per device
+    assert value(samples, "phalanx_hottest_device_temperature_celsius", sensor="cpu",
+                 device="hot") == 62.0
+    assert value(samples, "phalanx_hottest_device_temperature_celsius", sensor="battery",
+                 device="hot") == 41.0
+    assert sum(1 for (n, _) in samples if n == "phalanx_hottest_device_temperature_celsius") == 2
     # histogram snapshot: one phone at <= 35 C, both at <= 70 C
     assert value(samples, "phalanx_fleet_cpu_temperature_celsius_bucket", le="35.0") == 1
     assert value(samples, "phalanx_fleet_cpu_temperature_celsius_bucket", le="70.0") == 2

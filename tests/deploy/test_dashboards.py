@@ -99,3 +99,53 @@ def test_a_broken_sql_panel_would_be_caught(pg_url: str) -> None:
     with psycopg.connect(pg_url.replace("postgresql+psycopg://", "postgresql://")) as conn, \
             pytest.raises(psycopg.errors.UndefinedColumn):
         conn.execute(query)
+
+
+def test_the_fleet_dashboard_has_the_rack_table_hottest_first_linking_to_each_device() -> None:
+    import json
+
+    fleet = json.loads((DEPLOY / "grafana" / "dashboards" / "fleet.json").read_text())
+    (table,) = [p for p in fleet["panels"] if p["title"] == "Phones, hottest first"]
+    assert table["type"] == "table" and table["datasource"]["uid"] == "phalanx-postgres"
+    query = table["targets"][0]["rawSql"]
+    for column in ("phone", "state", "paused", "cpu_c", "battery_c", "battery_pct", "labels",
+                   "last_seen"):
+        assert f" AS {column}" in query
+    assert "ORDER BY GREATEST(" in query and "DESC" in query
+    links = [prop["value"] for o in table["fieldConfig"]["overrides"]
+             for prop in o["properties"] if prop["id"] == "links"]
+    assert links == [[{"title": "Device dashboard",
+                       "url": "/d/phalanx-device?var-device=${__data.fields.id}"}]]
+
+
+def test_grafanas_database_role_reads_every_table_now_and_later_and_writes_nothing(
+        pg_url: str) -> None:
+    """deploy/postgres/grafana-readonly.sql run with the real psql on a migrated database, then
+    used as Grafana uses it."""
+    import shutil
+    import subprocess
+
+    from sqlalchemy.engine import make_url
+
+    url = make_url(pg_url)
+    psql = shutil.which("psql")
+    assert psql, "the test needs PostgreSQL's psql client (Debian: postgresql-client)"
+    base = [psql, "-h", url.host or "127.0.0.1", "-p", str(url.port or 5432), "-d",
+            url.database or "", "-v", "ON_ERROR_STOP=1"]
+    script = DEPLOY / "postgres" / "grafana-readonly.sql"
+    owner = url.username or "postgres"
+    for _ in range(2):  # idempotent: a second run changes nothing and fails on nothing
+        subprocess.run([*base, "-U", owner, "-v", "grafana_password=test-only", "-v",
+                        f"owner={owner}", "-f", str(script)], check=True, capture_output=True)
+    # a table a later migration adds is readable too (the owner's default privileges)
+    subprocess.run([*base, "-U", owner, "-c", "CREATE TABLE later_table (x int)"], check=True,
+                   capture_output=True)
+    as_grafana = psycopg.connect(host=url.host, port=url.port, dbname=url.database,
+                                 user="grafana_ro", password="test-only", autocommit=True)
+    with as_grafana:
+        as_grafana.execute("SELECT count(*) FROM devices").fetchone()
+        as_grafana.execute("SELECT count(*) FROM later_table").fetchone()
+        for write in ("INSERT INTO later_table VALUES (1)", "DELETE FROM devices",
+                      "CREATE TABLE nope (x int)"):
+            with pytest.raises(psycopg.Error):
+                as_grafana.execute(write)

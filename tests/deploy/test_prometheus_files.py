@@ -43,3 +43,18 @@ def test_promtool_rejects_a_broken_rule(tmp_path: Path) -> None:
                     "        expr: max(phalanx_devices{state=\"Ready\"\n")
     done = promtool("check", "rules", str(path))
     assert done.returncode != 0
+
+
+def test_every_alert_has_a_runbook_section_in_the_deploy_guide() -> None:
+    import re
+
+    rules = yaml.safe_load((DEPLOY / "prometheus" / "alerts.yml").read_text())
+    guide = (DEPLOY.parent / "docs" / "deploy.md").read_text()
+    # GitHub's anchor for a heading: lowercased, spaces to dashes, punctuation dropped
+    anchors = {re.sub(r"[^a-z0-9 -]", "", h.strip().lower()).replace(" ", "-")
+               for h in re.findall(r"^#+ (.+)$", guide, re.M)}
+    for group in rules["groups"]:
+        for rule in group["rules"]:
+            url = rule["annotations"].get("runbook_url", "")
+            assert url == f"docs/deploy.md#{rule['alert'].lower()}", rule["alert"]
+            assert url.split("#")[1] in anchors, f"no runbook section for {rule['alert']}"
