@@ -201,6 +201,81 @@ def test_beat_runs_exactly_once_and_the_shared_volume_is_read_write_many() -> No
         assert claim["spec"]["accessModes"] == ["ReadWriteMany"]  # several pods mount it
 
 
+def test_disruption_budgets_keep_an_api_replica_and_a_worker_through_a_drain() -> None:
+    budgets = by_kind("PodDisruptionBudget")
+    deployments = by_kind("Deployment")
+    for name in ("phalanx-api", "phalanx-worker"):
+        budget = budgets[name]
+        assert budget["apiVersion"] == "policy/v1" and budget["spec"]["minAvailable"] == 1
+        pod_labels = deployments[name]["spec"]["template"]["metadata"]["labels"]
+        assert budget["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+    assert deployments["phalanx-api"]["spec"].get("replicas", 2) >= 2  # else the budget blocks
+
+
+def test_beat_answers_its_liveness_probe_only_with_remote_control_on() -> None:
+    (beat,) = containers(by_kind("Deployment")["phalanx-beat"])
+    assert "--enable-remote-control" in beat["command"]
+    probe = beat["livenessProbe"]["exec"]["command"]
+    assert probe[:2] == ["sh", "-c"]
+    assert "celery -A scheduler.celery_app inspect ping" in probe[2]
+    assert "-d celerybeat@$HOSTNAME" in probe[2]
+
+
+def test_beats_probe_command_passes_against_a_real_beat_and_redis(redis_url: str,
+                                                                  tmp_path: Path) -> None:
+    """The probe as the manifest writes it, run against a real beat with remote control."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    (beat,) = containers(by_kind("Deployment")["phalanx-beat"])
+    # the image's PATH holds celery; here, this interpreter's environment does
+    path = os.pathsep.join((str(Path(sys.executable).parent), os.environ.get("PATH", "")))
+    env = {**os.environ, "PATH": path, "PHALANX_REDIS_URL": redis_url,
+           "HOSTNAME": socket.gethostname(), "PHALANX_DATA_DIR": str(tmp_path),
+           "PYTHONPATH": str(REPO_ROOT)}
+    argv = [*beat["command"], "--schedule", str(tmp_path / "beat-schedule")]
+    process = subprocess.Popen(argv, env=env, cwd=tmp_path, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.STDOUT)
+    probe = beat["livenessProbe"]["exec"]["command"]
+    assert "--timeout 10" in probe[2]
+    probe = [*probe[:2], probe[2].replace("--timeout 10", "--timeout 2")]  # quicker misses
+    try:
+        answered = None
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            answered = subprocess.run(probe, env=env, cwd=REPO_ROOT, capture_output=True,
+                                      text=True, timeout=60)
+            if answered.returncode == 0:
+                break
+            time.sleep(1)
+        assert answered is not None and answered.returncode == 0, answered
+        process.terminate()
+        process.wait(timeout=30)
+        gone = subprocess.run(probe, env=env, cwd=REPO_ROOT, capture_output=True, timeout=60)
+        assert gone.returncode != 0  # no beat, no answer: the kubelet would restart it
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def test_the_ingress_example_routes_the_api_and_the_bulk_port_to_their_service_ports() -> None:
+    ingress = yaml.safe_load((K8S / "examples" / "ingress.yaml").read_text())
+    assert ingress["kind"] == "Ingress" and ingress["apiVersion"] == "networking.k8s.io/v1"
+    service = by_kind("Service")["phalanx-api"]
+    port_names = {p["name"] for p in service["spec"]["ports"]}
+    routed = {rule["host"]: rule["http"]["paths"][0]["backend"]["service"]
+              for rule in ingress["spec"]["rules"]}
+    assert {b["name"] for b in routed.values()} == {"phalanx-api"}
+    assert sorted(b["port"]["name"] for b in routed.values()) == ["bulk", "http"]
+    assert {b["port"]["name"] for b in routed.values()} <= port_names
+    assert "PHALANX_BULK_PUBLIC_URL" in (K8S / "examples" / "ingress.yaml").read_text()
+    assert "bulk_public_url" in Settings.model_fields
+
+
 def test_the_api_service_hpa_and_scrape_annotations_point_at_the_api() -> None:
     api = by_kind("Deployment")["phalanx-api"]
     pod = api["spec"]["template"]
