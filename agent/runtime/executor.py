@@ -10,7 +10,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from agent.runtime.worker import BACKEND_ENV, CORES_ENV, THREADS_ENV
+from agent.runtime.workerenv import BACKEND_ENV, CORES_ENV, THREADS_ENV
 
 THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
                "VECLIB_MAXIMUM_THREADS", "NUMEXPR_NUM_THREADS")

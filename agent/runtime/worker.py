@@ -10,8 +10,11 @@ import (~0.3 s) and happens only when profiling.
 
 Every core, exactly: numpy's BLAS always runs on one thread (a product split over threads
 comes out with other bits), so a numpy worker given N threads computes up to N of its shards
-side by side, one single-threaded BLAS per shard, in a thread pool (numpy releases the GIL in
-its loops and products). Each shard's result is the one-thread result, bit for bit, whatever N.
+side by side: its own share here, the rest in N - 1 helper workers (the same program, one
+thread each, started once and kept), each single-threaded, each writing its shards' results to
+a file this worker reads back. Processes rather than threads: the engine holds the GIL between
+numpy calls, and two threads of one process took turns (1.1-1.5x on 2 cores, measured). Each
+shard's result is the one-thread result, bit for bit, whatever N.
 
 Protocol: one JSON object per line on stdin, one reply per line on stdout (stdout carries
 nothing else). Bulk data never crosses the pipe: weights, shard data and results are files in
@@ -30,10 +33,7 @@ from typing import Any
 
 from agent.config import atomic_write  # stdlib only: safe to import before pinning
 from agent.runtime import slowdown
-
-CORES_ENV = "PHALANX_WORKER_CORES"
-BACKEND_ENV = "PHALANX_WORKER_BACKEND"
-THREADS_ENV = "PHALANX_WORKER_THREADS"
+from agent.runtime.workerenv import BACKEND_ENV, CORES_ENV, THREADS_ENV
 
 
 def _pin() -> bool:
@@ -66,7 +66,8 @@ class Engine:
     def __init__(self, backend: str, side_by_side: int = 1) -> None:
         self.backend = backend
         self.side_by_side = max(1, side_by_side)  # shards computed at once (numpy only)
-        self._pool = ThreadPoolExecutor(self.side_by_side, thread_name_prefix="shard") \
+        self._helpers: list[Any] = []  # executor.ComputeWorker, started on first use
+        self._pool = ThreadPoolExecutor(self.side_by_side - 1, thread_name_prefix="helper") \
             if self.side_by_side > 1 else None
         self._model_key: str | None = None
         self._job: Any = None  # engine.runner.JobModel (numpy is imported only when working)
@@ -108,12 +109,51 @@ class Engine:
                               backend=self.backend)
 
     def compute_all(self, req: dict[str, Any], ordered: list[tuple[int, str]]) -> list[Any]:
-        """Each (shard, data path)'s result, in the given order; up to `side_by_side` at once."""
-        for _, path in ordered:
-            self.shard(path)  # loaded here, once, before the threads share the cache
+        """Each (shard, data path)'s result, in the given order; up to `side_by_side` at once:
+        every side_by_side-th pair here, the others in the helpers."""
+        groups = [ordered[i :: self.side_by_side] for i in range(self.side_by_side)]
         if self._pool is None or len(ordered) < 2:
             return [self.compute(req, k, p) for k, p in ordered]
-        return list(self._pool.map(lambda kp: self.compute(req, *kp), ordered))
+        helpers = self._started_helpers()
+        asked = [self._pool.submit(self._in_helper, helper, req, group, i)
+                 for i, (helper, group) in enumerate(zip(helpers, groups[1:]), start=1) if group]
+        mine = [self.compute(req, k, p) for k, p in groups[0]]
+        theirs = [f.result() for f in asked]
+        by_place = dict(zip(range(0, len(ordered), self.side_by_side), mine))
+        for i, results in enumerate(theirs, start=1):
+            by_place.update(zip(range(i, len(ordered), self.side_by_side), results))
+        return [by_place[i] for i in range(len(ordered))]
+
+    def _started_helpers(self) -> list[Any]:
+        from agent.runtime.executor import ComputeWorker, ExecConfig
+
+        while len(self._helpers) < self.side_by_side - 1:
+            # no cores given: a helper inherits this worker's CPU affinity
+            self._helpers.append(ComputeWorker(ExecConfig(self.backend, 1)))
+        return self._helpers
+
+    def _in_helper(self, helper: Any, req: dict[str, Any], group: list[tuple[int, str]],
+                   index: int) -> list[Any]:
+        """`group`'s results computed by a helper worker, read back from its file (float32:
+        exactly what it computed; this worker encodes the step's upload)."""
+        from wire.messages import decode_results
+
+        out = Path(req.get("out_path") or req["weights_path"]).with_name(
+            f".helper-{os.getpid()}-{index}.bin")
+        shards = {str(k): path for k, path in group}  # a group never names a shard twice
+        try:
+            helper.request({**req, "op": "step", "shards": shards, "out_path": str(out),
+                            "dtype": "float32"})
+            results = decode_results(out.read_bytes())
+        finally:
+            out.unlink(missing_ok=True)
+        by_shard = {r.shard: r for r in results}
+        return [by_shard[k] for k, _ in group]
+
+    def close(self) -> None:
+        for helper in self._helpers:
+            helper.close()
+        self._helpers = []
 
 
 def handle(engine: Engine, req: dict[str, Any]) -> dict[str, Any]:
@@ -169,6 +209,7 @@ def main() -> int:
         except Exception as exc:  # report, keep serving: the agent decides what to do
             reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
         proto.write(json.dumps(reply) + "\n")
+    engine.close()
     return 0
 
 

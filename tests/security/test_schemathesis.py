@@ -17,13 +17,18 @@ from tests.support.server import LiveServer, start_server
 
 SCHEMATHESIS = Path(sys.executable).parent / "schemathesis"
 EXAMPLES = {"admin": 8, "user": 5, "device": 5}  # per operation and phase
+# SQLite (the embedded mode) differs from Postgres below the routes only: the admin, who reaches
+# every operation, fuzzes it; every kind of token fuzzes Postgres (production)
+KINDS = {"sqlite_url": ("admin",), "pg_url": ("admin", "user", "device")}
 
 
-@pytest.fixture(params=["sqlite_url", "pg_url"])
-def server(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[LiveServer]:
+@pytest.fixture(params=list(KINDS))
+def server(request: pytest.FixtureRequest,
+           tmp_path: Path) -> Iterator[tuple[LiveServer, tuple[str, ...]]]:
+    """A live server on one database, and the kinds of token that fuzz it."""
     live = start_server(database_url=request.getfixturevalue(request.param),
                         data_dir=tmp_path / "data", admin_token=ADMIN_TOKEN)
-    yield live
+    yield live, KINDS[request.param]
     live.stop()
 
 
@@ -37,12 +42,15 @@ def tokens(url: str) -> dict[str, str]:
     return {"admin": ADMIN_TOKEN, "user": user, "device": device["device_token"]}
 
 
-def test_no_operation_answers_a_5xx_to_generated_requests(server: LiveServer,
-                                                          tmp_path: Path) -> None:
+def test_no_operation_answers_a_5xx_to_generated_requests(
+        server: tuple[LiveServer, tuple[str, ...]], tmp_path: Path) -> None:
     assert SCHEMATHESIS.exists(), "schemathesis is in the dev extras: pip install -e '.[dev]'"
-    for kind, token in tokens(server.url).items():
+    live, kinds = server
+    for kind, token in tokens(live.url).items():
+        if kind not in kinds:
+            continue
         run = subprocess.run(
-            [str(SCHEMATHESIS), "run", f"{server.url}/openapi.json", "--checks",
+            [str(SCHEMATHESIS), "run", f"{live.url}/openapi.json", "--checks",
              "not_a_server_error", "--header", f"Authorization: Bearer {token}",
              "--max-examples", str(EXAMPLES[kind]), "--phases", "coverage,fuzzing",
              "--seed", "1", "--no-shrink", "--wait-for-schema", "30",
@@ -52,4 +60,4 @@ def test_no_operation_answers_a_5xx_to_generated_requests(server: LiveServer,
         assert run.returncode == 0, f"as {kind}:\n{out[-6000:]}"
         assert "Tested: " in out and " passed" in out, out[-3000:]
         assert "unresolvable reference" not in out.lower(), out[-3000:]  # every part tested
-    assert httpx.get(f"{server.url}/healthz", timeout=10).status_code == 200
+    assert httpx.get(f"{live.url}/healthz", timeout=10).status_code == 200
