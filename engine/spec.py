@@ -15,6 +15,7 @@ from engine.sampler import steps_per_epoch as _steps_per_epoch
 
 SCHEDULES = ("constant", "cosine", "step")
 OPTIMIZER_TYPES = ("sgd", "adamw", "lars")  # engine.optim implements each
+UPLOAD_PRECISIONS = ("float32", "bfloat16", "float16")  # engine.precision rounds to each
 
 
 class SpecError(ValueError):
@@ -41,6 +42,7 @@ class TrainSpec:
     eps: float = 1e-8  # adamw, lars
     trust_coefficient: float = 0.001  # lars (eta)
     label_smoothing: float = 0.0
+    upload_precision: str = "float32"  # engine.precision: how shard gradients travel
     crop_padding: int = 0  # augment: random crop after zero-padding by this much
     horizontal_flip: bool = False  # augment: mirror half the samples
     nesterov: bool = False
@@ -90,6 +92,7 @@ class TrainSpec:
             eps=_read(opt, "eps", 1e-8, float, "optimizer."),
             trust_coefficient=_read(opt, "trust_coefficient", 0.001, float, "optimizer."),
             label_smoothing=_read(spec, "label_smoothing", 0.0, float),
+            upload_precision=str(spec.get("upload_precision", "float32")),
             crop_padding=_read(aug, "crop_padding", 0, int, "augment."),
             horizontal_flip=_read(aug, "horizontal_flip", False, bool, "augment."),
             momentum=_read(opt, "momentum", 0.9, float, "optimizer."),
@@ -124,6 +127,8 @@ class TrainSpec:
             raise SpecError(f"optimizer.type must be one of {', '.join(OPTIMIZER_TYPES)}")
         if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
             raise SpecError("optimizer.beta1 and optimizer.beta2 must be in [0, 1)")
+        if self.upload_precision not in UPLOAD_PRECISIONS:
+            raise SpecError(f"upload_precision must be one of {', '.join(UPLOAD_PRECISIONS)}")
         if not 0 <= self.crop_padding <= 64:
             raise SpecError("augment.crop_padding must be in [0, 64]")
         if not 0 <= self.label_smoothing < 1:

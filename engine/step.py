@@ -15,6 +15,7 @@ import numpy as np
 
 from engine.graph import Model
 from engine.optim import STATE_SLOTS, Hyper, optimizer_step
+from engine.precision import round_to
 from engine.spec import TrainSpec
 
 BN_MOMENTUM = 0.1  # running = (1 - 0.1) x running + 0.1 x (shard-averaged batch statistic)
@@ -70,8 +71,10 @@ def compute_shard(model: Model, params: np.ndarray, buffers: np.ndarray, x_shard
                                         step, shard, spec.label_smoothing)
     else:
         raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
-    return ShardResult(shard, r.grad_sum.astype(np.float32, copy=False), r.loss_sum, r.correct,
-                       r.count, r.stats.astype(np.float32, copy=False))
+    # rounded here, where every compute path passes: the sum is of the values the wire carries
+    grad = round_to(r.grad_sum.astype(np.float32, copy=False), spec.upload_precision)
+    return ShardResult(shard, grad, r.loss_sum, r.correct, r.count,
+                       r.stats.astype(np.float32, copy=False))
 
 
 def initial_state(model: Model, spec: TrainSpec) -> TrainState:

@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from engine.precision import from_bfloat16_bits, to_bfloat16_bits
 from engine.step import ShardResult
 
 try:  # the same CRC-32 as zlib's, ~10x faster (zlib-ng's folding kernel); the control plane
@@ -38,7 +39,8 @@ except ImportError:  # pragma: no cover - depends on what is installed
 MAGIC = b"PHLXW"
 VERSION = 1
 _PREFIX = struct.Struct("<5sHII")
-_DTYPES = {"float32": np.dtype("<f4"), "float16": np.dtype("<f2")}
+# how a results message carries gradients; bfloat16 travels as its uint16 bit patterns
+_DTYPES = {"float32": np.dtype("<f4"), "float16": np.dtype("<f2"), "bfloat16": np.dtype("<u2")}
 MAX_HEADER = 1 << 22
 
 
@@ -121,9 +123,14 @@ def encode_results_parts(job_id: str, step: int, results: list[ShardResult],
         if r.grad_sum.size != n_params or r.stats.size != n_stats:
             raise WireError(f"shard {r.shard}: arrays differ in size from shard "
                             f"{results[0].shard}'s")
-        with np.errstate(over="ignore"):  # overflow shows up as inf, refused just below
-            grad = np.ascontiguousarray(r.grad_sum, dtype=_DTYPES[dtype])  # no copy if float32
-        if not all_finite(grad):
+        if dtype == "bfloat16":
+            grad = to_bfloat16_bits(r.grad_sum)
+            finite = all_finite(from_bfloat16_bits(grad))
+        else:
+            with np.errstate(over="ignore"):  # overflow shows up as inf, refused just below
+                grad = np.ascontiguousarray(r.grad_sum, dtype=_DTYPES[dtype])  # no copy if f32
+            finite = all_finite(grad)
+        if not finite:
             raise WireError(f"shard {r.shard}: gradient is not finite in {dtype} "
                             "(diverged, or too large for float16)")
         chunks += [grad, _f32(r.stats)]
@@ -140,7 +147,7 @@ def decode_results(data: bytes, expect_job: str | None = None, expect_step: int 
     p, s = _count(header, "n_params", n_params), _count(header, "n_stats", n_stats)
     dtype = header.get("dtype")
     if dtype not in _DTYPES:
-        raise WireError(f"results dtype must be float32 or float16, got {dtype!r}")
+        raise WireError(f"results dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}")
     shards = _shard_entries(header)
     gsize = _DTYPES[dtype].itemsize * p
     per = gsize + 4 * s
@@ -149,7 +156,8 @@ def decode_results(data: bytes, expect_job: str | None = None, expect_step: int 
     out = []
     for i, meta in enumerate(shards):
         chunk = payload[i * per : (i + 1) * per]
-        grad = _finite(np.frombuffer(chunk[:gsize], dtype=_DTYPES[dtype]), "gradient")
+        raw = np.frombuffer(chunk[:gsize], dtype=_DTYPES[dtype])
+        grad = _finite(from_bfloat16_bits(raw) if dtype == "bfloat16" else raw, "gradient")
         stats = _finite(np.frombuffer(chunk[gsize:], dtype="<f4"), "stats")
         # float32 arrives as read-only views of the message (no copy of a model-sized vector);
         # float16 is widened into a new array

@@ -92,6 +92,11 @@ class Engine:
                                                     expect_step=req["step"])
             self._weights = (req["weights_path"], params, buffers)
 
+    @property
+    def job(self) -> Any:
+        assert self._job is not None, "prepare() first"
+        return self._job
+
     def shard(self, path: str) -> tuple[Any, Any]:
         from engine.runner import shard_arrays
 
@@ -179,8 +184,9 @@ def handle(engine: Engine, req: dict[str, Any]) -> dict[str, Any]:
     slept = slowdown.apply(compute_s)
     from wire.messages import encode_results_parts
 
-    parts = encode_results_parts(req["job_id"], req["step"], results,
-                                 dtype=req.get("dtype", "float32"))
+    # the job's upload precision (its values are already rounded to it: engine.precision)
+    dtype = req.get("dtype") or engine.job.spec.upload_precision
+    parts = encode_results_parts(req["job_id"], req["step"], results, dtype=dtype)
     if req.get("scratch"):  # a helper's answer to its worker: read back at once, never kept
         with open(req["out_path"], "wb") as fh:
             fh.writelines(parts)

@@ -105,6 +105,10 @@ class JobCreate(RequestModel):
     augment: AugmentSpec = Field(default_factory=AugmentSpec, description="drawn per sample "
                                  "from (seed, step, shard, its position in the shard): the "
                                  "same on every phone and in the reference trainer")
+    upload_precision: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="how each shard's gradient travels: bfloat16 or float16 halve the "
+        "upload bytes; the rounding (to nearest, ties to even) is part of the math, so the run "
+        "still equals phalanx train --local of the same spec")
     label_smoothing: float = Field(0.0, ge=0, lt=1, description="the target is (1 - e) on the "
                                    "label plus e / classes on every class (torch's)")
     checkpoint_every: int = Field(50, ge=1, le=100000)

@@ -187,7 +187,8 @@ OWN_GRAPH = [
     {"optimizer": {"type": "adamw", "lr": 0.01, "weight_decay": 0.05}},
     {"optimizer": {"type": "lars", "lr": 2.0, "trust_coefficient": 0.02, "nesterov": True},
      "label_smoothing": 0.1, "augment": {"crop_padding": 1, "horizontal_flip": True}},
-], ids=["sgd", "own-layer-graph", "adamw", "lars+label-smoothing+augment"])
+    {"upload_precision": "bfloat16"},
+], ids=["sgd", "own-layer-graph", "adamw", "lars+label-smoothing+augment", "bfloat16-uploads"])
 def test_a_whole_run_matches_the_reference_trainer(ctx, tmp_path: Path, change) -> None:
     spec = {**tiny_spec(), **change}
     job_id = start(ctx, spec)
