@@ -76,6 +76,7 @@ class AgentConfig:
     work_wait_s: float = 30.0  # long poll for work (the server holds it at most 30 s)
     socket_buffer_bytes: int = DEFAULT_SOCKET_BUFFER_BYTES  # kernel buffers each way; 0: autotune
     ca_file: str = ""  # PEM CA that signed an https server's certificate; "": the system's CAs
+    cache_max_shard_bytes: int = 2 << 30  # shard data kept on the phone; least recently used go
 
     def state_path(self, config_path: Path) -> Path:
         if self.state_dir:

@@ -76,7 +76,8 @@ class AgentRuntime:
                                        rotate_token=self._rotate_token,
                                        ship_logs=self._ship_logs)
         self.work = WorkLoop(self.client, cfg.device_id, self.monitor, self.state,
-                             WorkCache(state_dir / "cache"), UploadLedger(state_dir / "uploads.jsonl"),
+                             WorkCache(state_dir / "cache", cfg.cache_max_shard_bytes),
+                             UploadLedger(state_dir / "uploads.jsonl"),
                              self.execution, shared_default=cfg.shared_mode,
                              wait_s=work_wait_s if work_wait_s is not None else cfg.work_wait_s)
 

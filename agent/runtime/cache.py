@@ -1,12 +1,15 @@
 """On-disk cache of a job's inputs: weights per step, shard data per (job, shard).
 
 Every file is written atomically; a file that does not parse (damaged some other way) is
-deleted and fetched again, so a bad cache never breaks the next start.
+deleted and fetched again, so a bad cache never breaks the next start. Shard files are bounded
+(`max_shard_bytes`): past it, the least recently used go first (a shard that moved away, a
+backup computed once), never one the current step needs; fetched again if they come back.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import shutil
 from collections.abc import Callable
@@ -39,9 +42,13 @@ def _valid_weights(path: Path, job: str, step: int) -> bool:
     return True
 
 
+DEFAULT_MAX_SHARD_BYTES = 2 << 30  # a phone's flash is shared with its owner's photos
+
+
 class WorkCache:
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> None:
         self.root = root
+        self.max_shard_bytes = max_shard_bytes
         self._checked: set[Path] = set()
 
     def job_dir(self, job: str) -> Path:
@@ -57,7 +64,32 @@ class WorkCache:
 
     def shard(self, job: str, shard: int, fetch: Callable[[], bytes]) -> Path:
         path = self.job_dir(job) / f"shard-{int(shard)}.npz"
-        return self._get(path, fetch, _valid_npz)
+        got = self._get(path, fetch, _valid_npz)
+        with contextlib.suppress(OSError):
+            os.utime(got)  # used now: the eviction order is the order of use
+        return got
+
+    def evict(self, job: str, keep: set[int]) -> list[int]:
+        """Drop the least recently used shard files of `job` until they fit `max_shard_bytes`,
+        never one in `keep` (the step's own); the shards dropped."""
+        files = []
+        for path in self.job_dir(job).glob("shard-*.npz"):
+            with contextlib.suppress(OSError, ValueError):
+                stat = path.stat()
+                files.append((stat.st_mtime, int(path.stem.split("-")[1]), stat.st_size, path))
+        total = sum(size for _, _, size, _ in files)
+        dropped = []
+        for _, shard, size, path in sorted(files):
+            if total <= self.max_shard_bytes:
+                break
+            if shard in keep:
+                continue
+            with contextlib.suppress(OSError):
+                path.unlink()
+                self._checked.discard(path)
+                total -= size
+                dropped.append(shard)
+        return dropped
 
     def weights(self, job: str, step: int, fetch: Callable[[], bytes]) -> Path:
         path = self.job_dir(job) / f"weights-{int(step)}.bin"

@@ -117,6 +117,7 @@ class WorkLoop:
             a, lambda url: self.client.weights(job, step, url)))
         paths = {str(k): str(self.cache.shard(job, k, lambda k=k: self.client.shard_data(job, k)))
                  for k in shards}
+        self.cache.evict(job, keep=set(shards))
         return {"job_id": job, "step": step, "spec": a.spec, "n_train": a.n_train,
                 "input_shape": a.input_shape, "num_classes": a.num_classes,
                 "weights_path": str(weights),
