@@ -46,6 +46,7 @@ class Builder:
         self.buffers: list[Slot] = []
         self.stats: list[Slot] = []
         self.n_layers = 0
+        self.largest_activation = 0  # elements of the biggest layer output, per sample
 
     def param(self, name: str, shape: tuple[int, ...], init: str, fan_in: int = 1,
               fan_out: int = 1, decay: bool = False) -> str:

@@ -20,13 +20,14 @@ class Sequential(Layer):
     def build(self, in_shape, b):
         for layer in self.layers:
             in_shape = layer.build(in_shape, b)
+            b.largest_activation = max(b.largest_activation, int(np.prod(in_shape)))
         return in_shape
 
     def forward(self, x, P, ctx):
         caches = []
         for layer in self.layers:
             x, cache = layer.forward(x, P, ctx)
-            caches.append(cache)
+            caches.append(cache if ctx.training else None)  # evaluation has no backward
         return x, caches
 
     def backward(self, dy, caches, P, G, need_dx=True):
@@ -114,6 +115,7 @@ class Model:
         self.n_params = sum(s.size for s in b.params)
         self.n_buffers = sum(s.size for s in b.buffers)
         self.n_stats = sum(s.size for s in b.stats)
+        self.largest_activation = b.largest_activation
         self.decay_mask = np.zeros(self.n_params, dtype=np.float32)
         for s in b.params:
             if s.decay:

@@ -93,6 +93,7 @@ class _Walk:
         self.infos: list[LayerInfo] = []
         self.count = 0
         self.scratch = Builder()
+        self.names: dict[str, str] = {}  # layer name -> where it was given (names key weights)
 
     def sequence(self, layers: Any, shape: tuple[int, ...], where: str, prefix: str,
                  top: bool = False, depth: int = 0) -> tuple[Sequential, tuple[int, ...], int]:
@@ -124,6 +125,10 @@ class _Walk:
         loc, where = where, f"{where} ({kind})"
         o = _options(spec, kind, where)
         name = o["name"] or path
+        if name in self.names:
+            raise LayerError(f"{where}: the name {name!r} is taken by {self.names[name]}: "
+                             f"every layer needs its own (it names the layer's weights)")
+        self.names[name] = loc
         if kind == "residual":
             return self.residual(o, shape, loc, name, depth)
         layer = _MAKERS[kind](o, name, last)

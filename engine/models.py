@@ -33,6 +33,12 @@ def _ch(c: int, width: float) -> int:
     return max(1, int(round(c * width)))
 
 
+def _divisible(c: float, divisor: int = 8) -> int:
+    """torchvision's _make_divisible: channels rounded to a multiple of 8, never 10% below."""
+    out = max(divisor, int(c + divisor / 2) // divisor * divisor)
+    return out + divisor if out < 0.9 * c else out
+
+
 def _conv(out: int, k: int, name: str, stride: int = 1, padding: int | None = None,
           bias: bool = True) -> dict[str, Any]:
     layer = {"type": "conv2d", "out_channels": out, "kernel": k, "stride": stride, "bias": bias,
@@ -165,15 +171,15 @@ def _imagenet_resnet(blocks: tuple[int, ...], bottleneck: bool) -> Callable[...,
 def _mobilenet_v2(shape, k, o) -> Graph:
     """torchvision's MobileNet v2: inverted residual blocks, a 1280-channel last conv."""
     w = float(o.get("width", 1.0))
-    cin = _ch(32, w)
+    cin = _divisible(32 * w)
     layers: Graph = [_conv(cin, 3, "features.0.0", stride=2, bias=False), _bn("features.0.1"),
                      RELU6]
     index = 1
     for t, c, n, s in _MOBILENET_V2_STAGES:
-        cout = _ch(c, w)
+        cout = _divisible(c * w)
         for j in range(n):
             stride = s if j == 0 else 1
-            name, hidden = f"features.{index}.conv", cin * t
+            name, hidden = f"features.{index}.conv", int(round(cin * t))
             body: Graph = []
             if t != 1:
                 body += [_conv(hidden, 1, f"{name}.0.0", padding=0, bias=False),
@@ -187,7 +193,7 @@ def _mobilenet_v2(shape, k, o) -> Graph:
             else:
                 layers += body
             cin, index = cout, index + 1
-    last = _ch(1280, max(w, 1.0))
+    last = _divisible(1280 * max(w, 1.0))
     return layers + [_conv(last, 1, f"features.{index}.0", padding=0, bias=False),
                      _bn(f"features.{index}.1"), RELU6, GAP, *_dropout(o),
                      _dense(k, "classifier.1")]

@@ -5,7 +5,8 @@ Estimates, computed from the layer graph without allocating the model (docs/mode
 * FLOPs per sample, forward + backward: 3 x the forward's (the backward computes the input's
   and the weights' gradients, about two forwards), the forward being 2 x multiply-adds of
   convolutions, dense layers and pooling windows plus one operation per element elsewhere.
-* A phone's memory for one micro-batch (shards are computed one after another): the received
+* A phone's memory for one micro-batch, i.e. per shard it computes at a time (a phone computing
+  N shards side by side on N cores needs up to N times the activations): the received
   weights, their float32 copy for compute, the gradient and its upload (4 x 4 bytes per
   parameter), every layer's output kept for the backward and its gradient (2 x 4 bytes per
   activation per sample), and the agent's own runtime (numpy, buffers).
@@ -80,7 +81,8 @@ def model_plan(train: TrainSpec, input_shape: tuple[int, ...], num_classes: int)
         memory_bytes=memory,
         total_steps=train.total_steps,
         weights_bytes=4 * (n_params + n_bn),
-        gradient_bytes=4 * (n_params + n_bn),
+        # the gradient in the job's upload precision, the batch statistics in float32
+        gradient_bytes=(2 if train.upload_precision != "float32" else 4) * n_params + 4 * n_bn,
         layers=tuple(infos),
     )
 

@@ -18,9 +18,14 @@ PRECISIONS = ("float32", "bfloat16", "float16")
 
 def to_bfloat16_bits(x: np.ndarray) -> np.ndarray:
     """float32 -> the uint16 bit patterns of its bfloat16 rounding (nearest, ties to even)."""
-    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    u = x.view(np.uint32)
     bias = ((u >> 16) & np.uint32(1)) + np.uint32(0x7FFF)
-    return ((u + bias) >> 16).astype(np.uint16)
+    bits = ((u + bias) >> 16).astype(np.uint16)  # NaN patterns could wrap around to 0 here
+    nan = np.isnan(x)
+    if nan.any():
+        bits[nan] = ((u[nan] >> 16) | np.uint32(0x0040)).astype(np.uint16)  # a quiet NaN
+    return bits
 
 
 def from_bfloat16_bits(bits: np.ndarray) -> np.ndarray:

@@ -125,6 +125,8 @@ class TrainSpec:
             raise SpecError("epochs must be >= 1")
         if self.optimizer not in OPTIMIZER_TYPES:
             raise SpecError(f"optimizer.type must be one of {', '.join(OPTIMIZER_TYPES)}")
+        if not (self.eps > 0 and self.trust_coefficient > 0):
+            raise SpecError("optimizer.eps and optimizer.trust_coefficient must be > 0")
         if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
             raise SpecError("optimizer.beta1 and optimizer.beta2 must be in [0, 1)")
         if self.upload_precision not in UPLOAD_PRECISIONS:

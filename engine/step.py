@@ -151,10 +151,18 @@ def _check_results(model: Model, spec: TrainSpec, results: list[ShardResult]) ->
     return ordered
 
 
+# What evaluation may hold at once: a batch's biggest layer output and its input, in float32
+# (a 224x224 resnet50 takes ~8 images a batch, the digits cnn its full 512)
+EVAL_BYTES = 256 << 20
+
+
 def evaluate(model: Model, params: np.ndarray, buffers: np.ndarray, x: np.ndarray,
              y: np.ndarray, batch_size: int = 512) -> EvalMetrics:
-    """Mean loss and accuracy in evaluation mode (running BN statistics, no dropout)."""
+    """Mean loss and accuracy in evaluation mode (running BN statistics, no dropout); batches
+    sized so the biggest layer output stays under EVAL_BYTES (the sums do not depend on it)."""
     from engine.layers import softmax_cross_entropy
+
+    batch_size = max(1, min(batch_size, EVAL_BYTES // (8 * max(model.largest_activation, 1))))
 
     loss, correct = 0.0, 0
     for start in range(0, len(y), batch_size):

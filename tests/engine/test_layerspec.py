@@ -83,6 +83,11 @@ def test_a_built_in_architecture_is_the_same_model_when_written_as_layers():
     ([{"type": "residual", "layers": [{"type": "flatten"}, {"type": "conv2d",
                                                             "out_channels": 2}]}],
      r"model.layers\[0\].layers\[1\] \(conv2d\): needs feature maps"),
+    ([{"type": "conv2d", "out_channels": 4, "name": "c"}, {"type": "conv2d", "out_channels": 4,
+                                                           "name": "c"}],
+     r"model.layers\[1\] \(conv2d\): the name 'c' is taken by model.layers\[0\]"),
+    ([{"type": "relu", "name": "layers.1"}, {"type": "relu"}],
+     r"model.layers\[1\] \(relu\): the name 'layers.1' is taken by model.layers\[0\]"),
     ([], r"model.layers must be a non-empty list"),
     (["conv2d"], r"model.layers\[0\] must be an object with a 'type'"),
 ])

@@ -237,6 +237,9 @@ def test_lars_equals_the_layer_wise_rule_on_torch_sgd():
     plain = _ours("lars", model, params, grads, lrs, weight_decay=0.0, momentum=0.9,
                   trust_coefficient=0.02)
     np.testing.assert_allclose(s.view(again), s.view(plain), rtol=1e-5)
+    others = np.ones(model.n_params, bool)
+    others[s.offset : s.offset + s.size] = False
+    assert np.array_equal(again[others], plain[others])  # per tensor: nothing else moved
 
 
 @pytest.mark.parametrize("smoothing", [0.0, 0.1, 0.3])

@@ -31,6 +31,15 @@ def test_the_rounding_is_torchs_round_to_nearest_even(precision):
     assert np.array_equal(round_to(ours, precision), ours)  # idempotent: already representable
 
 
+def test_a_nan_stays_a_nan_in_bfloat16_and_the_wire_refuses_it():
+    nans = np.array([0xFFFFFFFF, 0xFFFF8000, 0x7FFFFFFF, 0x7FC00000], np.uint32).view(np.float32)
+    assert np.isnan(round_to(nans, "bfloat16")).all()
+    bad = [ShardResult(0, np.concatenate([np.ones(3, np.float32), nans[:1]]), 0.0, 0, 1,
+                       np.zeros(0, np.float32))]
+    with pytest.raises(ValueError, match="not finite in bfloat16"):
+        encode_results("j", 0, bad, dtype="bfloat16")
+
+
 def test_bfloat16_bits_round_trip_what_was_rounded():
     x = round_to(_values(), "bfloat16")
     assert np.array_equal(from_bfloat16_bits(to_bfloat16_bits(x)), x)
