@@ -50,6 +50,7 @@ def device_view(device: Device, job_id: str | None) -> DeviceView:
         temp_c=max(temps) if temps else None,
         archs=frozenset(caps["archs"]) if isinstance(caps.get("archs"), list) else None,
         backends=frozenset(caps["backends"]) if isinstance(caps.get("backends"), list) else None,
+        features=frozenset(str(f) for f in caps.get("features") or [] if isinstance(f, str)),
         cpu_cores=int(_num((device.spec or {}).get("cpu_cores")) or 4),
         ram_mb=_num((device.spec or {}).get("ram_mb")),
         speeds=MappingProxyType(speeds),

@@ -142,12 +142,16 @@ def encode_results_parts(job_id: str, step: int, results: list[ShardResult],
 
 
 def decode_results(data: bytes, expect_job: str | None = None, expect_step: int | None = None,
-                   n_params: int | None = None, n_stats: int | None = None) -> list[ShardResult]:
+                   n_params: int | None = None, n_stats: int | None = None,
+                   expect_dtype: str | None = None) -> list[ShardResult]:
     header, payload = _unpack(data, "results", expect_job, expect_step)
     p, s = _count(header, "n_params", n_params), _count(header, "n_stats", n_stats)
     dtype = header.get("dtype")
     if dtype not in _DTYPES:
         raise WireError(f"results dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}")
+    if expect_dtype is not None and dtype != expect_dtype:
+        raise WireError(f"results in {dtype}, but the job uploads in {expect_dtype} "
+                        f"(upload_precision): an agent too old for this job?")
     shards = _shard_entries(header)
     gsize = _DTYPES[dtype].itemsize * p
     per = gsize + 4 * s

@@ -38,6 +38,7 @@ from agent.runtime.work import WorkLoop
 log = logging.getLogger(__name__)
 ARCHS = ["logreg", "mlp", "cnn", "mobilenet_v1", "resnet", "resnet18", "resnet50",
          "mobilenet_v2"]
+FEATURES = ("augment", "label_smoothing", "upload_precision")
 
 
 class AgentStopped(Exception):
@@ -120,8 +121,10 @@ class AgentRuntime:
             from engine.models import CUSTOM
         except ImportError:  # engine unusable here: say what we were built for
             archs, CUSTOM = tuple(ARCHS), "custom"
-        # `custom`: this agent builds a job's own layer graph (an older one never says so)
-        return {"backends": self.backends, "archs": [*archs, CUSTOM]}
+        # `custom`: this agent builds a job's own layer graph (an older one never says so);
+        # `features`: what it computes beyond an arch (scheduler.policy.types.job_features)
+        return {"backends": self.backends, "archs": [*archs, CUSTOM],
+                "features": list(FEATURES)}
 
     def run(self, stop: threading.Event | None = None, shutdown_grace_s: float = 5.0) -> None:
         """Run until `stop` is set; raises AgentStopped if the control plane cut us off.

@@ -261,7 +261,8 @@ class StepProtocol:
         info = self.info(job)
         try:
             results = decode_results(body, expect_job=job_id, expect_step=step,
-                                     n_params=info.model.n_params, n_stats=info.model.n_stats)
+                                     n_params=info.model.n_params, n_stats=info.model.n_stats,
+                                     expect_dtype=info.spec.upload_precision)
         except WireError as exc:
             raise BadUpload(str(exc)) from None
         foreign = sorted({r.shard for r in results} - held)

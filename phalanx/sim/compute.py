@@ -93,7 +93,7 @@ async def one_step(phone: LightPhone, a: Assignment) -> bool:
     phone.profiles[built.spec.arch] = {"samples_per_s": round(samples / (compute_s * phone.model.slowdown
                                                                     + 1e-9), 1),
                                  "threads": 1, "backend": "numpy"}
-    body = encode_results(job, step, results)
+    body = encode_results(job, step, results, dtype=built.spec.upload_precision)
     headers = {"Authorization": f"Bearer {phone.token}",
                "Content-Type": "application/octet-stream"}
     up = await phone.call("gradients", "POST", f"/v1/jobs/{job}/steps/{step}/gradients",

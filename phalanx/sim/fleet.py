@@ -183,7 +183,8 @@ class LightPhone:
         self.model.advance(self.interval_s, self.load)
         body: dict[str, Any] = {"telemetry": [self.sample()], "agent_version": "sim"}
         if self.fleet.opts.compute:
-            body["capabilities"] = {"backends": ["numpy"], "archs": ["logreg", "mlp", "cnn"]}
+            body["capabilities"] = {"backends": ["numpy"], "archs": ["logreg", "mlp", "cnn"],
+                                    "features": ["augment", "label_smoothing", "upload_precision"]}
             if self.profiles:
                 body["profiles"] = self.profiles
         headers = {"Authorization": f"Bearer {self.token}"}

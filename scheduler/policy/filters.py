@@ -76,6 +76,10 @@ def capability(device: DeviceView, req: PlacementRequest) -> FilterStatus:
         return FilterStatus(UNRESOLVABLE, f"agent lacks arch {req.arch}")
     if req.backend != "any" and device.backends is not None and req.backend not in device.backends:
         return FilterStatus(UNRESOLVABLE, f"agent lacks backend {req.backend}")
+    missing = req.features - device.features
+    if missing:
+        return FilterStatus(UNRESOLVABLE, f"agent lacks {', '.join(sorted(missing))} "
+                            "(upgrade it)")
     return OK
 
 

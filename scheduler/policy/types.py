@@ -25,11 +25,24 @@ class DeviceView:
     temp_c: float | None = None  # the hottest of cpu/battery temperature, as last reported
     archs: frozenset[str] | None = None  # None: the agent did not say (assume it can)
     backends: frozenset[str] | None = None
+    # what the agent computes beyond an arch (augment, label_smoothing, upload_precision);
+    # empty: an agent from before features were named, which computes none of them
+    features: frozenset[str] = frozenset()
     cpu_cores: int = 4
     ram_mb: float | None = None  # the phone's memory, as its agent reported at enrollment
     # measured samples/s per arch, from the agent's profiles
     speeds: Mapping[str, float] = field(default_factory=lambda: EMPTY)
     job_id: str | None = None  # the job this device already holds shards of
+
+
+def job_features(spec: Mapping[str, Any]) -> frozenset[str]:
+    """What a job asks of a phone's agent beyond computing its arch: an agent that does not say
+    it computes these would compute another function (and break invariant 1)."""
+    augment = spec.get("augment") or {}
+    wanted = {"augment": bool(augment.get("crop_padding") or augment.get("horizontal_flip")),
+              "label_smoothing": bool(spec.get("label_smoothing")),
+              "upload_precision": spec.get("upload_precision", "float32") != "float32"}
+    return frozenset(name for name, needed in wanted.items() if needed)
 
 
 class JobLike(Protocol):
@@ -52,6 +65,7 @@ class PlacementRequest:
     backend: str = "any"
     priority: int = 0
     memory_mb: float | None = None  # a phone's need for one micro-batch (engine.plan)
+    features: frozenset[str] = frozenset()  # what its phones must compute (job_features)
 
     @classmethod
     def for_job(cls, job: JobLike) -> PlacementRequest:
@@ -76,6 +90,7 @@ class PlacementRequest:
             backend=str(placement.get("backend", "any")),
             priority=int(spec.get("priority", priority)),
             memory_mb=memory_mb,
+            features=job_features(spec),
         )
 
     @property

@@ -10,6 +10,7 @@ from typing import Any
 from fastapi.testclient import TestClient
 from sqlalchemy import select
 
+from agent.runtime.agent import FEATURES
 from api.settings import Settings
 from api.steps.protocol import store_results
 from api.store.db import make_engine, make_session_factory, transaction
@@ -67,7 +68,9 @@ def make_ctx(db_url: str, tmp_path: Path, clock: Clock | None = None,
 
 
 def add_devices(ctx: SchedulerContext, n: int, prefix: str = "dev", **fields: Any) -> list[str]:
+    """Ready devices whose agents compute every feature this agent does (unless `fields` say)."""
     ids = [f"{prefix}-{i:02d}" for i in range(n)]
+    fields.setdefault("capabilities", {"features": list(FEATURES)})
     with transaction(ctx.session_factory) as s:
         for device_id in ids:
             s.add(Device(id=device_id, name=device_id, state="Ready",

@@ -78,6 +78,28 @@ def test_a_job_no_phone_could_hold_says_so_with_the_largest_phone() -> None:
     assert fits_no_phone(fleet, PlacementRequest(job_id="j", arch="cnn", shards=8)) is None
 
 
+def test_a_job_needing_what_an_old_agent_does_not_compute_is_kept_off_it() -> None:
+    from scheduler.policy.types import job_features
+
+    spec = {"augment": {"horizontal_flip": True}, "upload_precision": "bfloat16"}
+    assert job_features(spec) == {"augment", "upload_precision"}
+    assert job_features({"augment": {"crop_padding": 0}, "label_smoothing": 0.0}) == set()
+    req = PlacementRequest(job_id="j", arch="cnn", shards=4, features=job_features(spec))
+    old = DeviceView(id="old")  # says nothing of features: computes none of them
+    status = run_filters(old, req)
+    assert status.code == UNRESOLVABLE
+    assert status.reason == "agent lacks augment, upload_precision (upgrade it)"
+    new = DeviceView(id="new", features=frozenset({"augment", "label_smoothing",
+                                                   "upload_precision"}))
+    assert run_filters(new, req).ok
+    # what the current agent says it computes covers everything a job can ask
+    from agent.runtime.agent import FEATURES
+
+    everything = {"augment": {"crop_padding": 4}, "label_smoothing": 0.1,
+                  "upload_precision": "float16"}
+    assert job_features(everything) == set(FEATURES)
+
+
 @pytest.mark.parametrize("case", KEEP_CASES)
 def test_keep_filters(case: str) -> None:
     device, keeps = KEEP_CASES[case]
