@@ -83,8 +83,9 @@ class AgentRuntime:
                              wait_s=work_wait_s if work_wait_s is not None else cfg.work_wait_s)
 
     def _ship_logs(self) -> None:
-        """The recent lines (logring.RING), asked for by the control plane."""
-        self.client.ship_logs(self.config.device_id, logring.RING.snapshot())
+        """The recent lines (logring.RING), asked for by the control plane: the newest that fit
+        one request (the server takes 1 MiB; escaped non-ASCII text can triple a line)."""
+        self.client.ship_logs(self.config.device_id, logring.fitting(logring.RING.snapshot()))
 
     def _rotate_token(self) -> None:
         """A new device token, saved (atomically, 0600) before it is used: after a crash in

@@ -43,25 +43,36 @@ class ExecutionManager:
         if not configs:
             raise RuntimeError(f"this agent cannot run the job's backend {backend!r}")
         self.close()
-        workers: dict[ExecConfig, ComputeWorker] = {}
+        kept: dict[ExecConfig, ComputeWorker] = {}  # only the fastest so far stays alive
+        speeds: dict[ExecConfig, float] = {}
 
         def measure(cfg: ExecConfig) -> float:
             worker = ComputeWorker(cfg)
-            workers[cfg] = worker
-            reply = worker.request({**bench_req, "op": "bench", "repeats": self.bench_repeats})
-            return reply["samples"] / max(reply["seconds"], 1e-9)
+            try:
+                reply = worker.request({**bench_req, "op": "bench",
+                                        "repeats": self.bench_repeats})
+            except BaseException:
+                worker.close()
+                raise
+            speeds[cfg] = reply["samples"] / max(reply["seconds"], 1e-9)
+            best_so_far = max(speeds, key=speeds.__getitem__)
+            kept[cfg] = worker
+            for other in [c for c in kept if c != best_so_far]:
+                kept.pop(other).close()  # its helpers too: a phone holds one set of workers
+            return speeds[cfg]
 
         try:
             self.results = choice.profile(configs, measure, self.read_power)
             best = choice.choose(self.results, self.power_limit_w)
         except BaseException:
-            for worker in workers.values():
+            for worker in kept.values():
                 worker.close()
             raise
-        for cfg, worker in workers.items():
-            if cfg != best.config:
+        if best.config not in kept:  # chosen for power, not speed: started again
+            for worker in kept.values():
                 worker.close()
-        self.worker = workers[best.config]
+            kept = {best.config: ComputeWorker(best.config)}
+        self.worker = kept[best.config]
         self.chosen, self.model_key, self._profiled_at = best, model_key, self.clock()
         log.info("execution choice for %s: %s at %.1f samples/s (of %d tried)", model_key,
                  best.config.describe(), best.samples_per_s, len(self.results))

@@ -4,6 +4,7 @@ ships the ring. Nothing is written to the phone's storage for it."""
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 from collections import deque
@@ -37,6 +38,18 @@ class LogRing(logging.Handler):
 
 
 RING = LogRing()
+MAX_SHIPPED_BYTES = 900_000  # of the JSON body: under the control plane's 1 MiB limit
+
+
+def fitting(lines: list[dict[str, Any]], max_bytes: int = MAX_SHIPPED_BYTES
+            ) -> list[dict[str, Any]]:
+    """The newest of `lines` whose JSON body stays under max_bytes (the oldest go first)."""
+    sizes = [len(json.dumps(line)) + 2 for line in lines]
+    total, start = sum(sizes) + 16, 0
+    while total > max_bytes and start < len(lines):
+        total -= sizes[start]
+        start += 1
+    return lines[start:]
 
 
 def install(logger: logging.Logger | None = None) -> LogRing:

@@ -129,9 +129,24 @@ class Engine:
             by_place.update(zip(range(i, len(ordered), self.side_by_side), results))
         return [by_place[i] for i in range(len(ordered))]
 
+    @property
+    def helpers(self) -> list[Any]:
+        return list(self._helpers)
+
+    def _replace_helper(self, dead: Any) -> Any:
+        from agent.runtime.executor import ComputeWorker, ExecConfig
+
+        dead.close()
+        fresh = ComputeWorker(ExecConfig(self.backend, 1))
+        self._helpers[self._helpers.index(dead)] = fresh
+        return fresh
+
     def _started_helpers(self) -> list[Any]:
         from agent.runtime.executor import ComputeWorker, ExecConfig
 
+        for dead in [h for h in self._helpers if not h.alive()]:  # killed (low memory): replaced
+            dead.close()
+            self._helpers.remove(dead)
         while len(self._helpers) < self.side_by_side - 1:
             # no cores given: a helper inherits this worker's CPU affinity
             self._helpers.append(ComputeWorker(ExecConfig(self.backend, 1)))
@@ -145,10 +160,17 @@ class Engine:
 
         out = Path(req.get("out_path") or req["weights_path"]).with_name(
             f".helper-{os.getpid()}-{index}.bin")
+        from agent.runtime.executor import WorkerError
+
         shards = {str(k): path for k, path in group}  # a group never names a shard twice
+        ask = {**req, "op": "step", "shards": shards, "out_path": str(out), "dtype": "float32",
+               "scratch": True}
         try:
-            helper.request({**req, "op": "step", "shards": shards, "out_path": str(out),
-                            "dtype": "float32", "scratch": True})
+            try:
+                helper.request(ask)
+            except WorkerError:  # it died (the low-memory killer): once more, in a new one
+                helper = self._replace_helper(helper)
+                helper.request(ask)
             results = decode_results(out.read_bytes())
         finally:
             out.unlink(missing_ok=True)
@@ -193,7 +215,8 @@ def handle(engine: Engine, req: dict[str, Any]) -> dict[str, Any]:
     else:
         atomic_write(Path(req["out_path"]), parts)
     return {"ok": True, "samples": int(sum(int(r.count) for r in results)),
-            "seconds": compute_s + slept, "compute_s": compute_s}
+            "seconds": compute_s + slept, "compute_s": compute_s,
+            "helper_pids": [h.pid for h in engine.helpers]}
 
 
 def main() -> int:

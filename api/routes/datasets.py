@@ -6,7 +6,7 @@ from fastapi import APIRouter, File, Form, Query, Request, UploadFile
 from starlette.concurrency import run_in_threadpool
 
 from api.deps import SessionDep, SettingsDep, UserDep
-from api.errors import PayloadTooLarge
+from api.errors import Conflict, Invalid, PayloadTooLarge
 from api.schemas.common import Page, errors
 from api.schemas.jobs import DatasetRead, UploadOpen, UploadRead
 from api.store import datasets, uploads
@@ -83,8 +83,13 @@ async def upload_chunk(upload_id: str, request: Request, principal: UserDep,
     """Append one chunk (raw bytes, at most `chunk_max_bytes`); 409 with the offset to resume
     from when `offset` is not where the upload stands."""
     upload, _ = uploads.find(settings.data_dir, upload_id, principal)
-    chunk = await request.body()
-    at = await run_in_threadpool(uploads.append, settings.data_dir, upload, offset, chunk)
+    received = bytearray()
+    async for part in request.stream():  # never more than one chunk's worth in memory
+        received += part
+        if len(received) > uploads.CHUNK_MAX_BYTES:
+            raise PayloadTooLarge(f"a chunk is at most {uploads.CHUNK_MAX_BYTES} bytes")
+    at = await run_in_threadpool(uploads.append, settings.data_dir, upload, offset,
+                                 bytes(received))
     return upload.answer(at)
 
 
@@ -94,8 +99,12 @@ def complete_upload(upload_id: str, principal: UserDep, session: SessionDep,
                     settings: SettingsDep):
     """Every byte is there and matches the SHA-256: validate the .npz and store the dataset."""
     upload, _ = uploads.find(settings.data_dir, upload_id, principal)
-    data = uploads.assembled(settings.data_dir, upload)
-    dataset = datasets.validate_upload(data, settings.max_upload_bytes)
-    stored = _store(session, upload.name, data, dataset, settings)
+    data = uploads.assembled(settings.data_dir, upload)  # 409 while bytes are missing
+    try:
+        dataset = datasets.validate_upload(data, settings.max_upload_bytes)
+        stored = _store(session, upload.name, data, dataset, settings)
+    except (Invalid, Conflict):  # refused for good (a bad file, a taken name): the parts go
+        uploads.close(settings.data_dir, upload_id)
+        raise
     uploads.close(settings.data_dir, upload_id)
     return stored

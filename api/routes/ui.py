@@ -26,6 +26,7 @@ COOKIE = "phalanx_ui_token"
 COOKIE_MAX_AGE_S = 12 * 3600
 REFRESH_S = 5
 SHOWN = 500  # devices and jobs per page
+CURVE_POINTS = 2000  # a job page's curves: every k-th step past this many
 
 
 def _person(auth: Authenticator, token: str | None) -> Principal | None:
@@ -72,12 +73,16 @@ def job_page(job_id: str, request: Request, session: SessionDep) -> Response:
     held = jobs.holdings_of(session, [job_id])[job_id]
     job_dict = JobRead.model_validate(job).model_copy(update={
         "devices": held.devices, "shards": held.shards}).model_dump(mode="json")
-    curve = _dump(StepMetricRead, jobs.step_metrics(session, job_id, principal, since_step=0,
-                                                     limit=100_000))
-    job_events = _dump(EventRead, events.list_events(session, job_id=job_id, limit=10_000,
+    rows = list(jobs.step_metrics(session, job_id, principal, since_step=0, limit=100_000))
+    every = max(1, len(rows) // CURVE_POINTS)  # a page that reloads every 5 s stays light
+    curve = _dump(StepMetricRead, rows[::every] + ([rows[-1]] if len(rows) % every != 1
+                                                   and every > 1 else []))
+    job_events = _dump(EventRead, events.list_events(session, job_id=job_id, limit=5_000,
                                                       offset=0))
-    names = {d.id: d.name for d in devices.list_devices(session, states=[], selector=[],
-                                                        limit=10_000, offset=0)}
+    seen = set(held.devices) | {e["device_id"] for e in job_events if e.get("device_id")}
+    for e in job_events:
+        seen |= set((e.get("data") or {}).get("counts") or {})
+    names = devices.names_of(session, seen)
     live = None if job.state in FINISHED_STATES else REFRESH_S
     return HTMLResponse(report.render(job_dict, curve, job_events, names, live))
 
@@ -88,8 +93,11 @@ def log_in(request: Request, token: str = Form("")) -> Response:
         return HTMLResponse(fleet.login("That is not a valid user or admin token."),
                             status_code=401)
     answer = RedirectResponse("/ui", status_code=303)
+    # Secure whenever the browser talks https, to us or to the TLS proxy in front of us
+    https = request.url.scheme == "https" or \
+        request.headers.get("x-forwarded-proto", "").split(",")[0].strip() == "https"
     answer.set_cookie(COOKIE, token.strip(), max_age=COOKIE_MAX_AGE_S, path="/ui", httponly=True,
-                      samesite="strict", secure=request.url.scheme == "https")
+                      samesite="strict", secure=https)
     return answer
 
 

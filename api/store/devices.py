@@ -144,3 +144,11 @@ def read_logs(session: Session, device_id: str) -> dict[str, Any]:
     row = session.get(DeviceLog, device_id)
     return {"device_id": device_id, "requested_at": device.logs_requested_at,
             "shipped_at": row.shipped_at if row else None, "lines": row.lines if row else []}
+
+
+def names_of(session: Session, device_ids: set[str]) -> dict[str, str]:
+    """device id -> name, for these ids only."""
+    if not device_ids:
+        return {}
+    rows = session.execute(select(Device.id, Device.name).where(Device.id.in_(sorted(device_ids))))
+    return {device_id: name for device_id, name in rows}

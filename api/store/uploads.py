@@ -26,6 +26,7 @@ from api.store.tokens import Principal
 
 CHUNK_MAX_BYTES = 8 * 1024 * 1024
 UPLOAD_TTL_S = 24 * 3600
+OPEN_PER_OWNER = 4  # uploads one token may have open at once (each may hold the upload limit)
 _ID = re.compile(r"^upl-[0-9a-f]{32}\Z")
 _SHA256 = re.compile(r"^[0-9a-f]{64}\Z")
 
@@ -62,8 +63,11 @@ def open_upload(data_dir: Path, name: str, size: int, sha256: str, principal: Pr
     if not _SHA256.match(sha256):
         raise Invalid("sha256", "the file's SHA-256 as 64 lowercase hex digits")
     drop_stale(data_dir, time.time())
-    upload = Upload(f"upl-{uuid.uuid4().hex}", name, size, sha256,
-                    principal.token_id or "admin", time.time())
+    owner = principal.token_id or "admin"
+    if sum(1 for u in _all(data_dir) if u.owner == owner) >= OPEN_PER_OWNER:
+        raise Conflict(f"{OPEN_PER_OWNER} uploads are open for this token already: complete "
+                       f"one (or leave it {UPLOAD_TTL_S // 3600} h and it is dropped)")
+    upload = Upload(f"upl-{uuid.uuid4().hex}", name, size, sha256, owner, time.time())
     meta, part = _paths(data_dir, upload.id)
     part.touch()
     meta.write_text(json.dumps(asdict(upload)))
@@ -109,9 +113,20 @@ def assembled(data_dir: Path, upload: Upload) -> bytes:
     if len(data) != upload.size:
         raise Conflict(f"the upload holds {len(data)} of {upload.size} bytes: send the rest first")
     if hashlib.sha256(data).hexdigest() != upload.sha256:
+        close(data_dir, upload.id)  # cannot be mended by sending more: start again
         raise Invalid("sha256", "the bytes received do not have the SHA-256 announced: "
                       "open a new upload")
     return data
+
+
+def _all(data_dir: Path) -> list[Upload]:
+    out = []
+    for meta in _folder(data_dir).glob("upl-*.json"):
+        try:
+            out.append(Upload(**json.loads(meta.read_text())))
+        except (OSError, ValueError, TypeError):
+            continue
+    return out
 
 
 def close(data_dir: Path, upload_id: str) -> None:

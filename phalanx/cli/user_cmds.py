@@ -259,21 +259,20 @@ def devices_logs(
 ) -> None:
     """The agent's recent log lines (its last 500), fetched from the phone through the control
     plane: the agent ships them after its next heartbeat (admin)."""
-    last = 0
+    last = (float("-inf"), 0)  # (time, number) of the newest line printed
     with connect(server, token) as client:
         while True:
             got = client.device_logs(device_id, timeout_s=timeout)
             lines = got.get("lines") or []
-            if lines and lines[-1]["seq"] < last:
-                last = 0  # the agent restarted: its count began again
-            new = [line for line in lines if line["seq"] > last]
+            # by time first: an agent that restarted counts its lines from 1 again
+            new = [line for line in lines if (line["ts"], line["seq"]) > last]
             if output is not Output.table:
                 emit(new, output, describe)
             for line in new if output is Output.table else []:
                 when = dt.datetime.fromtimestamp(line["ts"], dt.timezone.utc)
                 out.print(f"{when:%Y-%m-%d %H:%M:%S} {line['level']:<7} {line['message']}",
                           highlight=False, markup=False, soft_wrap=True)
-            last = lines[-1]["seq"] if lines else last
+            last = max([last, *((line["ts"], line["seq"]) for line in new)])
             if not follow:
                 return
             time.sleep(interval)

@@ -46,3 +46,16 @@ def test_the_shards_a_step_needs_stay_even_past_the_bound(tmp_path: Path) -> Non
         cache.shard("job-b", k, lambda: _npz(10))
     assert cache.evict("job-b", keep={0, 1, 2}) == []
     assert len(list(cache.job_dir("job-b").glob("shard-*"))) == 3
+
+
+def test_shipped_log_lines_fit_one_request_newest_first_kept() -> None:
+    import json
+
+    from agent.runtime.logring import fitting
+
+    lines = [{"seq": i, "ts": float(i), "level": "INFO", "message": "température ✓ " * 60}
+             for i in range(500)]
+    kept = fitting(lines, max_bytes=200_000)
+    assert kept and kept[-1]["seq"] == 499 and kept == lines[-len(kept):]
+    assert len(json.dumps({"lines": kept})) <= 200_000
+    assert len(json.dumps({"lines": lines})) > 200_000

@@ -174,3 +174,25 @@ def test_a_numpy_shard_has_the_same_bits_whatever_thread_count_the_phone_chose(
         ref = compute_shard(job.model, job.state.params, job.state.buffers, xb, yb,
                             job.spec, 0, 3, "numpy")
     assert ref.grad_sum.tobytes() == grads[0]
+
+
+def test_a_helper_killed_between_steps_is_replaced_and_leaves_no_scratch_files(
+        tmp_path: Path) -> None:
+    import os
+    import signal
+
+    job = step_zero(CNN)
+    req = {**make_request(job, tmp_path, 3), "op": "step"}
+    for k in (4, 5):
+        req["shards"][str(k)] = make_request(job, tmp_path, k)["shards"][str(k)]
+    worker = ComputeWorker(ExecConfig("numpy", 2))
+    try:
+        first = worker.request({**req, "out_path": str(tmp_path / "a.bin")})
+        (helper,) = first["helper_pids"]
+        os.kill(helper, signal.SIGKILL)  # Android's low-memory killer
+        second = worker.request({**req, "out_path": str(tmp_path / "b.bin")})
+    finally:
+        worker.close()
+    assert second["helper_pids"] and second["helper_pids"] != [helper]
+    assert (tmp_path / "a.bin").read_bytes() == (tmp_path / "b.bin").read_bytes()
+    assert not list(tmp_path.glob(".helper-*"))

@@ -169,3 +169,16 @@ def test_an_upload_is_its_openers_and_checked_before_it_lands(api):
     huge = api.post("/v1/datasets/uploads", token=alice,
                     json={"name": "h", "size": 10**12, "sha256": "0" * 64})
     assert huge.status_code == 413
+
+
+def test_an_upload_refused_for_good_is_dropped_and_a_token_opens_only_a_few_at_once(api):
+    bob = api.user_token("bob")
+    bad = b"not an npz at all"
+    up = _open(api, "broken", bad, bob).json()
+    assert _chunk(api, up["id"], 0, bad, bob).status_code == 200
+    refused = api.post(f"/v1/datasets/uploads/{up['id']}/complete", token=bob)
+    assert refused.status_code == 422 and "not an .npz" in refused.text
+    assert not list((api.settings.data_dir / "uploads").glob(f"{up['id']}*"))  # gone
+    opened = [_open(api, f"d{i}", bad, bob) for i in range(5)]
+    assert [o.status_code for o in opened] == [201, 201, 201, 201, 409]
+    assert "4 uploads are open" in opened[-1].text

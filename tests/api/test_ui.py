@@ -46,3 +46,12 @@ def test_a_user_logs_in_sees_the_fleet_and_their_own_jobs_live(api):
     assert api.client.get(f"/ui/jobs/{theirs['id']}").status_code == 404
     api.client.get("/ui/logout")
     assert 'name="token"' in api.client.get("/ui").text
+
+
+def test_behind_a_tls_proxy_the_login_cookie_is_secure(api):
+    token = api.user_token("carol")
+    plain = api.client.post("/ui/login", data={"token": token}, follow_redirects=False)
+    assert "Secure" not in plain.headers["set-cookie"]  # plain http: a browser would drop it
+    proxied = api.client.post("/ui/login", data={"token": token}, follow_redirects=False,
+                              headers={"X-Forwarded-Proto": "https"})
+    assert "Secure" in proxied.headers["set-cookie"]
