@@ -136,12 +136,21 @@ def test_the_job_gauges_tell_the_truth(observed: Observed) -> None:
     assert one('max(phalanx_jobs{state="Succeeded"})') == 1
 
 
+# the one series that names a phone, for the overheating alert: bounded to one per sensor
+NAMED = "phalanx_hottest_device_temperature_celsius"
+
+
 def test_fleet_series_carry_no_device_id(observed: Observed) -> None:
     series = observed.prom.api("series", **{"match[]": '{__name__=~"phalanx_.+"}'})
     assert series
     for labels in series:
-        assert not set(labels) & {"device_id", "device"}, labels
         assert not any(d in labels.values() for d in observed.devices), labels
+        if labels["__name__"] == NAMED:
+            assert set(labels) == {"__name__", "sensor", "device", "instance", "job"}, labels
+            continue
+        assert not set(labels) & {"device_id", "device"}, labels
+    now = observed.prom.query(f"count by (sensor, instance) ({NAMED})")
+    assert now and all(float(r["value"][1]) == 1 for r in now), now
 
 
 def test_every_alert_rule_evaluates_on_the_live_series(observed: Observed) -> None:

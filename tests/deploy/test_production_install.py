@@ -87,7 +87,7 @@ CHECK_SCRIPT = textwrap.dedent("""
     where = phalanx.__file__
     failed = {}
     count = 0
-    for top in ("api", "scheduler", "hotstate", "agent", "engine", "wire", "phalanx"):
+    for top in ("api", "scheduler", "hotstate", "agent", "engine", "wire", "phalanx", "pictures"):
         package = importlib.import_module(top)
         for module in pkgutil.walk_packages(package.__path__, top + "."):
             if module.name.endswith("__main__"):
