@@ -25,6 +25,7 @@ from phalanx.train_local import run_reference
 from scheduler.tasks import steps
 from scheduler.tasks.reconcile import run_reconcile, run_reconcile_job
 from scheduler.tasks.steps import run_apply_step
+from tests.engine.test_layerspec import EVERY_LAYER
 from tests.scheduler.helpers import (
     Clock,
     add_devices,
@@ -165,25 +166,9 @@ def test_an_applier_that_loses_the_commit_is_never_read_whatever_it_wrote(ctx, m
     assert ctx.blobs.keys(f"job:{job_id}:state:1:") == [state_key(ctx, job_id, 1)]
 
 
-# a user's own graph with every kind of layer the format has (1x4x4 inputs, 3 classes)
-OWN_GRAPH = [
-    {"type": "conv2d", "out_channels": 4, "kernel": 3},
-    {"type": "batchnorm"}, {"type": "relu6"},
-    {"type": "residual", "layers": [
-        {"type": "depthwise_conv2d", "stride": 2}, {"type": "batchnorm"}, {"type": "relu"},
-        {"type": "conv2d", "out_channels": 6, "kernel": 1, "bias": False}],
-     "shortcut": [{"type": "conv2d", "out_channels": 6, "kernel": 1, "stride": 2}]},
-    {"type": "maxpool", "kernel": 2, "stride": 1, "padding": 1},
-    {"type": "avgpool", "kernel": 2},
-    {"type": "dropout", "rate": 0.25},
-    {"type": "global_avgpool"}, {"type": "flatten"},
-    {"type": "dense", "units": 5}, {"type": "relu"}, {"type": "dense", "units": 3},
-]
-
-
 @pytest.mark.parametrize("change", [
     {},
-    {"model": {"layers": OWN_GRAPH}},
+    {"model": {"layers": EVERY_LAYER}},  # a user's own graph, every kind of layer in it
     {"optimizer": {"type": "adamw", "lr": 0.01, "weight_decay": 0.05}},
     {"optimizer": {"type": "lars", "lr": 2.0, "trust_coefficient": 0.02, "nesterov": True},
      "label_smoothing": 0.1, "augment": {"crop_padding": 1, "horizontal_flip": True}},
