@@ -71,6 +71,7 @@ class AgentConfig:
     backends: list[str] | None = None  # restrict execution choice; None: all installed
     power_limit_w: float | None = None  # prefer samples/J among configs under this draw
     shared_mode: bool = False  # this phone has a user: pause while busy even if the job says not
+    busy_quiet_s: float = 30.0  # shared mode: train again only this long after the user left
     termux_timeout_s: float = 5.0
     request_timeout_s: float = 30.0
     work_wait_s: float = 30.0  # long poll for work (the server holds it at most 30 s)

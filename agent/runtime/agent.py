@@ -28,7 +28,7 @@ from agent.runtime.buffer import TelemetryBuffer
 from agent.runtime.cache import WorkCache
 from agent.runtime.execution import ExecutionManager
 from agent.runtime.executor import ExecConfig
-from agent.runtime.guard import Limits
+from agent.runtime.guard import Limits, PhoneGuard
 from agent.runtime.heartbeat import HeartbeatLoop
 from agent.runtime.ledger import UploadLedger
 from agent.runtime.monitor import Monitor
@@ -60,7 +60,8 @@ class AgentRuntime:
         self.execution: ExecutionManager | None = None
         self.probes = probes or Probes(termux_timeout_s=cfg.termux_timeout_s,
                                        own_cpu=self._own_cpu)
-        self.monitor = Monitor(self.probes.read, limits=Limits(shared_mode=cfg.shared_mode))
+        self.monitor = Monitor(self.probes.read, PhoneGuard(busy_quiet_s=cfg.busy_quiet_s),
+                               limits=Limits(shared_mode=cfg.shared_mode))
         self.client = Client(cfg.server, cfg.device_token, timeout_s=cfg.request_timeout_s,
                              socket_buffer_bytes=cfg.socket_buffer_bytes,
                              ca_file=cfg.ca_file or None)

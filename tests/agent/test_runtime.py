@@ -111,7 +111,8 @@ def test_a_discharging_phone_below_min_battery_pauses(
 def test_shared_mode_pauses_while_the_screen_is_on(
         server: LiveServer, tmp_path: Path, cool_phone: Path) -> None:
     phone.write(cool_phone, "/sys/class/backlight/panel0-backlight/brightness", "128")
-    with running(enroll(server, tmp_path, cool_phone, shared_mode=True)) as p:
+    # a 3 s quiet period after the user leaves (30 s by default): the same path, sooner
+    with running(enroll(server, tmp_path, cool_phone, shared_mode=True, busy_quiet_s=3.0)) as p:
         job_id = submit(server, p.job_spec())
         p.wait("a busy pause", lambda: p.device()["pause_reason"] == "busy")
         assert any("screen on" in m for m in paused_events(p)), p.events()
