@@ -206,7 +206,7 @@ def _check_input(kind: str, shape: tuple[int, ...], o: dict[str, Any], where: st
         raise LayerError(f"{where}: needs a flat input, got shape {shape}: put a flatten or "
                          f"global_avgpool before it")
     if kind in ("conv2d", "depthwise_conv2d", "maxpool", "avgpool"):
-        k, pad = o["kernel"], _padding(kind, o)
+        k, pad = o["kernel"], _padding(o)
         h, w = shape[1] + 2 * pad, shape[2] + 2 * pad
         if k > min(h, w):
             raise LayerError(f"{where}: a {k}x{k} window does not fit the {shape[1]}x{shape[2]} "
@@ -215,7 +215,7 @@ def _check_input(kind: str, shape: tuple[int, ...], o: dict[str, Any], where: st
             raise LayerError(f"{where}: padding {pad} must be at most half the kernel ({k})")
 
 
-def _padding(kind: str, o: dict[str, Any]) -> int:
+def _padding(o: dict[str, Any]) -> int:
     """conv: 'same'-style k // 2 unless given; pools: 0 unless given."""
     return o["kernel"] // 2 if o.get("padding", 0) < 0 else o["padding"]
 
@@ -235,9 +235,9 @@ def _macs(kind: str, shape: tuple[int, ...], out: tuple[int, ...], o: dict[str, 
 _Maker = Callable[[dict[str, Any], str, bool], Layer]
 _MAKERS: dict[str, _Maker] = {
     "conv2d": lambda o, n, last: Conv2d(o["out_channels"], o["kernel"], n, stride=o["stride"],
-                                        pad=_padding("conv2d", o), bias=o["bias"]),
+                                        pad=_padding(o), bias=o["bias"]),
     "depthwise_conv2d": lambda o, n, last: DepthwiseConv2d(
-        o["kernel"], n, stride=o["stride"], pad=_padding("depthwise_conv2d", o)),
+        o["kernel"], n, stride=o["stride"], pad=_padding(o)),
     # the classifier (the graph's last layer) starts Glorot-uniform, hidden layers He-normal
     "dense": lambda o, n, last: Dense(o["units"], n,
                                       init=o["init"] or ("glorot" if last else "he")),

@@ -33,6 +33,7 @@ from typing import Any
 
 from agent.config import atomic_write  # stdlib only: safe to import before pinning
 from agent.runtime import slowdown
+from agent.runtime.executor import ComputeWorker, ExecConfig, WorkerError  # stdlib only too
 from agent.runtime.workerenv import BACKEND_ENV, CORES_ENV, THREADS_ENV
 
 
@@ -66,7 +67,7 @@ class Engine:
     def __init__(self, backend: str, side_by_side: int = 1) -> None:
         self.backend = backend
         self.side_by_side = max(1, side_by_side)  # shards computed at once (numpy only)
-        self._helpers: list[Any] = []  # executor.ComputeWorker, started on first use
+        self._helpers: list[ComputeWorker] = []  # started on first use
         self._pool = ThreadPoolExecutor(self.side_by_side - 1, thread_name_prefix="helper") \
             if self.side_by_side > 1 else None
         self._model_key: str | None = None
@@ -116,61 +117,42 @@ class Engine:
     def compute_all(self, req: dict[str, Any], ordered: list[tuple[int, str]]) -> list[Any]:
         """Each (shard, data path)'s result, in the given order; up to `side_by_side` at once:
         every side_by_side-th pair here, the others in the helpers."""
-        groups = [ordered[i :: self.side_by_side] for i in range(self.side_by_side)]
+        n = self.side_by_side
         if self._pool is None or len(ordered) < 2:
             return [self.compute(req, k, p) for k, p in ordered]
-        helpers = self._started_helpers()
-        asked = [self._pool.submit(self._in_helper, helper, req, group, i)
-                 for i, (helper, group) in enumerate(zip(helpers, groups[1:]), start=1) if group]
-        mine = [self.compute(req, k, p) for k, p in groups[0]]
-        theirs = [f.result() for f in asked]
-        by_place = dict(zip(range(0, len(ordered), self.side_by_side), mine))
-        for i, results in enumerate(theirs, start=1):
-            by_place.update(zip(range(i, len(ordered), self.side_by_side), results))
-        return [by_place[i] for i in range(len(ordered))]
+        while len(self._helpers) < n - 1:  # a helper inherits this worker's CPU affinity
+            self._helpers.append(ComputeWorker(ExecConfig(self.backend, 1)))
+        asked = [(i, self._pool.submit(self._in_helper, i, req, ordered[i::n]))
+                 for i in range(1, min(n, len(ordered)))]
+        out: list[Any] = [None] * len(ordered)
+        out[0::n] = [self.compute(req, k, p) for k, p in ordered[0::n]]
+        for i, future in asked:
+            out[i::n] = future.result()
+        return out
 
     @property
-    def helpers(self) -> list[Any]:
+    def helpers(self) -> list[ComputeWorker]:
         return list(self._helpers)
 
-    def _replace_helper(self, dead: Any) -> Any:
-        from agent.runtime.executor import ComputeWorker, ExecConfig
-
-        dead.close()
-        fresh = ComputeWorker(ExecConfig(self.backend, 1))
-        self._helpers[self._helpers.index(dead)] = fresh
-        return fresh
-
-    def _started_helpers(self) -> list[Any]:
-        from agent.runtime.executor import ComputeWorker, ExecConfig
-
-        for dead in [h for h in self._helpers if not h.alive()]:  # killed (low memory): replaced
-            dead.close()
-            self._helpers.remove(dead)
-        while len(self._helpers) < self.side_by_side - 1:
-            # no cores given: a helper inherits this worker's CPU affinity
-            self._helpers.append(ComputeWorker(ExecConfig(self.backend, 1)))
-        return self._helpers
-
-    def _in_helper(self, helper: Any, req: dict[str, Any], group: list[tuple[int, str]],
-                   index: int) -> list[Any]:
-        """`group`'s results computed by a helper worker, read back from its file (float32:
-        exactly what it computed; this worker encodes the step's upload)."""
+    def _in_helper(self, index: int, req: dict[str, Any],
+                   group: list[tuple[int, str]]) -> list[Any]:
+        """`group`'s results computed by helper `index`, read back from its file (float32:
+        exactly what it computed; this worker encodes the step's upload). A helper that died
+        (the low-memory killer) is replaced and asked once more."""
         from wire.messages import decode_results
 
         out = Path(req.get("out_path") or req["weights_path"]).with_name(
             f".helper-{os.getpid()}-{index}.bin")
-        from agent.runtime.executor import WorkerError
-
         shards = {str(k): path for k, path in group}  # a group never names a shard twice
         ask = {**req, "op": "step", "shards": shards, "out_path": str(out), "dtype": "float32",
                "scratch": True}
         try:
             try:
-                helper.request(ask)
-            except WorkerError:  # it died (the low-memory killer): once more, in a new one
-                helper = self._replace_helper(helper)
-                helper.request(ask)
+                self._helpers[index - 1].request(ask)
+            except WorkerError:
+                self._helpers[index - 1].close()
+                self._helpers[index - 1] = ComputeWorker(ExecConfig(self.backend, 1))
+                self._helpers[index - 1].request(ask)
             results = decode_results(out.read_bytes())
         finally:
             out.unlink(missing_ok=True)

@@ -79,11 +79,9 @@ def find(data_dir: Path, upload_id: str, principal: Principal) -> tuple[Upload, 
     if not _ID.match(upload_id):
         raise NotFound(f"upload {upload_id} not found")
     meta, part = _paths(data_dir, upload_id)
-    try:
-        upload = Upload(**json.loads(meta.read_text()))
-    except (OSError, ValueError, TypeError):
-        raise NotFound(f"upload {upload_id} not found") from None
-    if upload.owner != (principal.token_id or "admin") and not principal.is_admin:
+    upload = _read(meta)
+    if upload is None or (upload.owner != (principal.token_id or "admin")
+                          and not principal.is_admin):
         raise NotFound(f"upload {upload_id} not found")
     return upload, part.stat().st_size if part.exists() else 0
 
@@ -119,14 +117,15 @@ def assembled(data_dir: Path, upload: Upload) -> bytes:
     return data
 
 
+def _read(meta: Path) -> Upload | None:
+    try:
+        return Upload(**json.loads(meta.read_text()))
+    except (OSError, ValueError, TypeError):
+        return None
+
+
 def _all(data_dir: Path) -> list[Upload]:
-    out = []
-    for meta in _folder(data_dir).glob("upl-*.json"):
-        try:
-            out.append(Upload(**json.loads(meta.read_text())))
-        except (OSError, ValueError, TypeError):
-            continue
-    return out
+    return [u for meta in _folder(data_dir).glob("upl-*.json") if (u := _read(meta))]
 
 
 def close(data_dir: Path, upload_id: str) -> None:
