@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.graph import Model
-from engine.optim import STATE_SLOTS, Hyper, optimizer_step
+from engine.optim import STATE_SLOTS, Hyper, optimizer_step, ordered_sum
 from engine.precision import round_to
 from engine.spec import TrainSpec
 
@@ -114,24 +114,6 @@ def apply_step(model: Model, spec: TrainSpec, state: TrainState,
         buffers = out[2]
     metrics = StepMetrics(state.step, loss / count, correct / count, hp.lr, count)
     return TrainState(state.step + 1, params, opt_state, buffers), metrics
-
-
-# Elements per block of `ordered_sum`: a 256 KB float64 accumulator stays in the cache while
-# every input adds its block to it, instead of one pass over a 26 MB vector per input (8
-# mobilenet_v1 shards: ~39 -> ~25 ms measured; docs/benchmarks.md).
-SUM_BLOCK = 1 << 15
-
-
-def ordered_sum(arrays: list[np.ndarray], n: int) -> np.ndarray:
-    """float64 sum of `arrays` added in list order, blocked for the cache. Each element still
-    starts at 0.0 and gets arrays[0], arrays[1], ... added in turn: bit for bit the plain loop
-    `total += a` for a in arrays."""
-    total = np.zeros(n, dtype=np.float64)
-    for lo in range(0, n, SUM_BLOCK):
-        block = total[lo:lo + SUM_BLOCK]
-        for a in arrays:
-            block += a[lo:lo + SUM_BLOCK]
-    return total
 
 
 def _check_results(model: Model, spec: TrainSpec, results: list[ShardResult]) -> list[ShardResult]:

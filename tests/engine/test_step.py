@@ -9,16 +9,10 @@ import pytest
 
 from engine.data import load_dataset
 from engine.models import build_model
+from engine.optim import SUM_BLOCK, ordered_sum
 from engine.sampler import select_microbatch, shard_indices
 from engine.spec import TrainSpec
-from engine.step import (
-    BN_MOMENTUM,
-    SUM_BLOCK,
-    apply_step,
-    compute_shard,
-    initial_state,
-    ordered_sum,
-)
+from engine.step import BN_MOMENTUM, apply_step, compute_shard, initial_state
 from tests.support.optional import require
 from wire.messages import decode_results, encode_results
 
