@@ -1,10 +1,11 @@
-"""`phalanx-agent enroll | run | probe` (DESIGN.md fixes these command lines)."""
+"""`phalanx-agent enroll | run | probe | install-launcher` (DESIGN.md fixes the first three)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import logging
+import os
 import signal
 import socket
 import sys
@@ -17,6 +18,7 @@ from agent.client import Client, ClientError, StatusError
 from agent.config import AgentConfig, ConfigError, resolve_path, save
 from agent.hardware import collect_spec
 from agent.probes import Probes
+from agent.slots import HOME_ENV
 
 EXIT_STOPPED = 3  # token revoked / device deleted: re-enroll, do not just restart
 
@@ -76,6 +78,23 @@ def cmd_run(args: argparse.Namespace) -> int:
     except AgentStopped as exc:
         print(f"phalanx-agent stopped: {exc}", file=sys.stderr)
         return EXIT_STOPPED
+    if runtime.upgrader.restart_for:  # runit starts launch.sh again: the new build, on trial
+        print(f"phalanx-agent: agent {runtime.upgrader.restart_for} installed; exiting for "
+              "the service manager to start it", file=sys.stderr)
+    return 0
+
+
+def cmd_install_launcher(args: argparse.Namespace) -> int:
+    """Copy this agent's launch.sh to the agent home (where runit's run script finds it)."""
+    home = Path(args.home).expanduser() if args.home else Path(os.environ.get(
+        HOME_ENV, "~/.local/share/phalanx-agent")).expanduser()
+    home.mkdir(parents=True, exist_ok=True)
+    target = home / "launch.sh"
+    tmp = home / ".launch.sh.tmp"
+    tmp.write_bytes((Path(__file__).resolve().parent / "launch.sh").read_bytes())
+    tmp.chmod(0o755)
+    os.replace(tmp, target)
+    print(target)
     return 0
 
 
@@ -105,6 +124,11 @@ def parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="heartbeat and train until stopped")
     run.add_argument("--config", help=help_config)
     run.set_defaults(func=cmd_run)
+    launcher = sub.add_parser("install-launcher", help="copy launch.sh (starts the current "
+                              "build, rolls back a failed upgrade) to the agent home")
+    launcher.add_argument("--home", help=f"agent home (default ${HOME_ENV} or "
+                          "~/.local/share/phalanx-agent)")
+    launcher.set_defaults(func=cmd_install_launcher)
     probe = sub.add_parser("probe", help="print one reading of every probe as JSON")
     probe.add_argument("--config", help=help_config)
     probe.set_defaults(func=cmd_probe)

@@ -155,6 +155,19 @@ class Client:
         return self._send("POST", f"/v1/devices/{_q(device_id)}/logs",
                           json_body={"lines": lines}).json()
 
+    def report_upgrade(self, device_id: str, version: str, outcome: str,
+                       detail: str) -> dict[str, Any]:
+        """An agent build this phone could not install, or rolled back (outcome)."""
+        return self._send("POST", f"/v1/devices/{_q(device_id)}/upgrade-report",
+                          json_body={"version": version, "outcome": outcome,
+                                     "detail": detail[:2000]}).json()
+
+    def agent_archive(self, path: str, max_bytes: int) -> bytes:
+        """The agent archive a rollout names, from this server only (a path, not a URL)."""
+        if not path.startswith("/") or path.startswith("//"):
+            raise ValueError(f"agent archive path {path!r}: must be a path on this server")
+        return self._send("GET", path, max_bytes=max_bytes).body
+
     def work(self, device_id: str, wait_s: float) -> Assignment | None:
         """This step's work for the device, or None; an assignment this agent cannot read is
         a TransportError naming what differs (retried: a server mid-upgrade)."""

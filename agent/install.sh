@@ -99,14 +99,19 @@ if [ "$ENROLL" = 1 ] && [ ! -f "$CONFIG" ]; then
 fi
 
 echo "== runit service"
+# launch.sh starts the agent's current build and rolls a failed upgrade back (agent/slots.py)
+AGENT_HOME="$HOME/.local/share/phalanx-agent"
+phalanx-agent install-launcher --home "$AGENT_HOME"
 SV="$PREFIX/var/service/phalanx-agent"
 LOGDIR="$PREFIX/var/log/sv/phalanx-agent"
 mkdir -p "$SV/log" "$LOGDIR"
 cat > "$SV/run" <<RUN
 #!$PREFIX/bin/sh
-# Restarted by runit whenever it exits: Android's phantom process killer may end it any time.
+# Restarted by runit whenever it exits: Android's phantom process killer may end it any time,
+# and the agent exits after installing an upgrade for this to start the new build.
 exec 2>&1
-exec phalanx-agent run --config "$CONFIG"
+export PHALANX_AGENT_HOME="$AGENT_HOME" PHALANX_AGENT_PYTHON="$PREFIX/bin/python"
+exec sh "$AGENT_HOME/launch.sh" run --config "$CONFIG"
 RUN
 cat > "$SV/finish" <<'FINISH'
 #!/data/data/com.termux/files/usr/bin/sh

@@ -9,6 +9,7 @@ control plane. Entries are sorted with fixed times: the same sources give the sa
 from __future__ import annotations
 
 import gzip
+import hashlib
 import io
 import tarfile
 from functools import lru_cache
@@ -85,3 +86,9 @@ def served_archive() -> bytes:
 
 def install_script() -> bytes:
     return (agent_root() / "install.sh").read_bytes()
+
+
+@lru_cache(maxsize=1)
+def served_build() -> tuple[str, str]:
+    """(version, sha256) of the archive this server serves: what a rollout pins."""
+    return agent.__version__, hashlib.sha256(served_archive()).hexdigest()

@@ -28,7 +28,7 @@ from api.fast_path import FastPath
 from api.heartbeat_writer_pg import AsyncPgHeartbeatWriter
 from api.heartbeats import HeartbeatWriter
 from api.limits import BodySizeLimit, DeviceRate
-from api.routes import agent_dist, datasets, devices, health, jobs, tokens, ui, work
+from api.routes import agent_dist, datasets, devices, health, jobs, rollouts, tokens, ui, work
 from api.scheduler_hooks import SchedulerHooks
 from api.schemas.common import ERROR_MEANINGS
 from api.settings import Settings
@@ -61,7 +61,8 @@ def create_app(settings: Settings | None = None, clock: Callable[[], dt.datetime
                                           start_scheduler=start_scheduler))
     app.state = _build_state(app, settings, clock)  # type: ignore[assignment]
     _install_error_handlers(app)
-    for module in (health, tokens, devices, jobs, datasets, agent_dist, work, metrics, ui):
+    for module in (health, tokens, devices, jobs, datasets, agent_dist, rollouts, work, metrics,
+                   ui):
         app.include_router(module.router)
     _asgi_chain(app, app.state, settings)  # type: ignore[arg-type]
     _document_errors(app)

@@ -70,11 +70,19 @@ class Settings(BaseSettings):
     # request limits
     max_body_bytes: int = 1 * 1024 * 1024
     max_upload_bytes: int = 64 * 1024 * 1024
+    # a dataset sent by resumable upload (in chunks, kept on disk, read a few rows at a time:
+    # the server's memory does not grow with it); also what any upload may unpack to
+    max_dataset_bytes: int = Field(64 * 1024**3, ge=1, description="largest dataset file a "
+                                   "resumable upload takes, and what any upload unpacks to")
     # enrollment tokens
     enrollment_token_ttl_s: float = 24 * 3600.0
     # scheduler
     reconcile_interval_s: float = 2.0
     checkpoint_every_steps: int = 50
+    # a phone told to install a new agent that does not heartbeat with it in this time is
+    # marked failed for that version (scheduler.policy.upgrades) and no longer counted in flight
+    agent_upgrade_timeout_s: float = Field(600.0, gt=0, description="how long a phone may take "
+                                           "to install an agent rollout and come back")
     checkpoints_kept: int = Field(3, ge=1, description="checkpoints kept per job, newest first; "
                                   "older files and rows are deleted as new ones are written")
     # tenancy: what one user's jobs may hold at once (admins' jobs are not limited); a job over a

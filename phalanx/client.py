@@ -299,6 +299,20 @@ class PhalanxClient:
         return self.json("DELETE", f"/v1/devices/{device_id}")
 
     # -- tokens
+    def rollout(self) -> dict[str, Any]:
+        """The agent rollout in force, how far it is, and the build the server serves."""
+        return self.json("GET", "/v1/agent/rollout")
+
+    def start_rollout(self, max_parallel: int = 1, version: str | None = None) -> dict[str, Any]:
+        """Roll the server's agent build out to every phone, `max_parallel` at a time."""
+        body: dict[str, Any] = {"max_parallel": max_parallel}
+        if version is not None:
+            body["version"] = version
+        return self.json("PUT", "/v1/agent/rollout", json=body)
+
+    def stop_rollout(self) -> dict[str, Any]:
+        return self.json("DELETE", "/v1/agent/rollout")
+
     def create_enrollment_token(self, **body: Any) -> dict[str, Any]:
         return self.json("POST", "/v1/enrollment-tokens", json=body)
 

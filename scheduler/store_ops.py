@@ -55,6 +55,7 @@ def device_view(device: Device, job_id: str | None) -> DeviceView:
         ram_mb=_num((device.spec or {}).get("ram_mb")),
         speeds=MappingProxyType(speeds),
         job_id=job_id,
+        upgrading=device.upgrade_to is not None,
     )
 
 

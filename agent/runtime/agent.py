@@ -33,7 +33,9 @@ from agent.runtime.heartbeat import HeartbeatLoop
 from agent.runtime.ledger import UploadLedger
 from agent.runtime.monitor import Monitor
 from agent.runtime.state import AgentState
+from agent.runtime.upgrader import Upgrader
 from agent.runtime.work import WorkLoop
+from agent.slots import Slots
 
 log = logging.getLogger(__name__)
 ARCHS = ["logreg", "mlp", "cnn", "mobilenet_v1", "resnet", "resnet18", "resnet50",
@@ -72,11 +74,13 @@ class AgentRuntime:
         self.execution = ExecutionManager(candidates or self._candidates,
                                           read_power=self.monitor.power_w if metered else None,
                                           power_limit_w=cfg.power_limit_w)
+        self.upgrader = Upgrader(self.client, cfg.device_id, Slots.from_env(),
+                                 busy=lambda: self.state.working)
         self.heartbeat = HeartbeatLoop(self.client, cfg.device_id, self.monitor, self.state,
                                        TelemetryBuffer(cfg.telemetry_buffer), self.capabilities,
                                        interval_s=cfg.heartbeat_interval_s,
                                        rotate_token=self._rotate_token,
-                                       ship_logs=self._ship_logs)
+                                       ship_logs=self._ship_logs, upgrader=self.upgrader)
         self.work = WorkLoop(self.client, cfg.device_id, self.monitor, self.state,
                              WorkCache(state_dir / "cache", cfg.cache_max_shard_bytes),
                              UploadLedger(state_dir / "uploads.jsonl"),

@@ -13,6 +13,7 @@ from agent.probes import to_sample
 from agent.runtime.buffer import TelemetryBuffer
 from agent.runtime.monitor import Monitor
 from agent.runtime.state import AgentState
+from agent.runtime.upgrader import Upgrader
 
 log = logging.getLogger(__name__)
 BATCH = 100  # samples per request: an outage's backlog goes out in a few quick requests
@@ -23,10 +24,12 @@ class HeartbeatLoop:
                  buffer: TelemetryBuffer, capabilities: Callable[[], dict[str, Any]],
                  interval_s: float = 10.0, backoff: Backoff | None = None,
                  rotate_token: Callable[[], None] | None = None,
-                 ship_logs: Callable[[], None] | None = None) -> None:
+                 ship_logs: Callable[[], None] | None = None,
+                 upgrader: Upgrader | None = None) -> None:
         self.client, self.device_id = client, device_id
-        self.rotate_token, self.ship_logs = rotate_token, ship_logs
+        self.rotate_token, self.ship_logs, self.upgrader = rotate_token, ship_logs, upgrader
         self.rotation_asked = self.logs_asked = False
+        self.upgrade_asked: dict[str, Any] | None = None
         self.monitor, self.state, self.buffer = monitor, state, buffer
         self.capabilities = capabilities
         self.interval_s = interval_s
@@ -67,6 +70,7 @@ class HeartbeatLoop:
         self.state.device_state = resp.get("state")
         drain = resp.get("state") == "Draining"
         self.rotation_asked = self.logs_asked = False
+        self.upgrade_asked = None
         for cmd in resp.get("commands") or []:
             kind = cmd.get("type") if isinstance(cmd, dict) else None
             if kind == "drain":
@@ -77,6 +81,8 @@ class HeartbeatLoop:
                 self.rotation_asked = True
             elif kind == "logs":
                 self.logs_asked = True
+            elif kind == "upgrade":
+                self.upgrade_asked = cmd
         self.state.draining = drain  # lifted when the server no longer asks for it
 
     def run(self, stop: threading.Event) -> None:
@@ -90,6 +96,10 @@ class HeartbeatLoop:
                     self.rotate_token()  # a failure is retried: the server asks again
                 if self.logs_asked and self.ship_logs is not None:
                     self.ship_logs()  # likewise: asked again until the lines arrive
+                if self.upgrader is not None:
+                    self.upgrader.after_heartbeat()
+                    if self.upgrade_asked is not None:
+                        self.upgrader.handle(self.upgrade_asked, stop)
             except Unauthorized as exc:
                 self.state.stop_for_good(revoked_message(exc))
                 break

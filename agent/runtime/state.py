@@ -14,6 +14,7 @@ class AgentState:
         self.fatal: str | None = None  # why the agent stopped for good (revoked, deleted)
         self.profile_requests: set[str] = set()
         self.device_state: str | None = None
+        self.working = False  # the work loop holds an assignment
 
     def set_profile(self, arch: str, profile: dict[str, Any]) -> None:
         with self._lock:

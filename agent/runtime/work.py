@@ -81,6 +81,13 @@ class WorkLoop:
         if a is None:
             quick = time.monotonic() - polled < 0.5  # a server that does not hold the poll
             return 1.0 if quick else 0.0
+        self.state.working = True  # no agent upgrade while a step is in hand
+        try:
+            return self._work_on(a, stop)
+        finally:
+            self.state.working = False
+
+    def _work_on(self, a: Assignment, stop: threading.Event) -> float:
         job, step = a.job_id, a.step
         if job != self._job:
             self.cache.keep_only(job)

@@ -61,6 +61,10 @@ class DeviceRead(ReadModel):
     pause_reason: str | None
     lease_renewed_at: dt.datetime | None
     agent_version: str | None
+    upgrade_to: dict[str, Any] | None = Field(
+        default=None, description="the agent build it was told to install, until it runs it")
+    upgrade_failed: str | None = Field(
+        default=None, description="the last agent version it could not install")
     capabilities: dict[str, Any]
     profiles: dict[str, Any]
     latest_telemetry: dict[str, Any]

@@ -170,7 +170,18 @@ def _commands(device: Any, profiles: dict[str, Any], active_archs: set[str],
         commands.append({"type": "rotate_token"})
     if device.logs_requested_at is not None:  # until the agent ships them
         commands.append({"type": "logs"})
+    if device.upgrade_to and not device.draining:  # until it heartbeats with that version
+        commands.append(upgrade_command(device.upgrade_to))
     return commands
+
+
+AGENT_ARCHIVE_PATH = "/agent.tar.gz"
+
+
+def upgrade_command(target: dict[str, Any]) -> dict[str, Any]:
+    """Install this agent build: fetched from any replica at `url`, checked against `sha256`."""
+    return {"type": "upgrade", "version": target.get("version"), "sha256": target.get("sha256"),
+            "url": AGENT_ARCHIVE_PATH}
 
 
 def token_due(created: dt.datetime | None, expires_at: dt.datetime | None, now: dt.datetime,
@@ -200,7 +211,8 @@ def read_batch(session: Session, items: list[tuple[str, str, HeartbeatIn]]) -> d
     hashes = sorted({token_hash for _, token_hash, _ in items})
     query = (select(ApiToken.token_hash, ApiToken.revoked, ApiToken.expires_at,
                     ApiToken.created.label("token_created"), ApiToken.device_id, Device.state, Device.cordoned, Device.draining,
-                    Device.pause_reason, Device.profiles, Device.logs_requested_at)
+                    Device.pause_reason, Device.profiles, Device.logs_requested_at,
+                    Device.upgrade_to)
              .join(Device, Device.id == ApiToken.device_id)
              .where(ApiToken.token_hash.in_(hashes), ApiToken.kind == "device"))
     return {row.token_hash: row for row in session.execute(query)}

@@ -56,7 +56,7 @@ WITH v AS (
   WHERE devices.id = v.id AND old.id = devices.id
   RETURNING devices.id, v.token_hash, old.state AS old_state, old.pause_reason AS old_pause,
             devices.pause_reason AS pause, v.pause_event, v.pause_message, devices.cordoned,
-            devices.draining, devices.profiles, devices.logs_requested_at,
+            devices.draining, devices.profiles, devices.logs_requested_at, devices.upgrade_to,
             ok.created AS token_created,
             ok.expires_at AS token_expires_at
 ), appended AS (

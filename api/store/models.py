@@ -102,6 +102,24 @@ class Device(Base):
     # an operator asked for the agent's recent log lines: each heartbeat carries a `logs`
     # command until the agent ships them (device_logs), which clears it
     logs_requested_at: Mapped[dt.datetime | None] = mapped_column(default=None)
+    # the agent build it was told to install ({"version", "sha256"}), until it heartbeats with
+    # that version (scheduler.policy.upgrades); its heartbeats carry an `upgrade` command
+    upgrade_to: Mapped[dict[str, Any] | None] = mapped_column(default=None)
+    upgrade_started_at: Mapped[dt.datetime | None] = mapped_column(default=None)
+    # the last version it could not install: not asked again until a rollout names another
+    upgrade_failed: Mapped[str | None] = mapped_column(String(40), default=None)
+
+
+class AgentRollout(Base):
+    """The agent build phones should run (one row, id 1, while a rollout is on)."""
+
+    __tablename__ = "agent_rollouts"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    version: Mapped[str] = mapped_column(String(40))
+    sha256: Mapped[str] = mapped_column(String(64))
+    max_parallel: Mapped[int] = mapped_column(Integer)
+    set_by: Mapped[str | None] = mapped_column(String(200), default=None)
 
 
 class DeviceLog(Base):

@@ -83,6 +83,18 @@ def shard_cell(shards: dict[str, int | None] | None, device_id: Any) -> str:
     return "✓" if count is None else str(count)
 
 
+def agent_cell(dev: dict[str, Any]) -> str:
+    """The agent's version, and the rollout's doing: `0.1.0 → 0.2.0` while it installs,
+    `0.1.0 (0.2.0 failed)` once it could not."""
+    cell = dash(dev.get("agent_version"))
+    target = (dev.get("upgrade_to") or {}).get("version")
+    if target:
+        return f"{cell} → {target}"
+    if dev.get("upgrade_failed"):
+        return f"{cell} [red]({dev['upgrade_failed']} failed)[/red]"
+    return cell
+
+
 def device_table(devices: list[dict[str, Any]], shards: dict[str, int | None] | None = None,
                  notes: dict[str, str] | None = None, title: str | None = None,
                  show_id: bool = True, arch: str | None = None, wide: bool = False) -> Table:
@@ -124,7 +136,7 @@ def device_table(devices: list[dict[str, Any]], shards: dict[str, int | None] | 
         if wide:
             labels = dev.get("labels") or {}
             row += [",".join(f"{k}={v}" for k, v in sorted(labels.items())) or "-",
-                    dash(dev.get("agent_version"))]
+                    agent_cell(dev)]
         if notes is not None:
             row.append(notes.get(str(dev.get("id")), ""))
         table.add_row(*row)

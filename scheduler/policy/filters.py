@@ -50,6 +50,12 @@ def not_paused(device: DeviceView, req: PlacementRequest) -> FilterStatus:
     return OK
 
 
+def not_upgrading(device: DeviceView, req: PlacementRequest) -> FilterStatus:
+    if device.upgrading:
+        return FilterStatus(UNSCHEDULABLE, "installing a new agent")
+    return OK
+
+
 def label_selector(device: DeviceView, req: PlacementRequest) -> FilterStatus:
     for key, value in req.selector.items():
         if device.labels.get(key) != value:
@@ -122,8 +128,8 @@ Filter = Callable[[DeviceView, PlacementRequest], FilterStatus]
 
 # Cheap and decisive first: most devices of a big fleet fail on the first two.
 FILTERS: tuple[Filter, ...] = (
-    ready, schedulable, not_paused, label_selector, capability, memory, battery, temperature,
-    free,
+    ready, schedulable, not_paused, not_upgrading, label_selector, capability, memory, battery,
+    temperature, free,
 )
 # What keeps a device in a job it already runs: only what the device or an admin said.
 # Battery and heat are the agent's to judge (it pauses itself and reports pause_reason).

@@ -33,6 +33,7 @@ class DeviceView:
     # measured samples/s per arch, from the agent's profiles
     speeds: Mapping[str, float] = field(default_factory=lambda: EMPTY)
     job_id: str | None = None  # the job this device already holds shards of
+    upgrading: bool = False  # installing a new agent (scheduler.policy.upgrades)
 
 
 def job_features(spec: Mapping[str, Any]) -> frozenset[str]:

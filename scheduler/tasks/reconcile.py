@@ -4,8 +4,9 @@
 leases expired -> NotReady (the control plane's `mark_stale_devices`); telemetry history
 older than `telemetry_retention_s` is pruned (at most once a minute, by whichever worker gets
 there first); then, under the placement lock, shards move off devices that left, Pending gangs
-are placed (preempting lower priorities when they must); then one `reconcile_job` per job that
-needs looking after.
+are placed (preempting lower priorities when they must), and idle phones are told to install
+an agent rollout (a few at a time); then one `reconcile_job` per job that needs looking
+after.
 
 `reconcile_job(job_id)` (per entity, idempotent): a finished or cancelled job's assignments
 are released; lost hot state is restored; a step whose every shard is in but which nobody
@@ -37,6 +38,7 @@ from scheduler.tasks import stragglers
 from scheduler.tasks.placement import placement_pass
 from scheduler.tasks.recovery import drop_step_keys, ensure_state
 from scheduler.tasks.steps import enqueue_apply, step_complete
+from scheduler.tasks.upgrades import upgrade_pass
 
 log = logging.getLogger(__name__)
 HOOK_DEDUP_S = 0.2  # a burst of API changes sends one reconcile
@@ -79,6 +81,11 @@ def run_reconcile(ctx: SchedulerContext) -> dict:
                            preempted=result.preempted, moved=result.moved)
             if result.changed:
                 bump_version(ctx.blobs)
+            with transaction(ctx.session_factory) as session:
+                upgrades = upgrade_pass(session, now, ctx.settings.agent_upgrade_timeout_s)
+            if upgrades.start or upgrades.done or upgrades.timed_out:
+                summary.update(upgrades_started=upgrades.start, upgraded=upgrades.done,
+                               upgrades_timed_out=upgrades.timed_out)
     for job_id in sorted(set(summary.get("placed") or []) | set(jobs_to_look_after(ctx))):
         enqueue_reconcile_job(ctx, job_id)
     return summary

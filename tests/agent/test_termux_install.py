@@ -25,8 +25,11 @@ def test_install_sh_sets_up_packages_agent_service_and_boot(tmp_path: Path) -> N
     assert (f"phalanx-agent enroll --server http://10.0.0.2:8000 --token enr-abc --config "
             f"{config} --label rack=a") in log
     assert "sv-enable phalanx-agent" in log and "termux-wake-lock" in log
+    agent_home = home / ".local/share/phalanx-agent"
+    assert f"phalanx-agent install-launcher --home {agent_home}" in log
     run = prefix / "var/service/phalanx-agent/run"
-    assert f'exec phalanx-agent run --config "{config}"' in run.read_text()
+    assert f'exec sh "{agent_home}/launch.sh" run --config "{config}"' in run.read_text()
+    assert f'PHALANX_AGENT_HOME="{agent_home}"' in run.read_text()  # upgrades need it
     for script in (run, run.with_name("finish"), run.parent / "log" / "run",
                    home / ".termux/boot/phalanx-agent"):
         assert os.access(script, os.X_OK), script

@@ -16,6 +16,7 @@ import yaml
 
 from tests.cli.conftest import Cli, one_line_error
 from tests.support.arrays import npz_bytes
+from tests.support.waiting import wait_for
 
 SMALL_JOB = {
     "name": "tiny-logreg",
@@ -474,3 +475,33 @@ def test_devices_logs_prints_what_the_agent_ships_and_says_when_nothing_comes(
     silent = register_device("phone-silent")["device_id"]
     line = one_line_error(cli("devices", "logs", silent, "--timeout", "1"))
     assert f"device {silent} sent no logs within 1 s: is it online?" in line
+
+
+def test_agents_rollout_status_and_stop(cli: Cli, register_device) -> None:
+    phone = register_device("old-agent", {"rollout": "cli"})
+    try:
+        refused = one_line_error(cli("agents", "rollout", "--version", "9.9.9"))
+        assert "serves agent" in refused and "9.9.9" in refused
+        started = cli.json("agents", "rollout", "--max-parallel", "3")
+        assert started["active"] and started["max_parallel"] == 3
+        served = started["served"]["version"]
+        assert started["version"] == served
+        beat = httpx.post(f"{cli.server.url}/v1/devices/{phone['device_id']}/heartbeat",
+                          headers={"Authorization": f"Bearer {phone['device_token']}"},
+                          json={"telemetry": [], "agent_version": "0.0.1"}, timeout=30)
+        assert beat.status_code == 200, beat.text
+
+        def told() -> bool:
+            wide = cli("devices", "ls", "-l", "rollout=cli", "-o", "wide").stdout
+            return f"0.0.1 → {served}" in wide
+
+        wait_for("the scheduler tells the old agent to upgrade", told, timeout=60)
+        status = cli("agents", "status")
+        assert status.exit_code == 0 and f"rollout of agent {served}" in status.stdout
+        assert cli.json("agents", "status")["devices"]["upgrading"] >= 1
+    finally:
+        stopped = cli("agents", "stop")
+    assert stopped.exit_code == 0 and "rollout stopped" in stopped.stdout
+    assert "no rollout" in stopped.stdout
+    wait_for("the upgrade is called off", lambda: "→" not in cli(
+        "devices", "ls", "-l", "rollout=cli", "-o", "wide").stdout, timeout=60)

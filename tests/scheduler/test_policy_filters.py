@@ -29,6 +29,8 @@ FILTER_CASES = {
         DeviceView(**{**BASE.__dict__, "draining": True}), UNRESOLVABLE),
     "a phone paused for heat waits": (
         DeviceView(**{**BASE.__dict__, "pause_reason": "thermal"}), UNSCHEDULABLE),
+    "a phone installing a new agent takes no job until it is back": (
+        DeviceView(**{**BASE.__dict__, "upgrading": True}), UNSCHEDULABLE),
     "a phone in another rack never matches the selector": (
         DeviceView(**{**BASE.__dict__, "labels": {"rack": "b"}}), UNRESOLVABLE),
     "a phone at 10% on battery is below min_battery": (
