@@ -188,9 +188,17 @@ class Client:
         return self._send("GET", path, base_url=self._bulk_base(bulk_url),
                           max_bytes=MAX_ARRAYS_BYTES).body
 
-    def shard_data(self, job_id: str, shard: int) -> bytes:
-        return self._send("GET", f"/v1/jobs/{_q(job_id)}/shards/{int(shard)}/data",
-                          max_bytes=MAX_ARRAYS_BYTES).body
+    def shard_data(self, job_id: str, shard: int, start: int = 0) -> tuple[bytes, int | None]:
+        """A chunk of the shard's samples from `start` on, as stored (the phone normalizes
+        them: engine.stored.normalize), and the shard's sample count; None from a server
+        before chunks, which answers with the whole shard, normalized."""
+        resp = self._send("GET", f"/v1/jobs/{_q(job_id)}/shards/{int(shard)}/data"
+                          f"?start={int(start)}&encoding=raw", max_bytes=MAX_ARRAYS_BYTES)
+        total = {k.lower(): v for k, v in resp.headers.items()}.get("x-phalanx-shard-samples")
+        try:
+            return resp.body, int(total) if total is not None else None
+        except ValueError:
+            raise TransportError(f"bad X-Phalanx-Shard-Samples: {total!r}") from None
 
     def upload_gradients(self, job_id: str, step: int, body: Body,
                          bulk_url: str | None = None) -> dict[str, Any]:

@@ -7,7 +7,9 @@ Names:
   (default 2048) plus N // 4 validation samples, K classes (default 10) of shape C x H x W
   (default 1x8x8). Each class is a smooth random pattern; a sample is its class pattern plus
   Gaussian noise, so the task is learnable but not trivial. E.g. ``synthetic:3x32x32:10:4096``.
-* anything else — an upload stored by the API as ``<data_dir>/datasets/<name>.npz``.
+* anything else — an upload stored by the API as the folder ``<data_dir>/datasets/<name>/``
+  (engine/stored.py: its features are read from disk a few rows at a time, never whole); a
+  ``<name>.npz`` left by an earlier version is unpacked into that folder when first loaded.
 
 Only the control plane loads datasets; phones get their shards' samples over HTTP. So
 scikit-learn is imported inside the digits loader alone.
@@ -18,12 +20,15 @@ from __future__ import annotations
 import functools
 import os
 import re
+import shutil
+import uuid
 from pathlib import Path
 
 import numpy as np
 
 from engine.dataset import Dataset, DatasetError, DatasetInfo
-from engine.upload import validate_npz
+from engine.stored import open_folder
+from engine.upload import validate_file, validate_npz
 
 __all__ = ["Dataset", "DatasetInfo", "DatasetError", "validate_npz", "load_dataset",
            "dataset_info", "list_datasets", "upload_path", "NAME_RE"]
@@ -37,11 +42,28 @@ MAX_SYNTHETIC_VALUES = 2**28  # about 1 GiB of float32 in all
 
 
 def upload_path(name: str, data_dir: str | Path | None) -> Path | None:
-    """Where the API stores an uploaded dataset called `name`."""
+    """The folder where the API stores an uploaded dataset called `name`."""
     root = data_dir if data_dir is not None else os.environ.get("PHALANX_DATA_DIR")
     if root is None or not NAME_RE.match(name):
         return None
-    return Path(root) / "datasets" / f"{name}.npz"
+    return Path(root) / "datasets" / name
+
+
+def _unpack_legacy(folder: Path) -> None:
+    """An earlier version's `<name>.npz` as the folder this one reads (once; replicas racing
+    here each unpack to their own staging folder, and the first rename wins)."""
+    legacy = folder.with_name(folder.name + ".npz")
+    if folder.is_dir() or not legacy.is_file():
+        return
+    staging = folder.with_name(f".{folder.name}.{uuid.uuid4().hex}.unpack")
+    try:
+        validate_file(legacy, staging, max_bytes=1 << 40)
+        os.replace(staging, folder)
+    except OSError:
+        if not folder.is_dir():
+            raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def load_dataset(name: str, data_dir: str | Path | None = None) -> Dataset:
@@ -51,10 +73,11 @@ def load_dataset(name: str, data_dir: str | Path | None = None) -> Dataset:
     if name.startswith("synthetic"):
         return _synthetic(name)
     path = upload_path(name, data_dir)
-    if path is None or not path.is_file():
+    if path is not None:
+        _unpack_legacy(path)
+    if path is None or not path.is_dir():
         raise DatasetError(f"unknown dataset {name!r}: not digits, synthetic:... or an upload")
-    stat = path.stat()
-    return _uploaded(str(path), stat.st_mtime_ns, stat.st_size, name)
+    return open_folder(path, name)
 
 
 def dataset_info(name: str, data_dir: str | Path | None = None) -> DatasetInfo:
@@ -71,9 +94,11 @@ def list_datasets(data_dir: str | Path | None = None) -> list[DatasetInfo]:
     root = data_dir if data_dir is not None else os.environ.get("PHALANX_DATA_DIR")
     folder = Path(root) / "datasets" if root is not None else None
     if folder is not None and folder.is_dir():
-        for path in sorted(folder.glob("*.npz")):
+        names = {p.name for p in folder.iterdir() if p.is_dir() and NAME_RE.match(p.name)}
+        names |= {p.stem for p in folder.glob("*.npz")}
+        for name in sorted(names):
             try:
-                out.append(dataset_info(path.stem, root))
+                out.append(dataset_info(name, root))
             except DatasetError:
                 continue  # a half-written or foreign file is not a dataset
     return out
@@ -118,12 +143,3 @@ def _synthetic(name: str) -> Dataset:
     y = rng.integers(0, k, total).astype(np.int64)
     x = (patterns[y] + 1.5 * rng.standard_normal((total, c, h, w))).astype(np.float32)
     return Dataset(x[:n], y[:n], x[n:], y[n:], (c, h, w), k, name)
-
-
-@functools.lru_cache(maxsize=8)
-def _uploaded(path: str, mtime_ns: int, size: int, name: str) -> Dataset:
-    data = Path(path).read_bytes()
-    # validated once at upload under the API's limit; here only the format checks matter
-    ds = validate_npz(data, max_bytes=1 << 40)
-    return Dataset(ds.x_train, ds.y_train, ds.x_val, ds.y_val, ds.input_shape, ds.num_classes,
-                   name)

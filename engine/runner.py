@@ -24,6 +24,7 @@ from engine.sampler import microbatch
 from engine.spec import TrainSpec
 from engine.step import ShardResult, TrainState, evaluate
 from engine.step import compute_shard as _compute_shard
+from engine.stored import normalize
 
 
 @dataclass(frozen=True)
@@ -47,10 +48,13 @@ def job_model(spec: dict[str, Any], n_train: int, input_shape: Sequence[int],
 
 
 def shard_arrays(npz: bytes | str) -> tuple[np.ndarray, np.ndarray]:
-    """A shard's samples as the control plane serves them (an .npz of x and y, no pickle)."""
+    """A shard's samples as the control plane serves them (an .npz of x and y, no pickle):
+    float32, or as stored with the `mean` and `std` to normalize by (engine.stored)."""
     source = io.BytesIO(npz) if isinstance(npz, bytes) else npz
     with np.load(source, allow_pickle=False) as arrays:
-        return arrays["x"].astype(np.float32), arrays["y"].astype(np.int64)
+        mean = arrays["mean"] if "mean" in arrays.files else None
+        std = arrays["std"] if "std" in arrays.files else None
+        return normalize(arrays["x"], mean, std), arrays["y"].astype(np.int64)
 
 
 def shard_gradient(job: JobModel, params: np.ndarray, buffers: np.ndarray, x: np.ndarray,

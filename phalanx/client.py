@@ -376,14 +376,16 @@ class PhalanxClient:
     def datasets(self) -> list[dict[str, Any]]:
         return self.pages("/v1/datasets", "datasets")
 
-    def upload_resumable(self, name: str, data: bytes,
+    def upload_resumable(self, name: str, data: bytes | Path,
                          on_progress: Callable[[int], None] | None = None,
                          attempts: int = 6, chunk_bytes: int = 4 << 20) -> dict[str, Any]:
         """Upload a dataset file in chunks (`/v1/datasets/uploads`, api/store/uploads.py): a
         dropped connection or a chunk whose answer was lost is resumed from where the server
-        says the upload stands, up to `attempts` times in a row; the created dataset."""
+        says the upload stands, up to `attempts` times in a row; the created dataset. A path
+        is read a chunk at a time (a file bigger than this machine's memory uploads too)."""
+        total = len(data) if isinstance(data, bytes) else data.stat().st_size
         opened = self.json("POST", "/v1/datasets/uploads", json={
-            "name": name, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()})
+            "name": name, "size": total, "sha256": _sha256(data)})
         base = f"/v1/datasets/uploads/{opened['id']}"
         size = min(chunk_bytes, int(opened["chunk_max_bytes"]))
         offset = int(opened["offset"])
@@ -391,7 +393,7 @@ class PhalanxClient:
         def send_next() -> int:
             try:
                 answer = self.json("PUT", base, params={"offset": offset},
-                                   content=data[offset : offset + size],
+                                   content=_part(data, offset, size),
                                    headers={"Content-Type": "application/octet-stream"})
             except PhalanxError as exc:
                 if exc.status != 409:  # 409: it already has this chunk, or more
@@ -409,7 +411,7 @@ class PhalanxClient:
         retrying = Retrying(retry=retry_if_exception_type(Unreachable),
                             stop=stop_after_attempt(attempts), reraise=True,
                             wait=wait_exponential(multiplier=0.2, max=5), before_sleep=resume)
-        while offset < len(data):
+        while offset < total:
             offset = retrying(send_next)
             if on_progress is not None:
                 on_progress(offset)
@@ -418,3 +420,21 @@ class PhalanxClient:
     def upload_dataset(self, name: str, data: bytes) -> dict[str, Any]:
         files = {"file": (f"{name}.npz", data, "application/octet-stream")}
         return self.json("POST", "/v1/datasets", data={"name": name}, files=files)
+
+
+def _sha256(data: bytes | Path) -> str:
+    if isinstance(data, bytes):
+        return hashlib.sha256(data).hexdigest()
+    digest = hashlib.sha256()
+    with data.open("rb") as fh:
+        while block := fh.read(8 << 20):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _part(data: bytes | Path, offset: int, size: int) -> bytes:
+    if isinstance(data, bytes):
+        return data[offset : offset + size]
+    with data.open("rb") as fh:
+        fh.seek(offset)
+        return fh.read(size)

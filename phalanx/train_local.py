@@ -21,6 +21,7 @@ from engine.data import load_dataset
 from engine.runner import final_metrics, job_model, shard_gradient
 from engine.sampler import shard_indices
 from engine.step import apply_step, evaluate, initial_state
+from engine.stored import Samples
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,10 @@ def _run_reference(spec: dict[str, Any], out_dir: Path | None, progress: bool,
     job = job_model(spec, len(data.y_train), data.input_shape, data.num_classes)
     ts, model = job.spec, job.model
     parts = shard_indices(len(data.y_train), ts.shards, ts.seed)
-    shards = [(data.x_train[idx], data.y_train[idx]) for idx in parts]
+    # an upload stays on disk: each step reads its micro-batches' rows (engine.stored)
+    x_train = data.x_train
+    shards = [(x_train.take(idx) if isinstance(x_train, Samples) else x_train[idx],
+               data.y_train[idx]) for idx in parts]
     state = initial_state(model, ts)
     spe, total = ts.steps_per_epoch, ts.total_steps
     rows: list[EpochRow] = []

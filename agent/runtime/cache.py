@@ -9,11 +9,15 @@ backup computed once), never one the current step needs; fetched again if they c
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import re
 import shutil
+import tempfile
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from agent.config import atomic_write, clean_temp_files
 
@@ -62,9 +66,12 @@ class WorkCache:
                 if entry.name != keep:
                     shutil.rmtree(entry, ignore_errors=True)
 
-    def shard(self, job: str, shard: int, fetch: Callable[[], bytes]) -> Path:
+    def shard(self, job: str, shard: int, fetch: Callable[[int], tuple[bytes, int | None]]
+              ) -> Path:
+        """The shard's samples, fetched (`fetch(start)`: a chunk and the shard's total) when
+        not cached."""
         path = self.job_dir(job) / f"shard-{int(shard)}.npz"
-        got = self._get(path, fetch, _valid_npz)
+        got = self._get(path, lambda: write_shard(path, fetch), _valid_npz, writes=True)
         with contextlib.suppress(OSError):
             os.utime(got)  # used now: the eviction order is the order of use
         return got
@@ -104,16 +111,74 @@ class WorkCache:
     def result_path(self, job: str, step: int) -> Path:
         return self.job_dir(job) / f"result-{int(step)}.bin"
 
-    def _get(self, path: Path, fetch: Callable[[], bytes], valid: Callable[[Path], bool]) -> Path:
+    def _get(self, path: Path, fetch: Callable[[], Any], valid: Callable[[Path], bool],
+             writes: bool = False) -> Path:
+        """`path`, valid; else made by `fetch`: its bytes, or (`writes`) it writes the file."""
         if path in self._checked and path.exists():
             return path
         if path.exists() and not valid(path):
             path.unlink()
         if not path.exists():
             clean_temp_files(path)
-            atomic_write(path, fetch())
+            if writes:
+                fetch()
+            else:
+                atomic_write(path, fetch())
             if not valid(path):
                 path.unlink()
                 raise ValueError(f"server sent unusable data for {path.name}")
         self._checked.add(path)
         return path
+
+
+def write_shard(path: Path, fetch: Callable[[int], tuple[bytes, int | None]]) -> None:
+    """The shard's samples, fetched chunk by chunk, as one .npz at `path` (atomically): x goes
+    into its member as each chunk comes (a shard need not fit in memory twice), y and the
+    normalization (mean, std) are written at the end."""
+    import numpy as np  # the agent's one hard dependency
+
+    first, total = fetch(0)
+    x, y, extra = _chunk(first)
+    if total is None or len(y) >= total:  # the whole shard in one answer
+        atomic_write(path, first)
+        return
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        labels, got = [y], len(y)
+        with zipfile.ZipFile(tmp, "w") as zf:
+            with zf.open("x.npy", "w", force_zip64=True) as member:
+                header = {"descr": np.lib.format.dtype_to_descr(x.dtype), "fortran_order": False,
+                          "shape": (total, *x.shape[1:])}
+                np.lib.format.write_array_header_2_0(member, header)
+                member.write(np.ascontiguousarray(x).tobytes())
+                while got < total:
+                    more, _ = fetch(got)
+                    x_more, y_more, _ = _chunk(more)
+                    if not len(y_more) or x_more.dtype != x.dtype or \
+                            x_more.shape[1:] != x.shape[1:]:
+                        raise ValueError(f"server sent an unusable chunk at sample {got}")
+                    member.write(np.ascontiguousarray(x_more).tobytes())
+                    labels.append(y_more)
+                    got += len(y_more)
+            if got != total:
+                raise ValueError(f"server sent {got} samples of a shard of {total}")
+            for name, value in (("y", np.concatenate(labels)), *extra.items()):
+                out = io.BytesIO()
+                np.save(out, value, allow_pickle=False)
+                zf.writestr(f"{name}.npy", out.getvalue())
+        os.chmod(tmp, 0o600)
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+
+
+def _chunk(body: bytes) -> tuple[Any, Any, dict[str, Any]]:
+    import numpy as np
+
+    with np.load(io.BytesIO(body), allow_pickle=False) as npz:
+        if "x" not in npz.files or "y" not in npz.files or len(npz["x"]) != len(npz["y"]):
+            raise ValueError("server sent a shard chunk without matching x and y")
+        return npz["x"], npz["y"], {k: npz[k] for k in ("mean", "std") if k in npz.files}

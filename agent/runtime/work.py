@@ -122,7 +122,8 @@ class WorkLoop:
     def _request(self, a: Assignment, job: str, step: int, shards: list[int]) -> dict[str, Any]:
         weights = self.cache.weights(job, step, lambda: self._bulk(
             a, lambda url: self.client.weights(job, step, url)))
-        paths = {str(k): str(self.cache.shard(job, k, lambda k=k: self.client.shard_data(job, k)))
+        paths = {str(k): str(self.cache.shard(
+                     job, k, lambda start, k=k: self.client.shard_data(job, k, start)))
                  for k in shards}
         self.cache.evict(job, keep=set(shards))
         return {"job_id": job, "step": step, "spec": a.spec, "n_train": a.n_train,

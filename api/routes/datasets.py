@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
+from pathlib import Path
+
 from fastapi import APIRouter, File, Form, Query, Request, UploadFile
 from starlette.concurrency import run_in_threadpool
 
@@ -42,13 +45,27 @@ async def upload_dataset(_: UserDep, session: SessionDep, settings: SettingsDep,
     data = await file.read(settings.max_upload_bytes + 1)
     if len(data) > settings.max_upload_bytes:
         raise PayloadTooLarge(f"dataset file over the {settings.max_upload_bytes}-byte limit")
-    dataset = await run_in_threadpool(datasets.validate_upload, data, settings.max_upload_bytes)
-    return await run_in_threadpool(_store, session, name, data, dataset, settings)
+    return await run_in_threadpool(_store_bytes, session, name, data, settings)
 
 
-def _store(session, name, data, dataset, settings) -> DatasetRead:
+def _store_bytes(session, name: str, data: bytes, settings) -> DatasetRead:
+    with datasets.staging(settings.data_dir, name) as staged:
+        source = staged.with_suffix(".npz")
+        try:
+            source.write_bytes(data)
+            return _store(session, name, source, staged, settings,
+                          sha256=hashlib.sha256(data).hexdigest(), size=len(data))
+        finally:
+            source.unlink(missing_ok=True)
+
+
+def _store(session, name: str, source: Path, staged: Path, settings, *, sha256: str,
+           size: int) -> DatasetRead:
+    """Unpack and check the .npz at `source` (in blocks), then publish it as `name`."""
+    dataset = datasets.validate_upload(source, staged, settings.max_dataset_bytes)
     with session.begin():
-        row = datasets.store_dataset(session, name, data, dataset, settings.data_dir)
+        row = datasets.store_dataset(session, name, staged, dataset, settings.data_dir,
+                                     sha256=sha256, size=size)
     return _uploaded(row)
 
 
@@ -61,7 +78,7 @@ def open_upload(body: UploadOpen, principal: UserDep, session: SessionDep,
     datasets.check_name(body.name)
     datasets.check_free(session, body.name)
     upload = uploads.open_upload(settings.data_dir, body.name, body.size, body.sha256,
-                                 principal, settings.max_upload_bytes)
+                                 principal, settings.max_dataset_bytes)
     return upload.answer(0)
 
 
@@ -99,10 +116,11 @@ def complete_upload(upload_id: str, principal: UserDep, session: SessionDep,
                     settings: SettingsDep):
     """Every byte is there and matches the SHA-256: validate the .npz and store the dataset."""
     upload, _ = uploads.find(settings.data_dir, upload_id, principal)
-    data = uploads.assembled(settings.data_dir, upload)  # 409 while bytes are missing
+    part = uploads.assembled(settings.data_dir, upload)  # 409 while bytes are missing
     try:
-        dataset = datasets.validate_upload(data, settings.max_upload_bytes)
-        stored = _store(session, upload.name, data, dataset, settings)
+        with datasets.staging(settings.data_dir, upload.name) as staged:
+            stored = _store(session, upload.name, part, staged, settings,
+                            sha256=upload.sha256, size=upload.size)
     except (Invalid, Conflict):  # refused for good (a bad file, a taken name): the parts go
         uploads.close(settings.data_dir, upload_id)
         raise

@@ -4,6 +4,8 @@ docs/contracts.md. The logic lives in `api.steps.protocol`, the shared handlers 
 
 from __future__ import annotations
 
+from typing import Literal
+
 from fastapi import APIRouter, Query, Request, Response
 from starlette.concurrency import run_in_threadpool
 
@@ -40,10 +42,22 @@ async def get_weights(job_id: str, request: Request, principal: DeviceDep,
 
 
 @router.get("/jobs/{job_id}/shards/{shard}/data")
-async def get_shard_data(job_id: str, shard: int, request: Request, principal: DeviceDep):
+async def get_shard_data(
+        job_id: str, shard: int, request: Request, principal: DeviceDep,
+        start: int | None = Query(None, ge=0, description="the first sample of the chunk; the "
+                                  "answer holds as many as a chunk holds (header "
+                                  "X-Phalanx-Shard-Samples: the shard's total). Absent: "
+                                  "the whole shard"),
+        encoding: Literal["float32", "raw"] = Query(
+            "float32", description="raw: the samples as stored (e.g. uint8) with the `mean` "
+            "and `std` to normalize them by (engine.stored.normalize)")):
+    """A shard's training samples (.npz of x and y), in chunks: a dataset bigger than the
+    server's memory is read from disk a chunk at a time."""
     proto = request.app.state.step_protocol
-    data = await run_in_threadpool(proto.shard_data, principal.device_id, job_id, shard)
-    return Response(data, media_type=OCTETS)
+    chunk = await run_in_threadpool(proto.shard_data, principal.device_id, job_id, shard,
+                                    start, encoding == "raw")
+    return Response(chunk.body, media_type=OCTETS,
+                    headers={"X-Phalanx-Shard-Samples": str(chunk.total)})
 
 
 @router.post("/jobs/{job_id}/steps/{step}/gradients", response_model=UploadOut)

@@ -14,9 +14,10 @@ import io
 import threading
 import uuid
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 from sqlalchemy import select
@@ -29,6 +30,7 @@ from engine.data import load_dataset
 from engine.jobinfo import JobInfo, job_info
 from engine.sampler import shard_indices
 from engine.step import ShardResult
+from engine.stored import Samples
 from hotstate import keys
 from hotstate.blobs import BlobStore
 from hotstate.bodies import drop_body, keep_body
@@ -72,9 +74,28 @@ class JobRow:
     state_nonce: str | None  # names the stored state of `step` (hotstate.keys.state)
 
 
+class ShardChunk(NamedTuple):
+    body: bytes  # an .npz of x and y (and, raw, the mean and std the phone normalizes with)
+    total: int  # samples in the whole shard: the agent asks again from start + len(y)
+
+
+# a chunk of a shard's samples: bounded so a dataset bigger than memory never is in it; a
+# few are built at once (each holds its rows, their .npz and the answer), and only small ones
+# are kept: phones cache their shards, so a large chunk is rarely asked for twice
+SHARD_CHUNK_BYTES = 16 << 20
+SHARD_CACHE_BYTES = 16 << 20
+SHARD_CACHED_MAX_BYTES = 1 << 20
+SHARD_BUILDS = threading.BoundedSemaphore(2)
+
+
 class LRU:
-    def __init__(self, size: int) -> None:
-        self.size, self._data, self._lock = size, OrderedDict(), threading.Lock()
+    """Newest first, up to `limit` in all: each value weighs `weigh(value)` (1: a count); a
+    value heavier than the limit is not kept."""
+
+    def __init__(self, limit: int, weigh: Callable[[Any], int] = lambda value: 1) -> None:
+        self.limit, self.weigh, self._used = limit, weigh, 0
+        self._data: OrderedDict[Any, Any] = OrderedDict()
+        self._lock = threading.Lock()
 
     def get(self, key: Any) -> Any:
         with self._lock:
@@ -84,11 +105,17 @@ class LRU:
         return None
 
     def put(self, key: Any, value: Any) -> None:
+        weight = self.weigh(value)
+        if weight > self.limit:
+            return
         with self._lock:
+            if key in self._data:
+                self._used -= self.weigh(self._data.pop(key))
             self._data[key] = value
-            self._data.move_to_end(key)
-            while len(self._data) > self.size:
-                self._data.popitem(last=False)
+            self._used += weight
+            while self._used > self.limit:
+                _, dropped = self._data.popitem(last=False)
+                self._used -= self.weigh(dropped)
 
 
 @dataclass(frozen=True)
@@ -125,7 +152,7 @@ class StepProtocol:
             session_factory, blobs, data_dir, clock)
         self._weights = LRU(8)
         self._encoding = threading.Lock()
-        self._shards = LRU(256)
+        self._shards = LRU(SHARD_CACHE_BYTES, weigh=lambda chunk: len(chunk.body))
         self._holdings: Holdings | None = None
         self._reading = threading.Lock()
 
@@ -232,20 +259,28 @@ class StepProtocol:
         return encode_weights(job.id, step, *arrays)
 
     # -- GET /v1/jobs/{id}/shards/{k}/data ----------------------------------------------------
-    def shard_data(self, device_id: str, job_id: str, shard: int) -> bytes:
+    def shard_data(self, device_id: str, job_id: str, shard: int, start: int | None = None,
+                   raw: bool = False) -> ShardChunk:
+        """The shard's samples from `start` on, as many as SHARD_CHUNK_BYTES holds; without
+        `start` (agents before chunks), all of them. `raw`: as stored, with the mean and std
+        the phone normalizes them with (engine.stored.normalize; a quarter of the bytes for
+        uint8 images); else float32 normalized here."""
         job, held = self._job_and_held(device_id, job_id)
         if job is None:
             raise NotThere(f"job {job_id} not found")
         if shard not in held:
             raise ForeignShard(f"shard {shard} of {job_id} is not assigned to {device_id}")
-        cached = self._shards.get((job_id, shard))
+        key = (job_id, shard, start, raw)
+        cached = self._shards.get(key)
         if cached is not None:
             return cached
         info = self.info(job)
-        data = _shard_npz(info.spec.dataset, str(self.data_dir), info.n_train, info.spec.shards,
-                          info.spec.seed, shard)
-        self._shards.put((job_id, shard), data)
-        return data
+        with SHARD_BUILDS:
+            chunk = _shard_chunk(info.spec.dataset, str(self.data_dir), info.n_train,
+                                 info.spec.shards, info.spec.seed, shard, start, raw)
+        if len(chunk.body) <= SHARD_CACHED_MAX_BYTES:
+            self._shards.put(key, chunk)
+        return chunk
 
     # -- POST /v1/jobs/{id}/steps/{t}/gradients -----------------------------------------------
     def upload(self, device_id: str, job_id: str, step: int, body: bytes) -> tuple[list[int], list[int], bool]:
@@ -306,10 +341,22 @@ def _shard_order(dataset: str, data_dir: str, n_train: int, shards: int, seed: i
     return shard_indices(n_train, shards, seed)
 
 
-def _shard_npz(dataset: str, data_dir: str, n_train: int, shards: int, seed: int, shard: int) -> bytes:
+def _shard_chunk(dataset: str, data_dir: str, n_train: int, shards: int, seed: int,
+                 shard: int, start: int | None, raw: bool) -> ShardChunk:
     data = load_dataset(dataset, data_dir)
     idx = _shard_order(dataset, data_dir, n_train, shards, seed)[shard]
+    total, x_train = len(idx), data.x_train
+    stored = isinstance(x_train, Samples)
+    if start is not None:
+        per_sample = max(1, int(np.prod(x_train.shape[1:])) * 4)
+        idx = idx[start : start + max(1, SHARD_CHUNK_BYTES // per_sample)]
+    arrays = {"y": np.ascontiguousarray(data.y_train[idx], dtype=np.int64)}
+    if raw and stored:
+        arrays["x"] = x_train.raw(idx)
+        if x_train.mean is not None and x_train.std is not None:
+            arrays.update(mean=x_train.mean, std=x_train.std)
+    else:
+        arrays["x"] = np.ascontiguousarray(x_train[idx], dtype=np.float32)
     buf = io.BytesIO()
-    np.savez(buf, x=np.ascontiguousarray(data.x_train[idx], dtype=np.float32),
-             y=np.ascontiguousarray(data.y_train[idx], dtype=np.int64))
-    return buf.getvalue()
+    np.savez(buf, **arrays)
+    return ShardChunk(buf.getvalue(), total)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-import hashlib
 import os
+import shutil
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +16,8 @@ from sqlalchemy.orm import Session
 
 from api.errors import Conflict, Invalid
 from api.store.models import Dataset
-from engine.data import NAME_RE, DatasetError, validate_npz
+from engine.data import NAME_RE, DatasetError
+from engine.upload import validate_file
 
 BUILTIN = ("digits",)
 
@@ -31,37 +34,47 @@ def check_free(session: Session, name: str) -> None:
         raise Conflict(f"dataset {name!r} already exists")
 
 
-def validate_upload(data: bytes, max_bytes: int) -> Any:
+@contextmanager
+def staging(data_dir: Path, name: str) -> Iterator[Path]:
+    """A folder to unpack an upload into, beside the datasets (one rename publishes it);
+    removed unless `store_dataset` moved it into place."""
+    folder = data_dir / "datasets"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f".{name}.{uuid.uuid4().hex}.unpack"  # one per upload, even in one process
     try:
-        return validate_npz(data, max_bytes)
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def validate_upload(source: Path, staged: Path, max_bytes: int) -> Any:
+    """The .npz at `source` unpacked into `staged` and checked there, block by block."""
+    try:
+        return validate_file(source, staged, max_bytes)
     except DatasetError as exc:
         raise Invalid("file", str(exc)) from exc
 
 
-def store_dataset(session: Session, name: str, data: bytes, dataset: Any, data_dir: Path
-                  ) -> Dataset:
-    """Claim the name with the row first, then write the file atomically; the caller's commit
-    publishes both. A duplicate name is 409 and writes nothing: of two uploads of one name at
-    once, the second waits at the row's insert until the first commits, then loses there,
-    before touching the file."""
+def store_dataset(session: Session, name: str, staged: Path, dataset: Any, data_dir: Path,
+                  *, sha256: str, size: int) -> Dataset:
+    """Claim the name with the row first, then move the unpacked folder into place; the
+    caller's commit publishes both. A duplicate name is 409 and moves nothing: of two uploads
+    of one name at once, the second waits at the row's insert until the first commits, then
+    loses there, before touching the folder."""
     check_free(session, name)
-    folder = data_dir / "datasets"
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"{name}.npz"  # a file without a row is a failed earlier upload: replaced
+    path = data_dir / "datasets" / name
     row = Dataset(name=name, path=str(path), n_samples=len(dataset.y_train),
                   input_shape=list(dataset.input_shape), num_classes=dataset.num_classes,
-                  sha256=hashlib.sha256(data).hexdigest(), size_bytes=len(data))
+                  sha256=sha256, size_bytes=size)
     session.add(row)
     try:
         session.flush()
     except IntegrityError:
         raise Conflict(f"dataset {name!r} already exists") from None
-    tmp = folder / f".{name}.{uuid.uuid4().hex}.tmp"  # one per upload, even in one process
-    try:
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    # a folder or file without a row is a failed earlier upload: replaced
+    shutil.rmtree(path, ignore_errors=True)
+    path.with_name(f"{name}.npz").unlink(missing_ok=True)
+    os.replace(staged, path)
     return row
 
 

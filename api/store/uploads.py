@@ -5,8 +5,8 @@ The protocol (docs/api.md): `POST /v1/datasets/uploads {name, size, sha256}` ope
 stands (else 409 naming the offset to resume from); `GET /v1/datasets/uploads/{id}` says where
 it stands; `POST /v1/datasets/uploads/{id}/complete` checks the size and the SHA-256, validates
 the .npz and stores it as a dataset. The parts live on disk under `<data_dir>/uploads/` (shared
-by the replicas, as the datasets are), never in a process's memory until completion; an upload
-is its opener's only, and one left alone for UPLOAD_TTL_S is dropped at the next open.
+by the replicas, as the datasets are), never whole in a process's memory (completion hashes
+and unpacks them in blocks); an upload is its opener's only, and one left alone for UPLOAD_TTL_S is dropped at the next open.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from api.errors import Conflict, Invalid, NotFound, PayloadTooLarge
 from api.store.tokens import Principal
 
 CHUNK_MAX_BYTES = 8 * 1024 * 1024
+HASH_BLOCK = 8 * 1024 * 1024
 UPLOAD_TTL_S = 24 * 3600
 OPEN_PER_OWNER = 4  # uploads one token may have open at once (each may hold the upload limit)
 _ID = re.compile(r"^upl-[0-9a-f]{32}\Z")
@@ -104,17 +105,22 @@ def append(data_dir: Path, upload: Upload, offset: int, chunk: bytes) -> int:
         return at + len(chunk)
 
 
-def assembled(data_dir: Path, upload: Upload) -> bytes:
-    """The whole file, once every byte is there and its SHA-256 is the one announced."""
+def assembled(data_dir: Path, upload: Upload) -> Path:
+    """The file's path, once every byte is there and its SHA-256 (read in blocks) is the one
+    announced."""
     _, part = _paths(data_dir, upload.id)
-    data = part.read_bytes()
-    if len(data) != upload.size:
-        raise Conflict(f"the upload holds {len(data)} of {upload.size} bytes: send the rest first")
-    if hashlib.sha256(data).hexdigest() != upload.sha256:
+    size = part.stat().st_size if part.exists() else 0
+    if size != upload.size:
+        raise Conflict(f"the upload holds {size} of {upload.size} bytes: send the rest first")
+    digest = hashlib.sha256()
+    with part.open("rb") as fh:
+        while block := fh.read(HASH_BLOCK):
+            digest.update(block)
+    if digest.hexdigest() != upload.sha256:
         close(data_dir, upload.id)  # cannot be mended by sending more: start again
         raise Invalid("sha256", "the bytes received do not have the SHA-256 announced: "
                       "open a new upload")
-    return data
+    return part
 
 
 def _read(meta: Path) -> Upload | None:

@@ -604,7 +604,8 @@ def _dataset_table(items: list[dict[str, Any]]) -> Any:
     return table
 
 
-def upload_with_progress(client: PhalanxClient, name: str, data: bytes) -> dict[str, Any]:
+def upload_with_progress(client: PhalanxClient, name: str, data: bytes | Path
+                         ) -> dict[str, Any]:
     """A resumable upload (it survives a dropped connection) with a bar of the bytes sent."""
     from rich.progress import (
         BarColumn,
@@ -616,7 +617,8 @@ def upload_with_progress(client: PhalanxClient, name: str, data: bytes) -> dict[
 
     with Progress(TextColumn("uploading {task.description}"), BarColumn(), DownloadColumn(),
                   TransferSpeedColumn(), console=out, transient=True) as bar:
-        task = bar.add_task(name, total=len(data))
+        task = bar.add_task(name, total=len(data) if isinstance(data, bytes)
+                            else data.stat().st_size)
         return client.upload_resumable(name, data,
                                        on_progress=lambda sent: bar.update(task, completed=sent))
 
@@ -639,16 +641,15 @@ def datasets_upload(
     """Upload an .npz (x: samples, y: integer labels)."""
     import numpy as np
 
-    try:
-        data = file.read_bytes()
-        with np.load(io.BytesIO(data), allow_pickle=False) as npz:
+    try:  # the archive's index only: the file is sent a chunk at a time
+        with np.load(file, allow_pickle=False) as npz:
             missing = {"x", "y"} - set(npz.files)
     except (OSError, ValueError) as exc:
         fail(f"{file}: not a readable .npz ({exc})")
     if missing:
         fail(f"{file}: missing array(s) {', '.join(sorted(missing))}; need x and y")
     with connect(server, token) as client:
-        created = upload_with_progress(client, name or file.stem, data)
+        created = upload_with_progress(client, name or file.stem, file)
     if output is Output.json:
         emit(created, output, describe)
     else:

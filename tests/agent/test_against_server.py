@@ -4,6 +4,7 @@ and training a job end to end."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
@@ -14,8 +15,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
 
+from phalanx.train_local import run_reference
 from tests.agent import live, phone
 from tests.agent.helpers import REPO, agent_process
 from tests.agent.live import ADMIN_TOKEN, SERVER_ENV, live_server
@@ -117,15 +120,27 @@ def test_a_real_job_trains_on_the_agent(server: LiveServer, tmp_path: Path, cool
     device_id = enroll(server, home, cool_phone)
     log = tmp_path / "agent.log"
     proc = agent_process(home / "config.json", cool_phone, log)
-    # the user's own layer graph: placed only on agents that say they build one ("custom")
+    # the user's own layer graph (placed only on agents that say they build one: "custom"),
+    # on the user's own images: uint8 with per-channel mean and std, which the server keeps on
+    # disk and the agent fetches as stored, in chunks, and normalizes itself
     own = [{"type": "flatten"}, {"type": "dense", "units": 10}]
-    spec = {"name": "digits-own", "model": {"layers": own}, "dataset": "digits",
-            "global_batch_size": 256, "shards": 4, "epochs": 1, "seed": 0,
+    rng = np.random.default_rng(2)
+    labels = np.arange(600) % 10
+    images = np.clip(labels[:, None, None, None] * 20 + rng.integers(0, 60, (600, 3, 6, 6)),
+                     0, 255).astype(np.uint8)
+    buf = io.BytesIO()
+    np.savez(buf, x=images, y=labels, mean=np.array([0.4, 0.45, 0.5]),
+             std=np.array([0.25, 0.2, 0.3]))
+    spec = {"name": "images-own", "model": {"layers": own}, "dataset": f"imgs-{device_id}",
+            "global_batch_size": 96, "shards": 4, "epochs": 1, "seed": 0,
             "placement": {"min_devices": 1, "max_devices": 1}}  # 5 steps
     try:
         wait_for("Ready", lambda: device(server, device_id)["state"] == "Ready",
                  on_fail=log.read_text)
         with server.client() as c:
+            up = c.post("/v1/datasets", data={"name": spec["dataset"]},
+                        files={"file": ("imgs.npz", buf.getvalue(), "application/octet-stream")})
+            assert up.status_code == 201, up.text
             job = c.post("/v1/jobs", json=spec)
             assert job.status_code == 201, job.text
             job_id = job.json()["id"]
@@ -139,6 +154,8 @@ def test_a_real_job_trains_on_the_agent(server: LiveServer, tmp_path: Path, cool
             on_fail=lambda: log.read_text() + server.log()[-3000:])
         assert done["state"] == "Succeeded", done
         assert done["step"] == done["total_steps"] > 0
+        ref = run_reference(spec, None, progress=False, data_dir=server.env["PHALANX_DATA_DIR"])
+        assert done["metrics"]["train_loss"] == pytest.approx(ref["train_loss"], rel=1e-5)
         profile = wait_for("the measured profile on the device",
                            lambda: device(server, device_id)["profiles"].get("custom"))
         assert profile["samples_per_s"] > 0 and profile["backend"] == "numpy"

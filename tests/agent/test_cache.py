@@ -24,9 +24,9 @@ def test_shard_files_are_bounded_least_recently_used_first(tmp_path: Path) -> No
     fetched: list[int] = []
 
     def get(k: int) -> Path:
-        def fetch() -> bytes:
+        def fetch(start: int) -> tuple[bytes, int | None]:
             fetched.append(k)
-            return _npz(100)
+            return _npz(100), None  # a server before chunks: the whole shard at once
         return cache.shard("job-a", k, fetch)
 
     for k, when in zip(range(4), (100, 200, 300, 400)):
@@ -43,9 +43,36 @@ def test_shard_files_are_bounded_least_recently_used_first(tmp_path: Path) -> No
 def test_the_shards_a_step_needs_stay_even_past_the_bound(tmp_path: Path) -> None:
     cache = WorkCache(tmp_path / "cache", max_shard_bytes=1)
     for k in range(3):
-        cache.shard("job-b", k, lambda: _npz(10))
+        cache.shard("job-b", k, lambda start: (_npz(10), 10))
     assert cache.evict("job-b", keep={0, 1, 2}) == []
     assert len(list(cache.job_dir("job-b").glob("shard-*"))) == 3
+
+
+def test_a_shard_fetched_in_chunks_is_one_file_of_its_stored_samples(tmp_path: Path) -> None:
+    """Chunks of uint8 samples with their mean and std become one .npz; the engine reads it
+    as the float32 the control plane would have sent (engine.stored.normalize)."""
+    from engine.runner import shard_arrays
+    from engine.stored import normalize
+
+    x = np.random.default_rng(0).integers(0, 256, (23, 3, 4, 4), dtype=np.uint8)
+    y = np.arange(23) % 5
+    mean = np.full((1, 3, 1, 1), 0.5, np.float32)
+    std = np.full((1, 3, 1, 1), 0.25, np.float32)
+    asked: list[int] = []
+
+    def fetch(start: int) -> tuple[bytes, int | None]:
+        asked.append(start)
+        buf = io.BytesIO()
+        np.savez(buf, x=x[start : start + 5], y=y[start : start + 5], mean=mean, std=std)
+        return buf.getvalue(), len(y)
+
+    path = WorkCache(tmp_path / "cache").shard("job-c", 0, fetch)
+    assert asked == [0, 5, 10, 15, 20]
+    with np.load(path) as npz:
+        assert npz["x"].dtype == np.uint8 and np.array_equal(npz["x"], x)
+    xs, ys = shard_arrays(str(path))
+    assert np.array_equal(xs, normalize(x, mean, std)) and np.array_equal(ys, y)
+    assert not list(path.parent.glob(".*.tmp"))
 
 
 def test_shipped_log_lines_fit_one_request_newest_first_kept() -> None:

@@ -58,18 +58,42 @@ def test_unknown_or_malformed_names_raise_dataset_error(name, tmp_path):
         dataset_info(name, tmp_path)
 
 
-def test_an_upload_stored_by_the_api_is_found_listed_and_split(tmp_path):
+def test_an_upload_left_as_npz_by_an_earlier_version_is_unpacked_listed_and_split(tmp_path):
     x = np.random.default_rng(0).integers(0, 256, (50, 6, 6), dtype=np.uint8)
     y = np.arange(50) % 3
     path = upload_path("my-set", tmp_path)
-    assert path == tmp_path / "datasets" / "my-set.npz"
+    assert path == tmp_path / "datasets" / "my-set"
     path.parent.mkdir()
-    path.write_bytes(_npz(x=x, y=y))
+    path.with_name("my-set.npz").write_bytes(_npz(x=x, y=y))
     d = load_dataset("my-set", tmp_path)
+    assert (path / "x.npy").is_file()  # unpacked once, read from there on
     assert d.input_shape == (1, 6, 6) and d.num_classes == 3 and d.name == "my-set"
     assert (len(d.y_train), len(d.y_val)) == (40, 10)
-    assert d.x_train.max() <= 1.0  # uint8 scaled to [0, 1]
+    assert d.x_train[:].max() <= 1.0  # uint8 scaled to [0, 1]
     assert [i.name for i in list_datasets(tmp_path)] == ["digits", "my-set"]
+
+
+def test_stored_features_are_read_per_row_and_equal_the_whole_array_normalized(tmp_path):
+    """Out of core: x stays on disk (Samples); any rows read equal the in-memory rule applied
+    to the whole array (uint8 / 255, channel axis, per-channel mean and std), bit for bit."""
+    rng = np.random.default_rng(1)
+    x = rng.integers(0, 256, (60, 3, 4, 4), dtype=np.uint8)
+    y = np.arange(60) % 4
+    mean, std = np.array([0.5, 0.4, 0.3]), np.array([0.2, 0.25, 0.3])
+    path = upload_path("imgs", tmp_path)
+    path.parent.mkdir()
+    path.with_name("imgs.npz").write_bytes(_npz(x=x, y=y, mean=mean, std=std))
+    d = load_dataset("imgs", tmp_path)
+    assert not isinstance(d.x_train, np.ndarray) and d.x_train.shape == (48, 3, 4, 4)
+    whole = ((x.astype(np.float32) / 255.0).astype(np.float32)
+             - mean.astype(np.float32).reshape(1, 3, 1, 1)) / std.astype(np.float32).reshape(
+                 1, 3, 1, 1)
+    perm = np.random.default_rng(0).permutation(60)  # the seeded 80/20 split
+    rows = np.array([7, 0, 31, 7, 47])
+    assert np.array_equal(d.x_train[rows], whole[perm[12:]][rows])
+    assert np.array_equal(d.x_val[2:9], whole[perm[:12]][2:9])
+    assert np.array_equal(np.asarray(d.x_val), whole[perm[:12]])
+    assert np.array_equal(d.y_train, y[perm[12:]])
 
 
 def test_an_upload_with_its_own_validation_split_and_flat_features():

@@ -312,3 +312,45 @@ def test_weights_lost_with_the_hot_state_are_503_retry_after_until_restored(
     assert r.status_code == 200
     step, params, _ = decode_weights(r.content, expect_job=job_id)
     assert step == 0 and params.size > 0
+
+
+def test_a_phone_gets_an_uploaded_shard_in_chunks_as_stored_and_reads_the_same_samples(
+        app_client: TestClient, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An upload of uint8 images with mean and std: the server reads the shard from disk a
+    chunk at a time and sends it as stored (a quarter of float32's bytes); the phone's cache
+    joins the chunks into one file, and the engine reads from it exactly the float32 samples
+    the whole-shard answer of an older agent holds."""
+    from agent.runtime.cache import WorkCache
+    from api.steps import protocol
+    from engine.runner import shard_arrays
+
+    rng = np.random.default_rng(4)
+    buf = io.BytesIO()
+    np.savez(buf, x=rng.integers(0, 256, (200, 3, 4, 4), dtype=np.uint8),
+             y=np.arange(200) % 3, mean=np.array([0.4, 0.5, 0.6]), std=np.array([0.2, 0.3, 0.4]))
+    up = app_client.post("/v1/datasets", data={"name": "imgs"}, headers=admin(app_client),
+                         files={"file": ("imgs.npz", buf.getvalue(), "application/octet-stream")})
+    assert up.status_code == 201, up.text
+    job_id, [(dev, hdr), _] = running_job(app_client, dataset="imgs")
+    mine = shards_of(job_id, dev)[0]
+    url = f"/v1/jobs/{job_id}/shards/{mine}/data"
+    whole = app_client.get(url, headers=hdr)  # an agent before chunks: float32, normalized
+    monkeypatch.setattr(protocol, "SHARD_CHUNK_BYTES", 5 * 3 * 4 * 4 * 4)  # 5 samples a chunk
+    asked: list[int] = []
+
+    def fetch(start: int) -> tuple[bytes, int | None]:
+        asked.append(start)
+        r = app_client.get(url, params={"start": start, "encoding": "raw"}, headers=hdr)
+        assert r.status_code == 200, r.text
+        return r.content, int(r.headers["x-phalanx-shard-samples"])
+
+    path = WorkCache(tmp_path / "phone").shard(job_id, mine, fetch)
+    with np.load(io.BytesIO(whole.content)) as arrays:
+        n = len(arrays["y"])
+        assert arrays["x"].dtype == np.float32
+        xs, ys = shard_arrays(str(path))
+        np.testing.assert_array_equal(xs, arrays["x"])
+        np.testing.assert_array_equal(ys, arrays["y"])
+    assert asked == list(range(0, n, 5)) and n > 5
+    with np.load(path) as stored:
+        assert stored["x"].dtype == np.uint8
