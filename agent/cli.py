@@ -18,7 +18,7 @@ from agent.client import Client, ClientError, StatusError
 from agent.config import AgentConfig, ConfigError, resolve_path, save
 from agent.hardware import collect_spec
 from agent.probes import Probes
-from agent.slots import HOME_ENV
+from agent.slots import HOME_ENV, Slots
 
 EXIT_STOPPED = 3  # token revoked / device deleted: re-enroll, do not just restart
 
@@ -85,7 +85,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_install_launcher(args: argparse.Namespace) -> int:
-    """Copy this agent's launch.sh to the agent home (where runit's run script finds it)."""
+    """Copy this agent's launch.sh to the agent home (where runit's run script finds it), and
+    forget any upgraded slot: after a (re)install, the installed agent runs."""
     home = Path(args.home).expanduser() if args.home else Path(os.environ.get(
         HOME_ENV, "~/.local/share/phalanx-agent")).expanduser()
     home.mkdir(parents=True, exist_ok=True)
@@ -94,6 +95,7 @@ def cmd_install_launcher(args: argparse.Namespace) -> int:
     tmp.write_bytes((Path(__file__).resolve().parent / "launch.sh").read_bytes())
     tmp.chmod(0o755)
     os.replace(tmp, target)
+    Slots(home).reset()  # a fresh install runs the agent just installed, not an old slot
     print(target)
     return 0
 

@@ -39,6 +39,11 @@ class UpgradeError(Exception):
     """The build cannot be installed; the message says why (reported to the server)."""
 
 
+class NotNow(Exception):
+    """This build could not be installed this time (another build served by the replica that
+    answered, a full disk): asked again with the next heartbeat, not reported."""
+
+
 def slot_name(version: str, sha256: str) -> str:
     name = f"{version}-{sha256[:8]}"
     if not SLOT_NAME.match(name):
@@ -87,8 +92,8 @@ class Slots:
                                f"{MAX_ARCHIVE_BYTES:,} an agent accepts")
         got = hashlib.sha256(archive).hexdigest()
         if got != sha256:
-            raise UpgradeError(f"archive has sha256 {got}, not the {sha256} the rollout pins "
-                               "(a replica serving another build?)")
+            raise NotNow(f"archive has sha256 {got}, not the {sha256} the rollout pins "
+                         "(a replica serving another build, mid-deploy?)")
         name = slot_name(version, sha256)
         slots = self.home / "slots"
         slots.mkdir(parents=True, exist_ok=True)
@@ -116,11 +121,17 @@ class Slots:
         (self.home / "trial").unlink(missing_ok=True)
         return True
 
-    def take_rollback(self) -> str | None:
-        """The slot launch.sh gave up on (once), or None."""
-        name = self._read("rolled_back")
+    def rolled_back(self) -> str | None:
+        """The slot launch.sh gave up on, until `reported`."""
+        return self._read("rolled_back") or None
+
+    def reported(self) -> None:
         (self.home / "rolled_back").unlink(missing_ok=True)
-        return name or None
+
+    def reset(self) -> None:
+        """Back to the installed agent: what a fresh install.sh means."""
+        for name in ("current", "previous", "trial", "rolled_back"):
+            (self.home / name).unlink(missing_ok=True)
 
     def prune(self, keep: set[str]) -> None:
         """Drop the slots neither current nor previous (a phone's storage is small)."""
@@ -160,8 +171,10 @@ def unpack(archive: bytes, dest: Path) -> str:
                 source = tar.extractfile(member)
                 assert source is not None
                 out.write_bytes(source.read())
-    except (tarfile.TarError, OSError, EOFError) as exc:
+    except (tarfile.TarError, EOFError) as exc:
         raise UpgradeError(f"archive cannot be unpacked: {exc}") from None
+    except OSError as exc:  # the phone's storage, this time
+        raise NotNow(f"archive not unpacked: {exc}") from None
     init = dest / "agent" / "__init__.py"
     missing = [p for p in PACKAGES if not (dest / p / "__init__.py").is_file()]
     if missing:

@@ -31,6 +31,7 @@ MAX_CLASSES = 65536
 SPLIT_SEED = 0
 COPY_BLOCK = 8 << 20
 CHECK_BLOCK_BYTES = 64 << 20  # rows read at once while checking a stored array
+DISK_MARGIN = 1 << 30  # what an unpacked upload leaves free on the server's disk
 
 
 # -- the rule -----------------------------------------------------------------------------------
@@ -117,23 +118,24 @@ class StoredArray:
 
     def read(self, path: Path, rows: np.ndarray) -> np.ndarray:
         """These rows (any order, repeats allowed); a run of consecutive rows in one read."""
+        rows = np.asarray(rows, dtype=np.int64)
         out = np.empty((len(rows), *self.row_shape), self.dtype)
         if not len(rows):
             return out
         size = out[0].nbytes
         flat = memoryview(out.reshape(len(rows), -1).view(np.uint8)).cast("B")
+        breaks = np.flatnonzero(np.diff(rows) != 1) + 1  # where a run of consecutive rows ends
+        starts, ends = np.concatenate(([0], breaks)), np.concatenate((breaks, [len(rows)]))
         fd = os.open(path, os.O_RDONLY)
         try:
-            start = 0
-            while start < len(rows):  # the longest run rows[start:end] of consecutive rows
-                end = start + 1
-                while end < len(rows) and rows[end] == rows[end - 1] + 1:
-                    end += 1
-                want, at = (end - start) * size, self.offset + int(rows[start]) * size
-                got = os.preadv(fd, [flat[start * size : end * size]], at)
-                if got != want:
-                    raise DatasetError(f"{path.name} is shorter than its header says")
-                start = end
+            for start, end in zip(starts.tolist(), ends.tolist()):
+                view = flat[start * size : end * size]
+                at = self.offset + int(rows[start]) * size
+                while len(view):  # a read returns at most ~2 GiB: go on where it stopped
+                    got = os.preadv(fd, [view], at)
+                    if got <= 0:
+                        raise DatasetError(f"{path.name} is shorter than its header says")
+                    view, at = view[got:], at + got
         finally:
             os.close(fd)
         return out
@@ -229,6 +231,10 @@ def unpack_npz(source: Path, dest: Path, max_bytes: int) -> None:
             if dest.exists():
                 shutil.rmtree(dest)
             dest.mkdir(parents=True)
+            free = shutil.disk_usage(dest).free
+            if unpacked + DISK_MARGIN > free:
+                raise DatasetError(f"arrays unpack to {unpacked:,} bytes and the server's "
+                                   f"disk has {free:,} free: ask its operator for room")
             for member, key in zip(members, keys):
                 with zf.open(member) as src, (dest / f"{key}.npy").open("wb") as out:
                     copied = 0
@@ -237,10 +243,33 @@ def unpack_npz(source: Path, dest: Path, max_bytes: int) -> None:
                         if copied > member.file_size:  # the header lied
                             raise DatasetError(f"{key} unpacks past its stated size")
                         out.write(block)
+                _c_order(dest / f"{key}.npy")
+    except DatasetError:
+        raise
     except zipfile.BadZipFile:
         raise DatasetError("not an .npz file (expected a zip archive of .npy arrays)") from None
-    except (OSError, EOFError, zipfile.LargeZipFile, NotImplementedError) as exc:
+    except (OSError, EOFError, zipfile.LargeZipFile, NotImplementedError, RuntimeError,
+            ValueError) as exc:  # RuntimeError: an encrypted member
         raise DatasetError(f"unreadable .npz: {exc}") from None
+
+
+def _c_order(path: Path) -> None:
+    """A Fortran-ordered array rewritten in C order (rows contiguous, as reads want them), in
+    blocks of rows; others are left as they are."""
+    try:
+        src = np.load(path, mmap_mode="r", allow_pickle=False)
+    except ValueError:
+        return  # objects: refused when the folder is opened, with the reason
+    if src.flags.c_contiguous or src.ndim < 2:
+        return
+    tmp = path.with_suffix(".c.npy")
+    out = np.lib.format.open_memmap(tmp, mode="w+", dtype=src.dtype, shape=src.shape)
+    rows = max(1, CHECK_BLOCK_BYTES // max(1, src[0].nbytes))
+    for start in range(0, len(src), rows):
+        out[start : start + rows] = src[start : start + rows]
+    out.flush()
+    del out, src
+    os.replace(tmp, path)
 
 
 def _stored(folder: Path, key: str) -> np.memmap | None:
@@ -260,13 +289,14 @@ def _small(folder: Path, key: str) -> np.ndarray | None:
     return None if stored is None else np.array(stored)
 
 
-def _check_features(folder: Path, key: str) -> tuple[int, tuple[int, int, int]]:
+def _check_features(folder: Path, key: str, scan: bool = True
+                    ) -> tuple[int, tuple[int, int, int]]:
     x = _stored(folder, key)
     assert x is not None
     check_feature_dtype(x.dtype, x.shape, key)
     count, shape, kind = int(x.shape[0]), sample_shape(x.shape), x.dtype.kind
     del x
-    if kind == "f":
+    if kind == "f" and scan:
         path = folder / f"{key}.npy"
         view = Samples(path, count, shape, StoredArray.of(path))
         per_block = max(1, CHECK_BLOCK_BYTES // max(1, 4 * int(np.prod(shape))))
@@ -275,6 +305,9 @@ def _check_features(folder: Path, key: str) -> tuple[int, tuple[int, int, int]]:
                 raise DatasetError(f"{key} has NaN or infinite values (or values beyond "
                                    "float32)")
     return count, shape
+
+
+CHECKED = ".checked"  # written once the upload's arrays were scanned: not scanned again
 
 
 def open_folder(folder: Path, name: str = "") -> Dataset:
@@ -289,7 +322,8 @@ def open_folder(folder: Path, name: str = "") -> Dataset:
 @functools.lru_cache(maxsize=16)
 def _open(folder_s: str, mtime_ns: int, size: int, name: str) -> Dataset:
     folder = Path(folder_s)
-    n, shape = _check_features(folder, "x")
+    scan = not (folder / CHECKED).is_file()  # every value finite: checked once, at upload
+    n, shape = _check_features(folder, "x", scan)
     y_all = _small(folder, "y")
     assert y_all is not None
     y_all = check_labels(y_all, "y", n)
@@ -304,7 +338,7 @@ def _open(folder_s: str, mtime_ns: int, size: int, name: str) -> Dataset:
         mean, std = moments(mean_std[0], mean_std[1], shape[0])
     x_path = folder / "x.npy"
     if has_val[0]:
-        n_val, val_shape = _check_features(folder, "x_val")
+        n_val, val_shape = _check_features(folder, "x_val", scan)
         if val_shape != shape:
             raise DatasetError(f"x_val samples have shape {val_shape}, x has {shape}")
         y_val_raw = _small(folder, "y_val")
@@ -325,4 +359,12 @@ def _open(folder_s: str, mtime_ns: int, size: int, name: str) -> Dataset:
     k = int(max(y_train.max() if len(y_train) else 0, y_val.max() if len(y_val) else 0)) + 1
     if k < 2:
         raise DatasetError("y has a single class: labels must span at least 2 classes")
+    if scan:
+        (folder / CHECKED).write_text("every array checked\n")
     return Dataset(x_train, y_train, x_val, y_val, shape, k, name)  # type: ignore[arg-type]
+
+
+def check_folder(folder: Path) -> Dataset:
+    """Check an unpacked upload (not kept in the cache: it is about to move)."""
+    stat = (folder / "x.npy").stat()
+    return _open.__wrapped__(str(folder), stat.st_mtime_ns, stat.st_size, "")

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from engine.dataset import Dataset, DatasetError
-from engine.stored import open_folder, unpack_npz
+from engine.stored import check_folder, unpack_npz
 
 
 def validate_file(source: Path, dest: Path, max_bytes: int) -> Dataset:
@@ -28,7 +28,7 @@ def validate_file(source: Path, dest: Path, max_bytes: int) -> Dataset:
     if size > max_bytes:
         raise DatasetError(f"file is {size} bytes, over the limit of {max_bytes}")
     unpack_npz(source, dest, max_bytes)
-    return open_folder(dest)
+    return check_folder(dest)
 
 
 def validate_npz(data: bytes, max_bytes: int) -> Dataset:

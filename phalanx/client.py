@@ -77,6 +77,7 @@ def config_path() -> Path:
 
 
 DEFAULT_CONTEXT = "default"
+COMPLETE_TIMEOUT_S = 3600.0  # completing an upload: hashing and unpacking a file of GiBs
 
 
 @dataclass
@@ -415,7 +416,8 @@ class PhalanxClient:
             offset = retrying(send_next)
             if on_progress is not None:
                 on_progress(offset)
-        return self.json("POST", f"{base}/complete")
+        # the server hashes, unpacks and checks the whole file in this request
+        return self.json("POST", f"{base}/complete", timeout=COMPLETE_TIMEOUT_S)
 
     def upload_dataset(self, name: str, data: bytes) -> dict[str, Any]:
         files = {"file": (f"{name}.npz", data, "application/octet-stream")}

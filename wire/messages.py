@@ -112,6 +112,15 @@ def encode_results_parts(job_id: str, step: int, results: list[ShardResult],
     """The results message as consecutive byte views (prefix and header, then each array as
     it is in memory), for a writer or a socket that takes them in order: a model-sized
     message is never copied into one buffer first. `b"".join` of them is `encode_results`."""
+    entries, chunks = results_payload(results, dtype)
+    return join_results_parts(job_id, step, dtype, int(results[0].grad_sum.size),
+                              int(results[0].stats.size), entries, chunks)
+
+
+def results_payload(results: list[ShardResult], dtype: str = "float32"
+                    ) -> tuple[list[dict[str, Any]], list[np.ndarray]]:
+    """Each shard's header entry, and its arrays as the message carries them (gradient in
+    `dtype`, then stats), in the order given: a shard's arrays are one contiguous segment."""
     if dtype not in _DTYPES:
         raise WireError(f"dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}")
     if not results:
@@ -136,8 +145,23 @@ def encode_results_parts(job_id: str, step: int, results: list[ShardResult],
         chunks += [grad, _f32(r.stats)]
         shards.append({"shard": int(r.shard), "loss_sum": float(r.loss_sum),
                        "correct": int(r.correct), "count": int(r.count)})
+    return shards, chunks
+
+
+def segment_bytes(dtype: str, n_params: int, n_stats: int) -> int:
+    """The bytes of one shard's arrays in a results message."""
+    return _DTYPES[dtype].itemsize * n_params + 4 * n_stats
+
+
+def join_results_parts(job_id: str, step: int, dtype: str, n_params: int, n_stats: int,
+                       entries: list[dict[str, Any]], chunks: list[Any]) -> list[memoryview]:
+    """A results message from shards' entries and their arrays' bytes in the same order (as
+    `results_payload` gives them, or byte segments another process wrote): no array is
+    decoded or copied."""
+    if dtype not in _DTYPES:
+        raise WireError(f"dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}")
     header = {"kind": "results", "job": job_id, "step": int(step), "dtype": dtype,
-              "n_params": n_params, "n_stats": n_stats, "shards": shards}
+              "n_params": int(n_params), "n_stats": int(n_stats), "shards": entries}
     return _pack_parts(header, chunks)
 
 

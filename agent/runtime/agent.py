@@ -129,8 +129,11 @@ class AgentRuntime:
             archs, CUSTOM = tuple(ARCHS), "custom"
         # `custom`: this agent builds a job's own layer graph (an older one never says so);
         # `features`: what it computes beyond an arch (scheduler.policy.types.job_features)
+        # `self_upgrade`: started by launch.sh, it can install a rollout and roll it back
+        # (an agent started otherwise, or older, is never told to upgrade)
+        upgrade = ["self_upgrade"] if self.upgrader.slots is not None else []
         return {"backends": self.backends, "archs": [*archs, CUSTOM],
-                "features": list(FEATURES)}
+                "features": [*FEATURES, *upgrade]}
 
     def run(self, stop: threading.Event | None = None, shutdown_grace_s: float = 5.0) -> None:
         """Run until `stop` is set; raises AgentStopped if the control plane cut us off.

@@ -11,8 +11,8 @@ from collections.abc import Callable
 from typing import Any
 
 from agent import __version__
-from agent.client import Client, ClientError
-from agent.slots import MAX_ARCHIVE_BYTES, Slots, UpgradeError
+from agent.client import Client, ClientError, StatusError
+from agent.slots import MAX_ARCHIVE_BYTES, NotNow, Slots, UpgradeError
 
 log = logging.getLogger(__name__)
 NO_LAUNCHER = ("this agent was not started by launch.sh (PHALANX_AGENT_HOME unset): nothing "
@@ -26,14 +26,16 @@ class Upgrader:
         self.reports: list[tuple[str, str, str]] = []  # (version, outcome, detail) to send
         self.reported: set[str] = set()  # versions this process reported: not tried again
         self.restart_for: str | None = None
+        self.rollback_pending = False
         if slots is not None:
-            rolled = slots.take_rollback()
+            rolled = slots.rolled_back()
             if rolled:
                 version = rolled.rsplit("-", 1)[0]
                 log.warning("agent %s did not start (rolled back by launch.sh); running %s",
                             version, __version__)
                 self._report(version, "rolled_back", f"the new agent did not reach the server "
                              f"in its first starts; {__version__} runs again")
+                self.rollback_pending = True  # the marker goes once the server has it
 
     def _report(self, version: str, outcome: str, detail: str) -> None:
         self.reports.append((version, outcome, detail))
@@ -48,10 +50,17 @@ class Upgrader:
             version, outcome, detail = self.reports[0]
             try:
                 self.client.report_upgrade(self.device_id, version, outcome, detail)
+            except StatusError as exc:
+                if exc.status >= 500 or exc.status == 429:
+                    log.warning("could not report the failed upgrade to %s: %s", version, exc)
+                    return
+                log.error("the server refused the report of %s: %s", version, exc)  # dropped
             except ClientError as exc:
                 log.warning("could not report the failed upgrade to %s: %s", version, exc)
                 return
             self.reports.pop(0)
+            if outcome == "rolled_back" and self.slots is not None:
+                self.slots.reported()
 
     def handle(self, cmd: dict[str, Any], stop: threading.Event) -> None:
         """An `upgrade` command: install the build and stop this agent (runit restarts it)."""
@@ -75,7 +84,7 @@ class Upgrader:
             log.error("cannot upgrade to %s: %s", version, exc)
             self._report(version, "failed", str(exc))
             return
-        except (ClientError, OSError) as exc:  # the server or the disk, this time
+        except (NotNow, ClientError, OSError) as exc:  # the server or the disk, this time
             log.warning("upgrade to %s not installed this time (%s): asked again", version, exc)
             return
         log.info("agent %s installed in slot %s: restarting into it", version, slot)

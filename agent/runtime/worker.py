@@ -28,6 +28,7 @@ import os
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -114,50 +115,68 @@ class Engine:
         return shard_gradient(self._job, params, buffers, x, y, req["step"], shard,
                               backend=self.backend)
 
-    def compute_all(self, req: dict[str, Any], ordered: list[tuple[int, str]]) -> list[Any]:
-        """Each (shard, data path)'s result, in the given order; up to `side_by_side` at once:
-        every side_by_side-th pair here, the others in the helpers."""
+    def compute_all(self, req: dict[str, Any], ordered: list[tuple[int, str]],
+                    dtype: str) -> Computed:
+        """Each (shard, data path)'s result, in the given order, as the results message
+        carries it in `dtype`; up to `side_by_side` at once: every side_by_side-th pair here,
+        the others in the helpers, which send back their shards' bytes, not arrays."""
+        from wire.messages import results_payload
+
         n = self.side_by_side
         if self._pool is None or len(ordered) < 2:
-            return [self.compute(req, k, p) for k, p in ordered]
+            return Computed.of([self.compute(req, k, p) for k, p in ordered], dtype)
         while len(self._helpers) < n - 1:  # a helper inherits this worker's CPU affinity
             self._helpers.append(ComputeWorker(ExecConfig(self.backend, 1)))
-        asked = [(i, self._pool.submit(self._in_helper, i, req, ordered[i::n]))
+        asked = [(i, self._pool.submit(self._in_helper, i, req, ordered[i::n], dtype))
                  for i in range(1, min(n, len(ordered)))]
-        out: list[Any] = [None] * len(ordered)
-        out[0::n] = [self.compute(req, k, p) for k, p in ordered[0::n]]
+        own = [self.compute(req, k, p) for k, p in ordered[0::n]]
+        entries: list[Any] = [None] * len(ordered)
+        segments: list[Any] = [None] * len(ordered)
+        mine, arrays = results_payload(own, dtype)
+        entries[0::n] = mine
+        segments[0::n] = [arrays[2 * j : 2 * j + 2] for j in range(len(own))]
+        n_params, n_stats = int(own[0].grad_sum.size), int(own[0].stats.size)
         for i, future in asked:
-            out[i::n] = future.result()
-        return out
+            theirs, parts = future.result()
+            entries[i::n], segments[i::n] = theirs, [[part] for part in parts]
+        return Computed(entries, [c for seg in segments for c in seg], n_params, n_stats,
+                        dtype)
 
     @property
     def helpers(self) -> list[ComputeWorker]:
         return list(self._helpers)
 
-    def _in_helper(self, index: int, req: dict[str, Any],
-                   group: list[tuple[int, str]]) -> list[Any]:
-        """`group`'s results computed by helper `index`, read back from its file (float32:
-        exactly what it computed; this worker encodes the step's upload). A helper that died
-        (the low-memory killer) is replaced and asked once more."""
-        from wire.messages import decode_results
+    def _in_helper(self, index: int, req: dict[str, Any], group: list[tuple[int, str]],
+                   dtype: str) -> tuple[list[dict[str, Any]], list[memoryview]]:
+        """`group`'s header entries and each shard's bytes, as helper `index` encoded them in
+        `dtype` (the same function as here: the same bytes) into a scratch file read back in
+        one piece. A helper that died (the low-memory killer) is replaced and asked once more."""
+        from wire.messages import segment_bytes
 
         out = Path(req.get("out_path") or req["weights_path"]).with_name(
             f".helper-{os.getpid()}-{index}.bin")
         shards = {str(k): path for k, path in group}  # a group never names a shard twice
-        ask = {**req, "op": "step", "shards": shards, "out_path": str(out), "dtype": "float32",
-               "scratch": True}
+        ask = {**req, "op": "step", "shards": shards, "out_path": str(out), "dtype": dtype,
+               "payload_only": True}
         try:
             try:
-                self._helpers[index - 1].request(ask)
+                reply = self._helpers[index - 1].request(ask)
             except WorkerError:
                 self._helpers[index - 1].close()
                 self._helpers[index - 1] = ComputeWorker(ExecConfig(self.backend, 1))
-                self._helpers[index - 1].request(ask)
-            results = decode_results(out.read_bytes())
+                reply = self._helpers[index - 1].request(ask)
+            payload = memoryview(out.read_bytes())
         finally:
             out.unlink(missing_ok=True)
-        by_shard = {r.shard: r for r in results}
-        return [by_shard[k] for k, _ in group]
+        entries = reply["entries"]
+        if [e["shard"] for e in entries] != [k for k, _ in group] or \
+                reply["n_params"] != int(self.job.model.n_params):
+            raise WorkerError(f"helper {index} answered for other shards or sizes")
+        size = segment_bytes(dtype, reply["n_params"], reply["n_stats"])
+        if len(payload) != size * len(group):
+            raise WorkerError(f"helper {index} wrote {len(payload)} bytes, not "
+                              f"{size * len(group)}")
+        return entries, [payload[j * size : (j + 1) * size] for j in range(len(group))]
 
     def close(self) -> None:
         for helper in self._helpers:
@@ -165,9 +184,42 @@ class Engine:
         self._helpers = []
 
 
+@dataclass
+class Computed:
+    """A step's shard results as the results message carries them: header entries and the
+    arrays' bytes, in the same order (some views of arrays computed here, some segments a
+    helper wrote)."""
+
+    entries: list[dict[str, Any]]
+    chunks: list[Any]
+    n_params: int
+    n_stats: int
+    dtype: str
+
+    @classmethod
+    def of(cls, results: list[Any], dtype: str) -> Computed:
+        from wire.messages import results_payload
+
+        entries, chunks = results_payload(results, dtype)
+        return cls(entries, list(chunks), int(results[0].grad_sum.size),
+                   int(results[0].stats.size), dtype)
+
+    @property
+    def samples(self) -> int:
+        return sum(int(e["count"]) for e in self.entries)
+
+    def parts(self, job_id: str, step: int) -> list[memoryview]:
+        from wire.messages import join_results_parts
+
+        return join_results_parts(job_id, step, self.dtype, self.n_params, self.n_stats,
+                                  self.entries, self.chunks)
+
+
 def handle(engine: Engine, req: dict[str, Any]) -> dict[str, Any]:
     engine.prepare(req)
     shards = {int(k): p for k, p in req["shards"].items()}
+    # the job's upload precision (its values are already rounded to it: engine.precision)
+    dtype = req.get("dtype") or engine.job.spec.upload_precision
     if req["op"] == "bench":
         # a config's speed is what it does with a step's shards: as many as this worker
         # computes at once (the request's shards, repeated when it names fewer)
@@ -176,29 +228,25 @@ def handle(engine: Engine, req: dict[str, Any]) -> dict[str, Any]:
         best, samples = float("inf"), 0
         for _ in range(max(1, int(req.get("repeats", 2)))):
             started = time.perf_counter()
-            results = engine.compute_all(req, pairs)
+            done = engine.compute_all(req, pairs, dtype)
             took = time.perf_counter() - started
             took += slowdown.apply(took)
             best = min(best, took)  # the fastest repeat: other load on the phone only adds
-            samples = sum(int(r.count) for r in results)
+            samples = done.samples
         return {"ok": True, "samples": samples, "seconds": best}
     started = time.perf_counter()
-    results = engine.compute_all(req, sorted(shards.items()))
+    done = engine.compute_all(req, sorted(shards.items()), dtype)
     compute_s = time.perf_counter() - started
     slept = slowdown.apply(compute_s)
-    from wire.messages import encode_results_parts
-
-    # the job's upload precision (its values are already rounded to it: engine.precision)
-    dtype = req.get("dtype") or engine.job.spec.upload_precision
-    parts = encode_results_parts(req["job_id"], req["step"], results, dtype=dtype)
-    if req.get("scratch"):  # a helper's answer to its worker: read back at once, never kept
+    reply = {"ok": True, "samples": done.samples, "seconds": compute_s + slept,
+             "compute_s": compute_s, "helper_pids": [h.pid for h in engine.helpers]}
+    if req.get("payload_only"):  # a helper's answer to its worker: read back at once
         with open(req["out_path"], "wb") as fh:
-            fh.writelines(parts)
-    else:
-        atomic_write(Path(req["out_path"]), parts)
-    return {"ok": True, "samples": int(sum(int(r.count) for r in results)),
-            "seconds": compute_s + slept, "compute_s": compute_s,
-            "helper_pids": [h.pid for h in engine.helpers]}
+            fh.writelines(memoryview(c).cast("B") for c in done.chunks)
+        return {**reply, "entries": done.entries, "n_params": done.n_params,
+                "n_stats": done.n_stats}
+    atomic_write(Path(req["out_path"]), done.parts(req["job_id"], req["step"]))
+    return reply
 
 
 def main() -> int:

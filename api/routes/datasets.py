@@ -54,15 +54,17 @@ def _store_bytes(session, name: str, data: bytes, settings) -> DatasetRead:
         try:
             source.write_bytes(data)
             return _store(session, name, source, staged, settings,
+                          max_bytes=settings.max_upload_bytes,
                           sha256=hashlib.sha256(data).hexdigest(), size=len(data))
         finally:
             source.unlink(missing_ok=True)
 
 
-def _store(session, name: str, source: Path, staged: Path, settings, *, sha256: str,
-           size: int) -> DatasetRead:
-    """Unpack and check the .npz at `source` (in blocks), then publish it as `name`."""
-    dataset = datasets.validate_upload(source, staged, settings.max_dataset_bytes)
+def _store(session, name: str, source: Path, staged: Path, settings, *, max_bytes: int,
+           sha256: str, size: int) -> DatasetRead:
+    """Unpack (up to `max_bytes`) and check the .npz at `source`, in blocks, then publish it
+    as `name`."""
+    dataset = datasets.validate_upload(source, staged, max_bytes)
     with session.begin():
         row = datasets.store_dataset(session, name, staged, dataset, settings.data_dir,
                                      sha256=sha256, size=size)
@@ -120,7 +122,8 @@ def complete_upload(upload_id: str, principal: UserDep, session: SessionDep,
     try:
         with datasets.staging(settings.data_dir, upload.name) as staged:
             stored = _store(session, upload.name, part, staged, settings,
-                            sha256=upload.sha256, size=upload.size)
+                            max_bytes=settings.max_dataset_bytes, sha256=upload.sha256,
+                            size=upload.size)
     except (Invalid, Conflict):  # refused for good (a bad file, a taken name): the parts go
         uploads.close(settings.data_dir, upload_id)
         raise

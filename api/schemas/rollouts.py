@@ -26,6 +26,8 @@ class RolloutDevices(BaseModel):
     upgrading: int = Field(description="phones told to install it, not yet back with it")
     failed: int = Field(description="phones that could not install it (not asked again)")
     waiting: int = Field(description="phones still to upgrade (between jobs, a few at a time)")
+    cannot: int = Field(description="phones whose agent cannot upgrade itself (older than "
+                        "self-upgrade, or not started by launch.sh): reinstall with install.sh")
 
 
 class ServedAgent(BaseModel):

@@ -73,7 +73,9 @@ def store_dataset(session: Session, name: str, staged: Path, dataset: Any, data_
         raise Conflict(f"dataset {name!r} already exists") from None
     # a folder or file without a row is a failed earlier upload: replaced
     shutil.rmtree(path, ignore_errors=True)
-    path.with_name(f"{name}.npz").unlink(missing_ok=True)
+    legacy = path.with_name(f"{name}.npz")
+    if legacy.is_file():
+        legacy.unlink()
     os.replace(staged, path)
     return row
 

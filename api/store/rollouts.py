@@ -10,7 +10,7 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
 from api.errors import Invalid
@@ -36,8 +36,12 @@ def set_rollout(session: Session, *, version: str, sha256: str, max_parallel: in
     else:
         row.version, row.sha256, row.max_parallel, row.set_by = \
             version, sha256, max_parallel, set_by
+    # a rollout set again retries the phones that failed (one offline past the timeout)
+    retried = session.execute(update(Device).where(Device.upgrade_failed.is_not(None))
+                              .values(upgrade_failed=None)).rowcount
     record(session, "RolloutStarted", f"agent {version} ({sha256[:12]}), at most "
-           f"{max_parallel} phone(s) at a time", now=now)
+           f"{max_parallel} phone(s) at a time" + (f"; retrying {retried} that failed"
+                                                   if retried else ""), now=now)
     session.flush()
     return row
 
@@ -53,6 +57,11 @@ def stop_rollout(session: Session, now: dt.datetime) -> bool:
     return True
 
 
+def upgrades_in_flight(session: Session) -> int:
+    return int(session.scalar(select(func.count()).select_from(Device)
+                              .where(Device.upgrade_started_at.is_not(None))) or 0)
+
+
 def version_counts(session: Session) -> dict[str, int]:
     """agent version -> devices reporting it ("unknown": never heartbeated)."""
     rows = session.execute(select(Device.agent_version, func.count()).group_by(Device.agent_version))
@@ -61,9 +70,10 @@ def version_counts(session: Session) -> dict[str, int]:
 
 def rollout_devices(session: Session, rollout: AgentRollout | None) -> dict[str, Any]:
     """How far a rollout is: devices on its version, upgrading, failed, still to do."""
-    rows = session.execute(select(Device.agent_version, Device.upgrade_to, Device.upgrade_failed))
-    out = {"up_to_date": 0, "upgrading": 0, "failed": 0, "waiting": 0}
-    for agent_version, upgrade_to, failed in rows:
+    rows = session.execute(select(Device.agent_version, Device.upgrade_to, Device.upgrade_failed,
+                                  Device.capabilities))
+    out = {"up_to_date": 0, "upgrading": 0, "failed": 0, "waiting": 0, "cannot": 0}
+    for agent_version, upgrade_to, failed, caps in rows:
         if rollout is None:
             continue
         if agent_version == rollout.version:
@@ -72,6 +82,8 @@ def rollout_devices(session: Session, rollout: AgentRollout | None) -> dict[str,
             out["upgrading"] += 1
         elif failed == rollout.version:
             out["failed"] += 1
+        elif "self_upgrade" not in ((caps or {}).get("features") or []):
+            out["cannot"] += 1
         else:
             out["waiting"] += 1
     return out
@@ -84,7 +96,8 @@ def report_failure(session: Session, device_id: str, version: str, outcome: str,
     device = get_device(session, device_id, for_update=True)
     if not version:
         raise Invalid("version", "the agent version that failed")
-    device.upgrade_to, device.upgrade_started_at = None, None
+    if (device.upgrade_to or {}).get("version") == version:  # a late report ends nothing else
+        device.upgrade_to, device.upgrade_started_at = None, None
     device.upgrade_failed = version
     record(session, "AgentUpgradeFailed", f"{outcome}: agent {version}: {detail}", now=now,
            device_id=device_id, kind="Warning")

@@ -19,12 +19,12 @@ def rollout_table(status: dict[str, Any]) -> Any:
     table = Table(header_style="bold", title_justify="left", title=(
         f"rollout of agent {status['version']} ({dash(status.get('sha256'))[:12]}), "
         f"{status['max_parallel']} at a time" if status.get("active") else "no rollout"))
-    for col in ("SERVED", "UP TO DATE", "UPGRADING", "FAILED", "WAITING", "VERSIONS"):
+    for col in ("SERVED", "UP TO DATE", "UPGRADING", "FAILED", "WAITING", "CANNOT", "VERSIONS"):
         table.add_column(col, no_wrap=True)
     devices = status.get("devices") or {}
     versions = ", ".join(f"{v}: {n}" for v, n in sorted((status.get("versions") or {}).items()))
     table.add_row(status["served"]["version"], *(str(devices.get(k, 0)) for k in
-                  ("up_to_date", "upgrading", "failed", "waiting")), versions or "-")
+                  ("up_to_date", "upgrading", "failed", "waiting", "cannot")), versions or "-")
     return table
 
 

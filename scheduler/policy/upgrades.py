@@ -6,7 +6,9 @@ drained, and holds no shard: between jobs, never in one. Its agent downloads the
 checks the hash, installs it beside the running one and restarts under runit; once it
 heartbeats with the new version the upgrade is done. One that does not within the timeout, or
 that reports a failure (a bad hash, a new agent that would not start and was rolled back), is
-marked failed for that version and not asked again until the rollout names another build.
+marked failed for that version and not asked again until a rollout is set again (which
+retries the failed phones). Agents that do not say `self_upgrade` (older, or not started by
+launch.sh) are never asked.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ class AgentView:
     upgrading_to: str | None = None  # the version it was told to install, while it does
     upgrade_started: dt.datetime | None = None
     upgrade_failed: str | None = None  # the last version it could not install
+    # its agent says it can install a build and roll it back (started by launch.sh)
+    can_upgrade: bool = True
 
 
 @dataclass
@@ -46,7 +50,8 @@ class UpgradePlan:
 
 
 def needs_upgrade(device: AgentView, rollout: Rollout) -> bool:
-    return (device.agent_version is not None and device.agent_version != rollout.version
+    return (device.can_upgrade and device.agent_version is not None
+            and device.agent_version != rollout.version
             and device.upgrade_failed != rollout.version)
 
 

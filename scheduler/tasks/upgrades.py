@@ -24,13 +24,16 @@ def agent_views(session: Session) -> dict[str, tuple[Device, AgentView]]:
             id=d.id, state=d.state, agent_version=d.agent_version, pause_reason=d.pause_reason,
             holds_shards=d.id in holds,
             upgrading_to=(d.upgrade_to or {}).get("version") if d.upgrade_to else None,
-            upgrade_started=d.upgrade_started_at, upgrade_failed=d.upgrade_failed))
+            upgrade_started=d.upgrade_started_at, upgrade_failed=d.upgrade_failed,
+            can_upgrade="self_upgrade" in ((d.capabilities or {}).get("features") or [])))
     return out
 
 
 def upgrade_pass(session: Session, now: dt.datetime, timeout_s: float) -> UpgradePlan:
     row = rollouts.get_rollout(session)
     rollout = Rollout(row.version, row.sha256, row.max_parallel) if row else None
+    if rollout is None and not rollouts.upgrades_in_flight(session):
+        return UpgradePlan()  # the usual case: no rollout, nothing to close
     devices = agent_views(session)
     plan = plan_upgrades([view for _, view in devices.values()], rollout, now, timeout_s)
     for device_id in plan.done:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.slots import Slots, UpgradeError
+from agent.slots import NotNow, Slots, UpgradeError
 from tests.agent.builds import agent_tree, archive
 from tests.agent.helpers import REPO
 from tests.support.env import without_settings
@@ -65,16 +65,19 @@ def test_an_upgrade_runs_on_trial_is_kept_and_a_broken_one_is_rolled_back(
     assert back.returncode == 0 and back.stdout.strip() == "0.2.0", back.stderr
     assert "did not reach the server in 3 starts" in back.stderr
     assert slots.current == slot and not slots.in_trial
-    assert slots.take_rollback() == f"0.3.0-{broken_sha[:8]}"
-    assert slots.take_rollback() is None  # reported once
+    assert slots.rolled_back() == f"0.3.0-{broken_sha[:8]}"  # until the server has it
+    slots.reported()
+    assert slots.rolled_back() is None
     assert launch(home, "--version").stdout.strip() == "0.2.0"
+    install_launcher(home)  # reinstalling with install.sh: the installed agent runs again
+    assert launch(home, "--version").stdout.strip() == "0.1.0" and slots.current == ""
 
 
 def test_an_archive_that_is_not_the_pinned_build_is_refused(tmp_path: Path) -> None:
     home = tmp_path / "home"
     slots = Slots(home)
     data, sha = build(tmp_path, "0.2.0")
-    with pytest.raises(UpgradeError, match="not the"):
+    with pytest.raises(NotNow, match="not the"):  # another replica's build: asked again
         slots.install(data, "0" * 64, "0.2.0")
     with pytest.raises(UpgradeError, match="holds agent 0.2.0, not 0.2.1"):
         slots.install(data, sha, "0.2.1")

@@ -79,7 +79,7 @@ def test_a_rollout_upgrades_phones_one_at_a_time(tmp_path: Path, cool_phone: Pat
         with server.client() as c:
             status = c.get("/v1/agent/rollout").json()
         assert status["devices"] == {"up_to_date": 2, "upgrading": 0, "failed": 0,
-                                     "waiting": 0}
+                                     "waiting": 0, "cannot": 0}
     finally:
         for loop in loops:
             stop_process(loop, group=True)

@@ -33,7 +33,7 @@ def test_upload_is_stored_listed_and_usable_by_a_job(api):
     assert resp.status_code == 201, resp.text
     assert resp.json()["n_train"] == 32 and resp.json()["num_classes"] == 3
     stored = api.settings.data_dir / "datasets" / "tiny"  # unpacked: read by rows from here
-    assert sorted(p.name for p in stored.iterdir()) == ["x.npy", "y.npy"]
+    assert sorted(p.name for p in stored.iterdir()) == [".checked", "x.npy", "y.npy"]
     assert not [p for p in stored.parent.iterdir() if p.name.startswith(".")]  # no staging left
     assert [d["name"] for d in api.get("/v1/datasets").json()["items"]] == ["digits", "tiny"]
     job = api.post("/v1/jobs", json={"name": "t", "model": {"arch": "logreg"}, "dataset": "tiny",

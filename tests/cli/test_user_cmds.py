@@ -488,7 +488,8 @@ def test_agents_rollout_status_and_stop(cli: Cli, register_device) -> None:
         assert started["version"] == served
         beat = httpx.post(f"{cli.server.url}/v1/devices/{phone['device_id']}/heartbeat",
                           headers={"Authorization": f"Bearer {phone['device_token']}"},
-                          json={"telemetry": [], "agent_version": "0.0.1"}, timeout=30)
+                          json={"telemetry": [], "agent_version": "0.0.1",
+                                "capabilities": {"features": ["self_upgrade"]}}, timeout=30)
         assert beat.status_code == 200, beat.text
 
         def told() -> bool:

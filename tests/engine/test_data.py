@@ -96,6 +96,13 @@ def test_stored_features_are_read_per_row_and_equal_the_whole_array_normalized(t
     assert np.array_equal(d.y_train, y[perm[12:]])
 
 
+def test_a_fortran_ordered_upload_is_stored_in_rows_and_reads_the_same(tmp_path):
+    x = np.asfortranarray(np.random.default_rng(3).standard_normal((30, 2, 3, 3)))
+    y = np.arange(30) % 2
+    ds = validate_npz(_npz(x=x, y=y, x_val=x[:4], y_val=y[:4]), 10**7)
+    np.testing.assert_array_equal(ds.x_train, x.astype(np.float32))
+
+
 def test_an_upload_with_its_own_validation_split_and_flat_features():
     ds = validate_npz(_npz(x=np.ones((8, 5)), y=np.arange(8) % 2, x_val=np.ones((2, 5)),
                            y_val=np.array([0, 1])), 10**6)

@@ -18,8 +18,9 @@ def phone(i: int, **kw: object) -> AgentView:
 def test_at_most_max_parallel_idle_outdated_phones_start_in_order() -> None:
     fleet = [phone(0, agent_version="0.2.0"), phone(1, holds_shards=True),
              phone(2, pause_reason="thermal"), phone(3, state="NotReady"),
-             phone(4, state="Cordoned"), phone(5, agent_version=None), phone(6), phone(7),
-             phone(8)]
+             phone(4, state="Cordoned"), phone(5, agent_version=None),
+             phone(9, can_upgrade=False),  # an older agent, or one not started by launch.sh
+             phone(6), phone(7), phone(8)]
     assert plan_upgrades(fleet, ROLLOUT, NOW, 600).start == ["dev-6", "dev-7"]
 
 
