@@ -19,7 +19,8 @@ PUBLIC = {("get", "/healthz"), ("get", "/readyz"), ("get", "/install.sh"),
 DEVICE_ONLY = {("post", "/v1/devices/{device_id}/heartbeat"), ("get", "/v1/devices/{device_id}/work"),
                ("get", "/v1/jobs/{job_id}/weights"), ("get", "/v1/jobs/{job_id}/shards/{shard}/data"),
                ("post", "/v1/jobs/{job_id}/steps/{step}/gradients"),
-               ("post", "/v1/devices/{device_id}/token"), ("post", "/v1/devices/{device_id}/logs")}
+               ("post", "/v1/devices/{device_id}/token"), ("post", "/v1/devices/{device_id}/logs"),
+               ("post", "/v1/devices/{device_id}/upgrade-report")}
 ADMIN_ONLY = {("get", "/v1/enrollment-tokens"), ("post", "/v1/enrollment-tokens"),
               ("delete", "/v1/enrollment-tokens/{token_id}"), ("get", "/v1/tokens"),
               ("post", "/v1/tokens"), ("delete", "/v1/tokens/{token_id}"),
@@ -28,7 +29,8 @@ ADMIN_ONLY = {("get", "/v1/enrollment-tokens"), ("post", "/v1/enrollment-tokens"
               ("post", "/v1/devices/{device_id}/uncordon"),
               ("post", "/v1/devices/{device_id}/drain"),
               ("post", "/v1/devices/{device_id}/logs/request"),
-              ("get", "/v1/devices/{device_id}/logs")}
+              ("get", "/v1/devices/{device_id}/logs"),
+              ("put", "/v1/agent/rollout"), ("delete", "/v1/agent/rollout")}
 OWNED_JOB = {("get", "/v1/jobs/{job_id}"), ("post", "/v1/jobs/{job_id}/cancel"),
              ("get", "/v1/jobs/{job_id}/events"), ("get", "/v1/jobs/{job_id}/metrics"),
              ("get", "/v1/jobs/{job_id}/checkpoint")}
@@ -114,4 +116,5 @@ def test_the_matrix_covers_every_operation(api) -> None:
                            ("get", "/v1/devices"), ("get", "/v1/devices/{device_id}"),
                            ("get", "/v1/devices/{device_id}/events"),
                            ("get", "/v1/devices/{device_id}/telemetry"),
-                           ("get", "/v1/jobs"), ("post", "/v1/jobs")}
+                           ("get", "/v1/jobs"), ("post", "/v1/jobs"),
+                           ("get", "/v1/agent/rollout")}
