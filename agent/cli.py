@@ -18,7 +18,7 @@ from agent.client import Client, ClientError, StatusError
 from agent.config import AgentConfig, ConfigError, resolve_path, save
 from agent.hardware import collect_spec
 from agent.probes import Probes
-from agent.slots import HOME_ENV, Slots
+from agent.slots import DEFAULT_HOME, HOME_ENV, Slots
 
 EXIT_STOPPED = 3  # token revoked / device deleted: re-enroll, do not just restart
 
@@ -87,8 +87,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_install_launcher(args: argparse.Namespace) -> int:
     """Copy this agent's launch.sh to the agent home (where runit's run script finds it), and
     forget any upgraded slot: after a (re)install, the installed agent runs."""
-    home = Path(args.home).expanduser() if args.home else Path(os.environ.get(
-        HOME_ENV, "~/.local/share/phalanx-agent")).expanduser()
+    home = Path(args.home or os.environ.get(HOME_ENV) or DEFAULT_HOME).expanduser()
     home.mkdir(parents=True, exist_ok=True)
     target = home / "launch.sh"
     tmp = home / ".launch.sh.tmp"
@@ -128,8 +127,7 @@ def parser() -> argparse.ArgumentParser:
     run.set_defaults(func=cmd_run)
     launcher = sub.add_parser("install-launcher", help="copy launch.sh (starts the current "
                               "build, rolls back a failed upgrade) to the agent home")
-    launcher.add_argument("--home", help=f"agent home (default ${HOME_ENV} or "
-                          "~/.local/share/phalanx-agent)")
+    launcher.add_argument("--home", help=f"agent home (default ${HOME_ENV} or {DEFAULT_HOME})")
     launcher.set_defaults(func=cmd_install_launcher)
     probe = sub.add_parser("probe", help="print one reading of every probe as JSON")
     probe.add_argument("--config", help=help_config)

@@ -28,6 +28,7 @@ import tempfile
 from pathlib import Path
 
 HOME_ENV = "PHALANX_AGENT_HOME"
+DEFAULT_HOME = "~/.local/share/phalanx-agent"  # launch.sh and install.sh say it in shell too
 PACKAGES = ("agent", "engine", "wire")
 SLOT_NAME = re.compile(r"^[A-Za-z0-9._+-]{1,80}$")
 VERSION_LINE = re.compile(r'^__version__ = "([^"]+)"$', re.M)

@@ -166,20 +166,14 @@ class Samples:
     dtype = np.dtype(np.float32)
 
     def file_rows(self, key: int | slice | np.ndarray | list[int]) -> np.ndarray:
-        if isinstance(key, (int, np.integer)):
-            index = int(key) + self.count if key < 0 else int(key)
-            if not 0 <= index < self.count:
-                raise IndexError(f"row {key} of {self.count}")
-            return np.array([index if self.rows is None else int(self.rows[index])])
+        """The file's rows for this view's rows `key` (an int gives one)."""
         if isinstance(key, slice):
-            start, stop, step = key.indices(self.count)
-            if self.rows is None:
-                return np.arange(start, stop, step)
-            return self.rows[start:stop:step]
-        index = np.asarray(key, dtype=np.int64)
-        if len(index) and (index.min() < -self.count or index.max() >= self.count):
-            raise IndexError(f"rows {index.min()}..{index.max()} of {self.count}")
-        index = np.where(index < 0, index + self.count, index)
+            index = np.arange(*key.indices(self.count))
+        else:
+            index = np.atleast_1d(np.asarray(key, dtype=np.int64))
+            if len(index) and (index.min() < -self.count or index.max() >= self.count):
+                raise IndexError(f"rows {index.min()}..{index.max()} of {self.count}")
+            index = np.where(index < 0, index + self.count, index)
         return index if self.rows is None else self.rows[index]
 
     def take(self, index: np.ndarray) -> Samples:
@@ -337,6 +331,7 @@ def _open(folder_s: str, mtime_ns: int, size: int, name: str) -> Dataset:
     if mean_std[0] is not None and mean_std[1] is not None:
         mean, std = moments(mean_std[0], mean_std[1], shape[0])
     x_path = folder / "x.npy"
+    stored = StoredArray.of(x_path)
     if has_val[0]:
         n_val, val_shape = _check_features(folder, "x_val", scan)
         if val_shape != shape:
@@ -344,7 +339,7 @@ def _open(folder_s: str, mtime_ns: int, size: int, name: str) -> Dataset:
         y_val_raw = _small(folder, "y_val")
         assert y_val_raw is not None
         y_val = check_labels(y_val_raw, "y_val", n_val)
-        x_train = Samples(x_path, n, shape, StoredArray.of(x_path), None, mean, std)
+        x_train = Samples(x_path, n, shape, stored, None, mean, std)
         val_path = folder / "x_val.npy"
         x_val = Samples(val_path, n_val, shape, StoredArray.of(val_path), None, mean, std)
         y_train = y_all
@@ -352,7 +347,6 @@ def _open(folder_s: str, mtime_ns: int, size: int, name: str) -> Dataset:
         perm = np.random.default_rng(SPLIT_SEED).permutation(n)
         n_val = n // 5
         train_rows, val_rows = perm[n_val:], perm[:n_val]
-        stored = StoredArray.of(x_path)
         x_train = Samples(x_path, len(train_rows), shape, stored, train_rows, mean, std)
         x_val = Samples(x_path, len(val_rows), shape, stored, val_rows, mean, std)
         y_train, y_val = y_all[train_rows], y_all[val_rows]

@@ -178,7 +178,7 @@ def decode_results(data: bytes, expect_job: str | None = None, expect_step: int 
                         f"(upload_precision): an agent too old for this job?")
     shards = _shard_entries(header)
     gsize = _DTYPES[dtype].itemsize * p
-    per = gsize + 4 * s
+    per = segment_bytes(dtype, p, s)
     if len(payload) != per * len(shards):
         raise WireError(f"payload is {len(payload)} bytes, header says {per * len(shards)}")
     out = []

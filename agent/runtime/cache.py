@@ -71,7 +71,7 @@ class WorkCache:
         """The shard's samples, fetched (`fetch(start)`: a chunk and the shard's total) when
         not cached."""
         path = self.job_dir(job) / f"shard-{int(shard)}.npz"
-        got = self._get(path, lambda: write_shard(path, fetch), _valid_npz, writes=True)
+        got = self._get(path, lambda: write_shard(path, fetch), _valid_npz)
         with contextlib.suppress(OSError):
             os.utime(got)  # used now: the eviction order is the order of use
         return got
@@ -100,7 +100,8 @@ class WorkCache:
 
     def weights(self, job: str, step: int, fetch: Callable[[], bytes]) -> Path:
         path = self.job_dir(job) / f"weights-{int(step)}.bin"
-        got = self._get(path, fetch, lambda p: _valid_weights(p, job, step))
+        got = self._get(path, lambda: atomic_write(path, fetch()),
+                        lambda p: _valid_weights(p, job, step))
         for old in path.parent.glob("weights-*.bin"):  # weights are per step: keep the current
             if old != path:
                 with contextlib.suppress(OSError):
@@ -111,19 +112,15 @@ class WorkCache:
     def result_path(self, job: str, step: int) -> Path:
         return self.job_dir(job) / f"result-{int(step)}.bin"
 
-    def _get(self, path: Path, fetch: Callable[[], Any], valid: Callable[[Path], bool],
-             writes: bool = False) -> Path:
-        """`path`, valid; else made by `fetch`: its bytes, or (`writes`) it writes the file."""
+    def _get(self, path: Path, write: Callable[[], None], valid: Callable[[Path], bool]) -> Path:
+        """`path`, valid; else `write` makes it (atomically) and it is checked."""
         if path in self._checked and path.exists():
             return path
         if path.exists() and not valid(path):
             path.unlink()
         if not path.exists():
             clean_temp_files(path)
-            if writes:
-                fetch()
-            else:
-                atomic_write(path, fetch())
+            write()
             if not valid(path):
                 path.unlink()
                 raise ValueError(f"server sent unusable data for {path.name}")

@@ -26,7 +26,7 @@ class Upgrader:
         self.reports: list[tuple[str, str, str]] = []  # (version, outcome, detail) to send
         self.reported: set[str] = set()  # versions this process reported: not tried again
         self.restart_for: str | None = None
-        self.rollback_pending = False
+        self.trial_checked = False  # a trial is ended at the first answered heartbeat only
         if slots is not None:
             rolled = slots.rolled_back()
             if rolled:
@@ -35,7 +35,6 @@ class Upgrader:
                             version, __version__)
                 self._report(version, "rolled_back", f"the new agent did not reach the server "
                              f"in its first starts; {__version__} runs again")
-                self.rollback_pending = True  # the marker goes once the server has it
 
     def _report(self, version: str, outcome: str, detail: str) -> None:
         self.reports.append((version, outcome, detail))
@@ -44,8 +43,10 @@ class Upgrader:
     def after_heartbeat(self) -> None:
         """The server answered: a new build's trial ends; pending reports go out (again
         after the next heartbeat if this fails)."""
-        if self.slots is not None and self.slots.confirm(__version__):
-            log.info("agent %s reached the server: upgrade kept", __version__)
+        if self.slots is not None and not self.trial_checked:
+            self.trial_checked = True
+            if self.slots.confirm(__version__):
+                log.info("agent %s reached the server: upgrade kept", __version__)
         while self.reports:
             version, outcome, detail = self.reports[0]
             try:

@@ -120,8 +120,6 @@ class Engine:
         """Each (shard, data path)'s result, in the given order, as the results message
         carries it in `dtype`; up to `side_by_side` at once: every side_by_side-th pair here,
         the others in the helpers, which send back their shards' bytes, not arrays."""
-        from wire.messages import results_payload
-
         n = self.side_by_side
         if self._pool is None or len(ordered) < 2:
             return Computed.of([self.compute(req, k, p) for k, p in ordered], dtype)
@@ -129,18 +127,16 @@ class Engine:
             self._helpers.append(ComputeWorker(ExecConfig(self.backend, 1)))
         asked = [(i, self._pool.submit(self._in_helper, i, req, ordered[i::n], dtype))
                  for i in range(1, min(n, len(ordered)))]
-        own = [self.compute(req, k, p) for k, p in ordered[0::n]]
+        own = Computed.of([self.compute(req, k, p) for k, p in ordered[0::n]], dtype)
         entries: list[Any] = [None] * len(ordered)
-        segments: list[Any] = [None] * len(ordered)
-        mine, arrays = results_payload(own, dtype)
-        entries[0::n] = mine
-        segments[0::n] = [arrays[2 * j : 2 * j + 2] for j in range(len(own))]
-        n_params, n_stats = int(own[0].grad_sum.size), int(own[0].stats.size)
+        segments: list[Any] = [None] * len(ordered)  # each shard's chunks: grad and stats
+        entries[0::n] = own.entries
+        segments[0::n] = [own.chunks[j : j + 2] for j in range(0, len(own.chunks), 2)]
         for i, future in asked:
             theirs, parts = future.result()
             entries[i::n], segments[i::n] = theirs, [[part] for part in parts]
-        return Computed(entries, [c for seg in segments for c in seg], n_params, n_stats,
-                        dtype)
+        return Computed(entries, [c for seg in segments for c in seg], own.n_params,
+                        own.n_stats, dtype)
 
     @property
     def helpers(self) -> list[ComputeWorker]:

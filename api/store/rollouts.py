@@ -19,6 +19,12 @@ from api.store.events import record
 from api.store.models import AgentRollout, Device
 
 ROLLOUT_ID = 1
+SELF_UPGRADE = "self_upgrade"  # the capability of an agent started by launch.sh (agent/slots.py)
+
+
+def can_self_upgrade(capabilities: dict[str, Any] | None) -> bool:
+    """Whether the agent can install a rollout and roll it back: only those are asked."""
+    return SELF_UPGRADE in ((capabilities or {}).get("features") or [])
 
 
 def get_rollout(session: Session) -> AgentRollout | None:
@@ -82,7 +88,7 @@ def rollout_devices(session: Session, rollout: AgentRollout | None) -> dict[str,
             out["upgrading"] += 1
         elif failed == rollout.version:
             out["failed"] += 1
-        elif "self_upgrade" not in ((caps or {}).get("features") or []):
+        elif not can_self_upgrade(caps):
             out["cannot"] += 1
         else:
             out["waiting"] += 1

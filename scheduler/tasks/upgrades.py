@@ -25,7 +25,7 @@ def agent_views(session: Session) -> dict[str, tuple[Device, AgentView]]:
             holds_shards=d.id in holds,
             upgrading_to=(d.upgrade_to or {}).get("version") if d.upgrade_to else None,
             upgrade_started=d.upgrade_started_at, upgrade_failed=d.upgrade_failed,
-            can_upgrade="self_upgrade" in ((d.capabilities or {}).get("features") or [])))
+            can_upgrade=rollouts.can_self_upgrade(d.capabilities)))
     return out
 
 
