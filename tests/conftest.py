@@ -16,10 +16,10 @@ import pytest
 
 from tests.support.databases import (
     DEFAULT_PG_URL,
-    DEFAULT_REDIS_URL,
     PostgresTemplate,
     flushed_redis,
     migrated_sqlite,
+    redis_test_url,
 )
 from tests.support.env import ADMIN_TOKEN
 from tests.support.server import LiveServer, start_server
@@ -57,7 +57,7 @@ def db_url(request: pytest.FixtureRequest) -> str:
 @pytest.fixture
 def redis_url() -> Iterator[str]:
     """A private Redis database number, flushed before and after the test."""
-    url = os.environ.get("PHALANX_TEST_REDIS_URL", DEFAULT_REDIS_URL)
+    url = redis_test_url()
     with flushed_redis(url):
         yield url
 

@@ -18,8 +18,10 @@ step's keys later): the retry recomputes and commits its own.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
 
 from sqlalchemy import select
@@ -178,9 +180,16 @@ def run_apply_step(ctx: SchedulerContext, job_id: str, step: int) -> str:
     blob.params[:] = message.params
     blob.buffers[:] = message.buffers
     nonce = keys.new_nonce()
-    ctx.blobs.set(keys.state(job_id, step + 1, nonce), blob.data)
-    if ctx.tuning.apply_pause_s:
-        time.sleep(ctx.tuning.apply_pause_s)  # tests: widen the crash window on purpose
+    state_key = keys.state(job_id, step + 1, nonce)
+    # stored while the checkpoint and the step's rows are written: the commit waits for it
+    # (the row names the nonce, so the state must be stored before anyone can read the name)
+    storing = in_background(ctx.blobs.set, state_key, blob.data)
+
+    def stored() -> None:
+        storing.result()
+        if ctx.tuning.apply_pause_s:
+            time.sleep(ctx.tuning.apply_pause_s)  # tests: widen the crash window on purpose
+
     final = new_state.step >= info.total_steps
     ckpt = None
     if final or new_state.step % checkpoint_every(ctx, job) == 0:
@@ -189,10 +198,15 @@ def run_apply_step(ctx: SchedulerContext, job_id: str, step: int) -> str:
         except OSError as exc:
             checkpoint_failed(ctx, job, new_state.step, exc, final)
             if final:  # the job's result: not done without it; applied again when the claim
-                ctx.blobs.delete(keys.state(job_id, step + 1, nonce))  # expires, e.g. once
-                return Outcome.RETRY  # space is freed
-    if not commit_step(ctx, job, info, metrics, new_state, ckpt, final, nonce):
-        ctx.blobs.delete(keys.state(job_id, step + 1, nonce))  # never named: nobody reads it
+                _drop_unnamed(ctx, storing, state_key)  # expires, e.g. once space is freed
+                return Outcome.RETRY
+    try:
+        committed = commit_step(ctx, job, info, metrics, new_state, ckpt, final, nonce,
+                                before_commit=stored)
+    finally:
+        wait([storing])  # whatever the commit did, the write is over before this returns
+    if not committed:
+        _drop_unnamed(ctx, storing, state_key)  # never named: nobody reads it
         return Outcome.STALE
     # committed: the next step reads the state from here, if still stored, and this process's
     # API serves the message as made; other processes encode it from the state (one message
@@ -203,6 +217,27 @@ def run_apply_step(ctx: SchedulerContext, job_id: str, step: int) -> str:
     return Outcome.APPLIED
 
 
+def in_background(fn: Callable[..., object], *args: object) -> Future:
+    """`fn(*args)` in a thread of its own (a step's state write: socket I/O that releases the
+    GIL while the commit's SQL runs); a thread per call, so nothing outlives a forked worker."""
+    future: Future = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(fn(*args))
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on it
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name="state-write", daemon=True).start()
+    return future
+
+
+def _drop_unnamed(ctx: SchedulerContext, storing: Future, state_key: str) -> None:
+    """A state no committed row names: deleted once its write has ended, whatever its end."""
+    wait([storing])
+    ctx.blobs.delete(state_key)
+
+
 def checkpoint_every(ctx: SchedulerContext, job: Job) -> int:
     every = job.spec.get("checkpoint_every") or ctx.settings.checkpoint_every_steps
     return max(1, int(every))
@@ -210,7 +245,9 @@ def checkpoint_every(ctx: SchedulerContext, job: Job) -> int:
 
 def commit_step(ctx: SchedulerContext, job: Job, info: JobInfo, m: StepMetrics,
                 new_state: TrainState, ckpt: WrittenCheckpoint | None, final: bool,
-                nonce: str) -> bool:
+                nonce: str, before_commit: Callable[[], None] = lambda: None) -> bool:
+    """The step's rows, committed only if the job is still at m.step; `before_commit` runs
+    inside the transaction last (a failure there rolls it back)."""
     now = ctx.clock()
     devices_used = 0
     pruned: list[str] = []
@@ -246,6 +283,7 @@ def commit_step(ctx: SchedulerContext, job: Job, info: JobInfo, m: StepMetrics,
             store_ops.release(session, job.id)
         else:
             boundary.at_step_boundary(ctx, session, job, info, new_state.step, now)
+        before_commit()
     remove_files(pruned)  # after the commit: no row is left pointing at a removed file
     return True
 

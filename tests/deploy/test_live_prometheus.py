@@ -5,7 +5,6 @@ for the phones and jobs that ran. One cluster, observed once, for all the tests 
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,7 +25,7 @@ from tests.deploy.tools import (
     start_prometheus,
 )
 from tests.e2e.cluster import Cluster
-from tests.support.databases import DEFAULT_REDIS_URL, PostgresTemplate, flushed_redis
+from tests.support.databases import PostgresTemplate, flushed_redis, redis_test_url
 from tests.support.env import ADMIN_TOKEN as ADMIN
 from tests.support.waiting import wait_for
 
@@ -52,7 +51,7 @@ def observed(tmp_path_factory: pytest.TempPathFactory,
              pg_template: PostgresTemplate) -> Iterator[Observed]:
     root = tmp_path_factory.mktemp("observed")
     pg_url = pg_template.clone()
-    redis_url = os.environ.get("PHALANX_TEST_REDIS_URL", DEFAULT_REDIS_URL)
+    redis_url = redis_test_url()
     cluster = Cluster(root, pg_url, ADMIN, redis_url=redis_url)
     rack: PhoneRack | None = None
     prom: Prometheus | None = None

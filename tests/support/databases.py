@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -17,6 +18,15 @@ HOW_TO_GET_SERVICES = (
     "run the suite through ./scripts/test (it starts private Postgres/Redis when none answer), "
     "or set PHALANX_TEST_DATABASE_URL / PHALANX_TEST_REDIS_URL"
 )
+
+
+def redis_test_url() -> str:
+    """The Redis database this test process owns: PHALANX_TEST_REDIS_URL's number, minus the
+    pytest-xdist worker's index (gw0 keeps it, gw1 takes the one below), so parallel workers never
+    flush each other's keys."""
+    base, _, number = os.environ.get("PHALANX_TEST_REDIS_URL", DEFAULT_REDIS_URL).rpartition("/")
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    return f"{base}/{(int(number or 0) - int(worker or 0)) % 16}"
 
 
 def _with_database(url: str, name: str) -> str:
