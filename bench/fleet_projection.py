@@ -52,6 +52,7 @@ from engine.models import layer_infos, parameter_count  # noqa: E402
 
 BENCH_PARAMS = 3_217_226  # bench/scheduler_coordination.py's vector (mobilenet_v1, 10 classes)
 GBIT = 1e9 / 8
+SHARDS_PER_PHONE = 4  # one per big core of an S10+ class phone
 SERVER_CORES_PER_REPLICA = 1.8  # issue 21: 229 ms of server CPU per 125 ms step at 8 agents, 16 cores
 
 
@@ -71,7 +72,6 @@ class Fleet:
     model_bytes: float  # M: float32 weights
     flops_per_sample: float
     micro_batch: int = 8  # samples per shard per step
-    shards_per_phone: int = 4
     phone_gflops_per_core: float = 12.0
     phone_link: float = 1 * GBIT
     server_link: float = 25 * GBIT
@@ -179,10 +179,9 @@ DESIGNS = {  # what a phone uploads a step (U, in vectors of M bytes) and the sl
 def project(c: Calibration, arch: str, phones: int, replicas: int, link_gbit: float,
             design: str, micro_batch: int = 8) -> dict[str, float]:
     m, flops = model_facts(arch)
-    k = 4
-    uploads, slices = DESIGNS[design](k)
+    uploads, slices = DESIGNS[design](SHARDS_PER_PHONE)
     f = Fleet(phones=phones, model_bytes=m, flops_per_sample=flops, micro_batch=micro_batch,
-              shards_per_phone=k, server_link=link_gbit * GBIT, replicas=replicas,
+              server_link=link_gbit * GBIT, replicas=replicas,
               uploads_per_phone=uploads, slices=slices)
     return step_s(f, c)
 

@@ -18,10 +18,9 @@ step's keys later): the retry recomputes and commits its own.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 from sqlalchemy import select
@@ -183,7 +182,9 @@ def run_apply_step(ctx: SchedulerContext, job_id: str, step: int) -> str:
     state_key = keys.state(job_id, step + 1, nonce)
     # stored while the checkpoint and the step's rows are written: the commit waits for it
     # (the row names the nonce, so the state must be stored before anyone can read the name)
-    storing = in_background(ctx.blobs.set, state_key, blob.data)
+    writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="state-write")
+    storing = writer.submit(ctx.blobs.set, state_key, blob.data)
+    writer.shutdown(wait=False)  # the write goes on; no thread outlives it
 
     def stored() -> None:
         storing.result()
@@ -215,21 +216,6 @@ def run_apply_step(ctx: SchedulerContext, job_id: str, step: int) -> str:
     drop_step_keys(ctx, job_id, keep_state=step + 1)
     bump_version(ctx.blobs)
     return Outcome.APPLIED
-
-
-def in_background(fn: Callable[..., object], *args: object) -> Future:
-    """`fn(*args)` in a thread of its own (a step's state write: socket I/O that releases the
-    GIL while the commit's SQL runs); a thread per call, so nothing outlives a forked worker."""
-    future: Future = Future()
-
-    def run() -> None:
-        try:
-            future.set_result(fn(*args))
-        except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on it
-            future.set_exception(exc)
-
-    threading.Thread(target=run, name="state-write", daemon=True).start()
-    return future
 
 
 def _drop_unnamed(ctx: SchedulerContext, storing: Future, state_key: str) -> None:
