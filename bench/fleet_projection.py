@@ -188,13 +188,13 @@ def project(c: Calibration, arch: str, phones: int, replicas: int, link_gbit: fl
 
 def svg_chart(series: dict[str, list[tuple[int, float]]], path: Path, title: str) -> None:
     """Efficiency against fleet size, one line per series: a plain SVG (no plotting library)."""
-    w, h, left, bottom = 640, 360, 50, 40
+    w, h, left, bottom, legend = 900, 360, 50, 40, 260  # the legend right of the plot
     xs = [x for pts in series.values() for x, _ in pts]
     x0, x1 = min(xs), max(xs)
     colors = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b"]
 
     def px(x: float, y: float) -> tuple[float, float]:
-        return (left + (x - x0) / (x1 - x0) * (w - left - 20),
+        return (left + (x - x0) / (x1 - x0) * (w - left - legend - 20),
                 h - bottom - y * (h - bottom - 30))
 
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" '
@@ -209,12 +209,15 @@ def svg_chart(series: dict[str, list[tuple[int, float]]], path: Path, title: str
     for x in sorted(set(xs)):
         a = px(x, 0)
         parts.append(f'<text x="{a[0]:.1f}" y="{h - bottom + 16}" text-anchor="middle">{x}</text>')
-    parts.append(f'<text x="{w / 2}" y="{h - 6}" text-anchor="middle">phones</text>')
+    parts.append(f'<text x="{(w - legend) / 2}" y="{h - 6}" text-anchor="middle">phones</text>')
     for i, (name, pts) in enumerate(series.items()):
         color = colors[i % len(colors)]
         line = " ".join(f"{px(x, y)[0]:.1f},{px(x, y)[1]:.1f}" for x, y in pts)
         parts.append(f'<polyline points="{line}" fill="none" stroke="{color}" stroke-width="2"/>')
-        parts.append(f'<text x="{left + 10}" y="{40 + 14 * i}" fill="{color}">{name}</text>')
+        key_x, key_y = w - legend + 4, 50 + 18 * i
+        parts.append(f'<line x1="{key_x}" y1="{key_y - 4}" x2="{key_x + 16}" y2="{key_y - 4}" '
+                     f'stroke="{color}" stroke-width="2"/><text x="{key_x + 22}" y="{key_y}">'
+                     f'{name}</text>')
     parts.append("</svg>")
     path.write_text("\n".join(parts) + "\n")
 
