@@ -12,6 +12,7 @@ import enum
 import inspect
 import io
 import json
+import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -36,7 +37,10 @@ from phalanx.client import (
 )
 from phalanx.demo import view
 
-out = Console()
+# Piped (grep, a file, a script) a table keeps each row on one line, as kubectl's does; rich
+# would otherwise wrap it to COLUMNS or 80 columns, cutting the values a script looks for.
+PIPED_WIDTH = 1000
+out = Console(width=None if sys.stdout.isatty() else PIPED_WIDTH)
 err = Console(stderr=True)
 
 

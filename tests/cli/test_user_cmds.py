@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import stat
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -362,6 +365,22 @@ def test_reads_filter_on_the_server_and_print_yaml_and_wide(cli: Cli, register_d
     assert pending["id"] in {j["id"] for j in cli.json("jobs", "ls", "--state", "Pending")}
     assert pending["id"] not in {j["id"] for j in cli.json("jobs", "ls", "--state", "Running")}
     assert "PRIORITY" in cli("jobs", "ls", "-o", "wide").stdout
+
+
+def test_piped_tables_keep_each_row_on_one_line(cli: Cli, register_device) -> None:
+    """`phalanx devices ls -o wide | grep ...`: the real process, its stdout a pipe, a narrow
+    COLUMNS; rich would wrap the table to it and cut the labels a script greps for."""
+    labels = {"building": "north-annex", "shelf": "rack-17-slot-42", "owner": "vision-lab"}
+    register_device("piped-row-phone", labels)
+    env = {**os.environ, "PHALANX_SERVER": cli.server.url, "PHALANX_TOKEN": cli.server.admin_token,
+           "PHALANX_CONFIG": str(cli.config), "COLUMNS": "60"}
+    run = subprocess.run([sys.executable, "-m", "phalanx.cli.main", "devices", "ls", "-o", "wide",
+                          "-l", "owner=vision-lab"], env=env, capture_output=True, text=True,
+                         timeout=120, check=False)
+    assert run.returncode == 0, run.stderr
+    row = [line for line in run.stdout.splitlines() if "piped-row-phone" in line]
+    assert len(row) == 1, run.stdout
+    assert "building=north-annex,owner=vision-lab,rack=a,shelf=rack-17-slot-42" in row[0]
 
 
 def test_tokens_are_listed_without_secrets_and_revoked(cli: Cli) -> None:
