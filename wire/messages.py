@@ -143,8 +143,11 @@ def results_payload(results: list[ShardResult], dtype: str = "float32"
             raise WireError(f"shard {r.shard}: gradient is not finite in {dtype} "
                             "(diverged, or too large for float16)")
         chunks += [grad, _f32(r.stats)]
-        shards.append({"shard": int(r.shard), "loss_sum": float(r.loss_sum),
-                       "correct": int(r.correct), "count": int(r.count)})
+        entry = {"shard": int(r.shard), "loss_sum": float(r.loss_sum),
+                 "correct": int(r.correct), "count": int(r.count)}
+        if r.span != 1:  # a partial of shards shard..shard+span-1 (engine.tree); absent: 1
+            entry["span"] = int(r.span)
+        shards.append(entry)
     return shards, chunks
 
 
@@ -191,7 +194,7 @@ def decode_results(data: bytes, expect_job: str | None = None, expect_step: int 
         # float16 is widened into a new array
         out.append(ShardResult(meta["shard"], grad.astype(np.float32, copy=False),
                                meta["loss_sum"], meta["correct"], meta["count"],
-                               stats.astype(np.float32, copy=False)))
+                               stats.astype(np.float32, copy=False), meta.get("span", 1)))
     return out
 
 
@@ -251,7 +254,7 @@ def _shard_entries(header: dict[str, Any]) -> list[dict[str, Any]]:
     shards = header.get("shards")
     if not isinstance(shards, list) or not shards:
         raise WireError("results header needs a non-empty shards list")
-    seen = set()
+    ranges: list[tuple[int, int]] = []
     for meta in shards:
         if not isinstance(meta, dict) or not all(_is_int(meta.get(k)) for k in
                                                  ("shard", "correct", "count")):
@@ -259,11 +262,18 @@ def _shard_entries(header: dict[str, Any]) -> list[dict[str, Any]]:
         loss = meta.get("loss_sum")
         if isinstance(loss, bool) or not isinstance(loss, (int, float)) or not math.isfinite(loss):
             raise WireError(f"shard {meta['shard']}: loss_sum must be a finite number")
-        if meta["shard"] < 0 or meta["shard"] in seen:
-            raise WireError(f"shard {meta['shard']} is negative or listed twice")
+        span = meta.get("span", 1)
+        if not _is_int(span) or span < 1:
+            raise WireError(f"shard {meta['shard']}: span must be an integer >= 1")
+        if meta["shard"] < 0:
+            raise WireError(f"shard {meta['shard']} is negative")
         if meta["count"] < 1 or not 0 <= meta["correct"] <= meta["count"]:
             raise WireError(f"shard {meta['shard']}: count must be >= 1 and correct in 0..count")
-        seen.add(meta["shard"])
+        ranges.append((meta["shard"], meta["shard"] + span))
+    ranges.sort()
+    for (lo, hi), (next_lo, _) in zip(ranges, ranges[1:]):
+        if next_lo < hi:  # (ranges, not their shards: a span may be anything a client sends)
+            raise WireError(f"shard {next_lo} is listed twice (in the results from {lo})")
     return shards
 
 

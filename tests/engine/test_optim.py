@@ -117,8 +117,7 @@ def test_fused_sum_and_update_is_bit_identical_to_sum_then_update(workers, neste
     """apply_step's one-pass sum + update, on any number of threads, changes no bit against
     the shard-order float64 sum followed by the SGD update (the sum's order itself is pinned
     by test_step's ordered_sum test)."""
-    from engine.optim import FUSED_BLOCK, sum_and_update
-    from engine.step import ordered_sum
+    from engine.optim import FUSED_BLOCK, ordered_sum, sum_and_update
 
     rng = np.random.default_rng(workers)
     n = FUSED_BLOCK * 5 + 123  # ragged tail; ranges split unevenly between the threads

@@ -12,7 +12,16 @@ from engine.models import build_model
 from engine.optim import SUM_BLOCK, ordered_sum
 from engine.sampler import select_microbatch, shard_indices
 from engine.spec import TrainSpec
-from engine.step import BN_MOMENTUM, apply_step, compute_shard, initial_state
+from engine.step import (
+    BN_MOMENTUM,
+    REDUCE_BLOCK,
+    ShardResult,
+    apply_step,
+    compute_shard,
+    initial_state,
+    pre_reduce,
+    reduce_results,
+)
 from tests.support.optional import require
 from wire.messages import decode_results, encode_results
 
@@ -96,17 +105,73 @@ def test_metrics_and_batchnorm_buffers_come_from_every_shard(setup):
         after.buffers, (1 - BN_MOMENTUM) * state.buffers + BN_MOMENTUM * mean_stats, rtol=1e-5)
 
 
-@pytest.mark.parametrize(("drop", "dup", "needle"), [
-    ({3}, None, r"missing \[3\]"),
-    (set(), 2, r"duplicated or unknown \[2\]"),
-])
-def test_a_missing_or_duplicated_shard_is_refused(setup, drop, dup, needle):
+def test_a_missing_shard_or_a_range_that_is_no_node_is_refused(setup):
     model, spec, shards, state = setup
-    results = _results(model, spec, state, shards, set(range(8)) - drop)
-    if dup is not None:
-        results.append(results[dup])
-    with pytest.raises(ValueError, match=needle):
-        apply_step(model, spec, state, results)
+    with pytest.raises(ValueError, match=r"missing \[3\]"):
+        apply_step(model, spec, state, _results(model, spec, state, shards, set(range(8)) - {3}))
+    leaves = _results(model, spec, state, shards)
+    odd = reduce_results(leaves[1:3], 1, 3, spec.upload_precision)  # [1, 3) is no node
+    with pytest.raises(ValueError, match=r"shards 1\.\.2 are not a node"):
+        apply_step(model, spec, state, [leaves[0], odd, *leaves[3:]])
+
+
+def _state_bytes(s) -> bytes:
+    return s.params.tobytes() + s.opt_state.tobytes() + s.buffers.tobytes()
+
+
+@pytest.mark.parametrize("holdings", [
+    [range(0, 4), range(4, 8)],                 # aligned: one partial each
+    [range(0, 3), range(3, 8)],                 # not aligned: [0,2)+[2,3), [3,4)+[4,8)
+    [range(0, 1), range(1, 7), range(7, 8)],    # [1,2)+[2,4)+[4,6)+[6,7)
+    [range(0, 8)],                              # one phone holds everything: the root
+])
+def test_phones_pre_adding_the_shards_they_hold_give_the_same_step_bit_for_bit(setup, holdings):
+    """Invariant 1 with issue 21's pre-reduce: however the shards are split between phones and
+    pre-added there, and whatever order the partials arrive in, the step is the same bits as the
+    reference trainer's (which adds every shard's own result up the same tree)."""
+    model, spec, shards, state = setup
+    reference, ref_metrics = apply_step(model, spec, state, _results(model, spec, state, shards))
+    received = []
+    for held in holdings:
+        leaves = _results(model, spec, state, shards, set(held))
+        partials = pre_reduce(leaves, spec.shards, spec.upload_precision)
+        assert len(partials) <= 1 + 2 * max(1, (len(held) - 1).bit_length())
+        body = encode_results("job-1", state.step, partials)
+        received += decode_results(body, "job-1", state.step, model.n_params, model.n_stats)
+    random.Random(len(received)).shuffle(received)
+    after, metrics = apply_step(model, spec, state, received)
+    assert _state_bytes(after) == _state_bytes(reference) and metrics == ref_metrics
+
+
+def test_a_partial_and_a_backup_of_one_of_its_shards_are_added_once(setup):
+    """A straggler's shard recomputed elsewhere while its phone's partial also lands: both are
+    stored, the step adds the shard once (the larger node; the bits are equal)."""
+    model, spec, shards, state = setup
+    leaves = _results(model, spec, state, shards)
+    reference, _ = apply_step(model, spec, state, leaves)
+    both = [*pre_reduce(leaves[:4], spec.shards, spec.upload_precision), leaves[2], *leaves[4:]]
+    after, metrics = apply_step(model, spec, state, both)
+    assert _state_bytes(after) == _state_bytes(reference)
+    assert metrics.samples == spec.global_batch_size
+
+
+def test_the_blocked_tree_sum_is_the_whole_vector_tree_bit_for_bit() -> None:
+    """Adding block by block must not change one bit against adding whole vectors up the tree;
+    and it is the tree's pairing that counts: adding in shard order differs somewhere."""
+    n, k = 2 * REDUCE_BLOCK + 77, 6
+    rng = np.random.default_rng(k)
+    results = [ShardResult(i, (rng.standard_normal(n) * 10.0 ** rng.integers(-6, 6, n))
+                           .astype(np.float32), 1.0, 0, 1, np.zeros(2, np.float32))
+               for i in range(k)]
+    got = reduce_results(results, 0, k, "float32").grad_sum
+    # [0, 6) = ([0,4) = ([0,2) + [2,4))) + [4,6): written out by hand
+    g = [r.grad_sum for r in results]
+    want = ((g[0] + g[1]) + (g[2] + g[3])) + (g[4] + g[5])
+    assert got.tobytes() == want.tobytes()
+    in_order = g[0].copy()
+    for a in g[1:]:
+        in_order = in_order + a
+    assert in_order.tobytes() != want.tobytes()
 
 
 @pytest.mark.parametrize("n", [1, SUM_BLOCK - 1, SUM_BLOCK, 3 * SUM_BLOCK + 17])

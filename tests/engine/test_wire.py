@@ -95,6 +95,12 @@ def _shard_edit(**change):
     (GOOD_R, {"expect_step": 4}, "step 3, expected 4"),
     (_rebuild(GOOD_R, lambda h: h["shards"].pop()), {}, "payload is"),
     (_rebuild(GOOD_R, _shard_edit(shard=1)), {}, "listed twice"),
+    # shard 4 claiming shards 4..9 (a partial) overlaps shard 9's own entry
+    (_rebuild(GOOD_R, _shard_edit(span=6)), {}, "shard 9 is listed twice"),
+    # a span is a range, never expanded: a huge one is refused at once, not enumerated
+    (_rebuild(GOOD_R, _shard_edit(span=10**15)), {}, "listed twice"),
+    (_rebuild(GOOD_R, _shard_edit(span=0)), {}, "span must be an integer >= 1"),
+    (_rebuild(GOOD_R, _shard_edit(span=True)), {}, "span must be"),
     (_rebuild(GOOD_R, _shard_edit(correct=17)), {}, "correct in 0..count"),
     (_rebuild(GOOD_R, _shard_edit(loss_sum="x")), {}, "loss_sum"),
     (_rebuild(GOOD_R, lambda h: h.update(dtype="int8")), {}, "dtype"),

@@ -1,0 +1,94 @@
+"""The canonical reduction tree over a step's shards: the one order every sum of shard results
+follows, wherever it is computed (issue 21 item 1).
+
+A node is a half-open shard range [lo, hi). The root is [0, shards); a node of n >= 2 shards
+splits at lo + (the largest power of two below n), so the left child is always a full,
+aligned power-of-two block and the right child is what is left. The tree is a pure function of
+the shard count, so a phone holding shards 4..7 of 16 can add them into node [4, 8) itself and
+upload one partial: the server, the reference trainer and every phone then add the same values
+in the same pairs, and the step is the same bit for bit whoever added what.
+
+Helpers here know ranges only; engine.step adds the values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Mapping
+from typing import TypeVar
+
+Node = tuple[int, int]  # [lo, hi)
+T = TypeVar("T")
+
+
+def split(lo: int, hi: int) -> int:
+    """Where node [lo, hi) of two or more shards splits into its children."""
+    n = hi - lo
+    if n < 2:
+        raise ValueError(f"node [{lo}, {hi}) is a leaf: nothing to split")
+    return lo + (1 << ((n - 1).bit_length() - 1))
+
+
+def is_node(lo: int, hi: int, shards: int) -> bool:
+    """Whether [lo, hi) is a node of the tree over `shards` shards."""
+    if not 0 <= lo < hi <= shards:
+        return False
+    a, b = 0, shards
+    while (a, b) != (lo, hi):
+        if b - a < 2:
+            return False
+        mid = split(a, b)
+        if hi <= mid:
+            b = mid
+        elif lo >= mid:
+            a = mid
+        else:
+            return False
+    return True
+
+
+def cover(held: Collection[int], shards: int) -> list[Node]:
+    """The largest nodes made only of shards in `held`, in shard order: what a phone holding
+    `held` uploads (one partial each; a contiguous run of k shards is at most ~2 log2 k nodes)."""
+    have = set(held)
+    out: list[Node] = []
+
+    def walk(lo: int, hi: int) -> None:
+        if all(k in have for k in range(lo, hi)):
+            out.append((lo, hi))
+        elif hi - lo > 1:
+            mid = split(lo, hi)
+            walk(lo, mid)
+            walk(mid, hi)
+
+    walk(0, shards)
+    return out
+
+
+def choose(available: Collection[Node], shards: int) -> list[Node] | None:
+    """Nodes out of `available` that together cover every shard exactly once, the largest
+    preferred (a partial and a straggler's backup of one of its shards may both be stored:
+    equal bits, so either would do); None when some shard is covered by none."""
+    have = set(available)
+    out: list[Node] = []
+
+    def walk(lo: int, hi: int) -> bool:
+        if (lo, hi) in have:
+            out.append((lo, hi))
+            return True
+        if hi - lo < 2:
+            return False
+        mid = split(lo, hi)
+        return walk(lo, mid) and walk(mid, hi)
+
+    return out if walk(0, shards) else None
+
+
+def reduce(values: Mapping[Node, T], lo: int, hi: int, add: Callable[[T, T], T]) -> T:
+    """Node [lo, hi)'s value from `values`, which must hold nodes covering it (none above it):
+    each missing node is add(left child, right child)."""
+    if (lo, hi) in values:
+        return values[(lo, hi)]
+    if hi - lo < 2:
+        raise KeyError(f"shard {lo} has no value")
+    mid = split(lo, hi)
+    return add(reduce(values, lo, mid, add), reduce(values, mid, hi, add))
