@@ -94,7 +94,8 @@ class Demo:
 
     # -- setting up --------------------------------------------------------------------------
     def say(self, message: str) -> None:
-        self.console.print(f"[dim]{time.strftime('%H:%M:%S')}[/dim] {message}", highlight=False)
+        self.console.print(f"[dim]{time.strftime('%H:%M:%S')}[/dim] {message}", highlight=False,
+                           soft_wrap=True)
 
     def start_server(self) -> PhalanxClient:
         self.say(f"starting the control plane (embedded: SQLite, in-process Celery) in {self.data_dir}")
@@ -233,8 +234,8 @@ class Demo:
             f"checkpoint: {r.checkpoint}" if r.checkpoint else "checkpoint: (none)",
             f"report (open it in a browser): {r.report}",
         ]
-        for line in lines:
-            self.console.print(line, highlight=False)
+        for line in lines:  # never wrapped: a path cut in two cannot be pasted
+            self.console.print(line, highlight=False, soft_wrap=True)
 
     def close(self) -> None:
         """Everything asked to stop at once, then waited for (the server drains long polls)."""

@@ -76,7 +76,8 @@ def test_demo_trains_through_faults_and_leaves_a_checkpoint(tmp_path: Path) -> N
     env = without_settings()
     env.update(PYTHONUNBUFFERED="1", COLUMNS="160")
     cmd = [sys.executable, "-m", "phalanx.cli.main", "demo", "--phones", "3", "--job", str(spec),
-           "--data-dir", str(tmp_path / "demo"), "--keep-running"]
+           # a long path, as a lab's may be: the lines naming it must not wrap (seen: cut at 140)
+           "--data-dir", str(tmp_path / ("a-long-folder-name-" * 4) / "demo"), "--keep-running"]
     # Ctrl-C as at a terminal: a suite started in the background by a non-interactive shell
     # inherits SIGINT ignored, and so would the demo (it then never stopped: seen)
     proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
