@@ -66,6 +66,10 @@ BULK_REFUSED_CONNECTIONS = Counter(
 SHARD_RESULTS = Counter("phalanx_shard_results", "Shard results uploaded by devices: accepted "
                         "(the first of its shard and step) or duplicate (dropped: first wins)",
                         ["outcome"], registry=REQUESTS)
+UPLOADED_RESULTS = Counter("phalanx_uploaded_results", "Results in devices' uploads: a shard's "
+                           "own, or a partial adding the several shards a phone holds "
+                           "(engine.tree; one upload instead of one per shard)",
+                           ["kind"], registry=REQUESTS)
 
 
 def multiprocess_dir() -> str | None:

@@ -129,13 +129,14 @@ def enroll(url: str, n: int) -> list[tuple[str, str]]:
         return out
 
 
-def agent_thread(url: str, device: str, secret: str, stop: Any, log: Any) -> None:
+def agent_thread(url: str, device: str, secret: str, stop: Any, log: Any,
+                 pre_add: bool) -> None:
     from agent.client import Client, ClientError
 
     c = Client(url, secret, timeout_s=300)  # the phone's own HTTP client (stdlib)
     while not stop.is_set():
         try:
-            one_step(c, device, log)
+            one_step(c, device, log, pre_add)
         except ClientError:
             if stop.is_set():
                 return  # the server is going away at the end of the run
@@ -145,9 +146,12 @@ def agent_thread(url: str, device: str, secret: str, stop: Any, log: Any) -> Non
 _GRAD = np.zeros(N_PARAMS, np.float32)
 
 
-def one_step(c: Any, device: str, log: Any) -> None:
+def one_step(c: Any, device: str, log: Any, pre_add: bool) -> None:
+    """One step of a simulated phone: weights down, one zero result per shard it holds up
+    (pre-added up the reduction tree, as the real agent does, when `pre_add` and the server
+    takes partials; issue 21 item 1), counting the bytes it uploads."""
     from agent.client import Conflict
-    from engine.step import ShardResult
+    from engine.step import ShardResult, pre_reduce
     from wire.messages import encode_results_parts
 
     a = c.work(device, 2)
@@ -163,24 +167,29 @@ def one_step(c: Any, device: str, log: Any) -> None:
     t0 = time.perf_counter()
     stats = np.zeros(a.n_stats, np.float32)
     m = a.spec["global_batch_size"] // a.spec["shards"]
-    body = encode_results_parts(job, step, [ShardResult(k, _GRAD, 1.0, 0, m, stats)
-                                            for k in a.shards])
+    results = [ShardResult(k, _GRAD, 1.0, 0, m, stats) for k in a.shards]
+    if pre_add and a.pre_reduce and len(results) > 1:
+        results = pre_reduce(results, a.spec["shards"], "float32")
+    body = encode_results_parts(job, step, results)
     local = time.perf_counter() - t0
     upload_start = time.time()
     c.upload_gradients(job, step, body, bulk_url=a.bulk_url)
-    log.put((step, local, (got_work, got_weights, upload_start, time.time())))
+    log.put((step, local, (got_work, got_weights, upload_start, time.time()),
+             sum(len(part) for part in body)))
 
 
-def agent_process(url: str, devices: list[tuple[str, str]], stop: Any, log: Any) -> None:
-    threads = [threading.Thread(target=agent_thread, args=(url, d, s, stop, log), daemon=True)
-               for d, s in devices]
+def agent_process(url: str, devices: list[tuple[str, str]], stop: Any, log: Any,
+                  pre_add: bool) -> None:
+    threads = [threading.Thread(target=agent_thread, args=(url, d, s, stop, log, pre_add),
+                                daemon=True) for d, s in devices]
     for t in threads:
         t.start()
     while not stop.is_set():
         time.sleep(0.1)
 
 
-def run_phalanx(root: Path, mode: str, n: int, steps: int, pg: str | None, rd: str | None) -> dict:
+def run_phalanx(root: Path, mode: str, n: int, steps: int, pg: str | None, rd: str | None,
+                per_agent: int = 1, pre_add: bool = True) -> dict:
     services = Services(root, mode, pg, rd)
     services.start()
     stop, log = mp.Event(), mp.Queue()
@@ -188,12 +197,13 @@ def run_phalanx(root: Path, mode: str, n: int, steps: int, pg: str | None, rd: s
     try:
         devices = enroll(services.url, n)
         groups = [devices[i::min(n, 8)] for i in range(min(n, 8))]
-        procs = [mp.Process(target=agent_process, args=(services.url, g, stop, log), daemon=True)
-                 for g in groups]
+        procs = [mp.Process(target=agent_process, args=(services.url, g, stop, log, pre_add),
+                            daemon=True) for g in groups]
         for p in procs:
             p.start()
         spec = {"name": f"coord-{n}", "model": {"arch": "mobilenet_v1"}, "dataset": DATASET,
-                "global_batch_size": 4 * n, "shards": n, "epochs": 1000, "seed": 0,
+                "global_batch_size": 4 * n * per_agent, "shards": n * per_agent,
+                "epochs": 1000, "seed": 0,
                 "checkpoint_every": 100000, "optimizer": {"lr": 0.01},
                 "placement": {"min_devices": n, "max_devices": n}}
         admin = {"Authorization": f"Bearer {ADMIN}"}
@@ -219,15 +229,20 @@ def run_phalanx(root: Path, mode: str, n: int, steps: int, pg: str | None, rd: s
         services.stop()
     local: dict[int, float] = {}
     marks: dict[int, list[tuple[float, float, float, float]]] = {}
+    sent: dict[int, int] = {}  # bytes uploaded in each step, by all agents
     while not log.empty():
-        step, seconds, times = log.get()
+        step, seconds, times, nbytes = log.get()
         local[step] = max(seconds, local.get(step, 0.0))
         marks.setdefault(step, []).append(times)
+        sent[step] = sent.get(step, 0) + nbytes
     measured = [r for r in rows if 1 <= r["step"] <= steps and r["step_seconds"]]
     wall = [r["step_seconds"] for r in measured]
     coord = [r["step_seconds"] - local.get(r["step"], 0.0) for r in measured]
     cpu = {g: (cpu_after[g] - cpu_before.get(g, 0.0)) / max(1, at - first) for g in cpu_after}
-    return {"mode": mode, "agents": n, "step_wall_s": statistics.median(wall),
+    per_step = [sent[r["step"]] for r in measured if r["step"] in sent]
+    return {"mode": mode, "agents": n, "shards_per_agent": per_agent, "pre_add": pre_add,
+            "upload_bytes_per_agent_step": statistics.median(per_step) / n if per_step else None,
+            "model_bytes": 4 * N_PARAMS, "step_wall_s": statistics.median(wall),
             "cpu_s_per_step": cpu,
             "slowest_agent_local_s": statistics.median(local.get(r["step"], 0.0) for r in measured),
             "coordination_s": statistics.median(coord), "steps": len(measured),
@@ -304,27 +319,39 @@ def main() -> None:
     parser.add_argument("--modes", default="embedded,redis")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--gloo-max", type=int, default=16)
+    parser.add_argument("--shards-per-agent", type=int, default=1,
+                        help="k: each agent holds k shards (an aligned block of the tree)")
+    parser.add_argument("--pre-add", default="on",
+                        help="on, off or on,off: agents pre-add their shards (issue 21 item 1)")
     parser.add_argument("--pg-url", default=os.environ.get("PHALANX_TEST_DATABASE_URL"))
     parser.add_argument("--redis-url", default=os.environ.get("PHALANX_TEST_REDIS_URL"))
     args = parser.parse_args()
     counts = [int(a) for a in args.agents.split(",")]
     results: list[dict] = []
-    for mode in args.modes.split(","):
-        for n in counts:
-            with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as tmp:
-                pg = fresh_pg(args.pg_url) if mode == "redis" else None
-                try:
-                    row = run_phalanx(Path(tmp), mode, n, args.steps, pg, args.redis_url)
-                finally:
-                    drop_pg(args.pg_url, pg)
-            results.append(row)
-            print(f"phalanx {mode:8} {n:>3} agents: step {row['step_wall_s'] * 1000:7.0f} ms, "
-                  f"agent-local {row['slowest_agent_local_s'] * 1000:5.0f} ms, coordination "
-                  f"{row['coordination_s'] * 1000:7.0f} ms | CPU per step: " + ", ".join(
-                      f"{g} {v * 1000:.0f} ms" for g, v in row["cpu_s_per_step"].items() if v)
-                  + " | phases: " + ", ".join(f"{k} {v * 1000:.0f} ms"
-                                              for k, v in row["phases_s"].items()),
-                  flush=True)
+    runs = [(mode, n, pre == "on") for mode in args.modes.split(",") for n in counts
+            for pre in args.pre_add.split(",")]
+    for mode, n, pre_add in runs:
+        with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as tmp:
+            pg = fresh_pg(args.pg_url) if mode == "redis" else None
+            try:
+                row = run_phalanx(Path(tmp), mode, n, args.steps, pg, args.redis_url,
+                                  args.shards_per_agent, pre_add)
+            finally:
+                drop_pg(args.pg_url, pg)
+        results.append(row)
+        per_agent = args.shards_per_agent
+        if per_agent > 1 and row["upload_bytes_per_agent_step"]:
+            print(f"{per_agent} shards per agent, pre-added: {'yes' if pre_add else 'no '}: uploaded "
+                  f"{row['upload_bytes_per_agent_step'] / row['model_bytes']:.2f} x M per "
+                  f"agent and step (bound 1 + ceil(log2 {per_agent}) = "
+                  f"{1 + (per_agent - 1).bit_length()})", flush=True)
+        print(f"phalanx {mode:8} {n:>3} agents: step {row['step_wall_s'] * 1000:7.0f} ms, "
+              f"agent-local {row['slowest_agent_local_s'] * 1000:5.0f} ms, coordination "
+              f"{row['coordination_s'] * 1000:7.0f} ms | CPU per step: " + ", ".join(
+                  f"{g} {v * 1000:.0f} ms" for g, v in row["cpu_s_per_step"].items() if v)
+              + " | phases: " + ", ".join(f"{k} {v * 1000:.0f} ms"
+                                          for k, v in row["phases_s"].items()),
+              flush=True)
     gloo = {n: run_gloo(n) for n in counts if n <= args.gloo_max}
     for n, g in gloo.items():
         print(f"gloo allreduce {n:>3} processes: {g['allreduce_s'] * 1000:7.0f} ms", flush=True)

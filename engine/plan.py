@@ -22,6 +22,7 @@ from typing import Any
 from engine.layerspec import LayerInfo
 from engine.models import layer_infos, parameter_count
 from engine.spec import TrainSpec
+from engine.tree import cover
 
 RUNTIME_BYTES = 64 << 20  # the agent's Python, numpy and buffers, measured on a phone: ~60 MiB
 _COUNTED_MACS = ("conv2d", "depthwise_conv2d", "dense", "maxpool", "avgpool")
@@ -35,11 +36,17 @@ class ModelPlan:
     memory_bytes: int  # a phone's peak for one micro-batch
     total_steps: int
     weights_bytes: int  # downloaded by every device, every step
-    gradient_bytes: int  # uploaded for every shard, every step
+    gradient_bytes: int  # one upload: a shard's result, or a partial of several (engine.tree)
     layers: tuple[LayerInfo, ...]
 
     def bytes_per_step(self, devices: int, shards: int) -> int:
-        return devices * self.weights_bytes + shards * self.gradient_bytes
+        """Weights down to every device, and up one result per tree node each device's shards
+        fill (pre-added on the phone), the shards split evenly in contiguous runs as placement
+        first splits them."""
+        devices = max(1, min(devices, shards))
+        uploads = sum(len(cover(range(i * shards // devices, (i + 1) * shards // devices), shards))
+                      for i in range(devices))
+        return devices * self.weights_bytes + uploads * self.gradient_bytes
 
     def as_dict(self, devices: int, shards: int) -> dict[str, Any]:
         return {

@@ -95,6 +95,17 @@ def unpack(data: bytes | memoryview, n_params: int, n_stats: int,
     return ShardResult(int(shard), grad, float(loss_sum), int(correct), int(count), stats)
 
 
-def uploaded_shards(blobs: BlobStore, job_id: str, step: int) -> set[int]:
+def stored_nodes(blobs: BlobStore, job_id: str, step: int) -> dict[tuple[int, int], str]:
+    """Every stored result of the step, shard's or partial's: its shard range -> its key."""
     prefix = keys.grad_prefix(job_id, step)
-    return {int(k[len(prefix):]) for k in blobs.keys(prefix) if k[len(prefix):].isdigit()}
+    found = {}
+    for key in blobs.keys(prefix):
+        node = keys.grad_node(key[len(prefix):])
+        if node is not None:
+            found[node] = key
+    return found
+
+
+def uploaded_shards(blobs: BlobStore, job_id: str, step: int) -> set[int]:
+    """The shards some stored result covers."""
+    return {k for lo, hi in stored_nodes(blobs, job_id, step) for k in range(lo, hi)}

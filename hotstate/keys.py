@@ -30,8 +30,18 @@ def new_nonce() -> str:
     return uuid.uuid4().hex[:16]
 
 
-def grad(job_id: str, step: int, shard: int) -> str:
-    return f"job:{job_id}:grad:{step}:{shard}"
+def grad(job_id: str, step: int, shard: int, span: int = 1) -> str:
+    """A shard's result, or (span > 1) a partial of shards shard..shard+span-1 (engine.tree):
+    `...:5` or `...:4-8`."""
+    return f"job:{job_id}:grad:{step}:{shard}" + (f"-{shard + span}" if span != 1 else "")
+
+
+def grad_node(suffix: str) -> tuple[int, int] | None:
+    """The shard range [lo, hi) a grad key's suffix (after grad_prefix) names; None: not one."""
+    lo, sep, hi = suffix.partition("-")
+    if not lo.isdigit() or (sep and not hi.isdigit()):
+        return None
+    return (int(lo), int(hi) if sep else int(lo) + 1)
 
 
 def upload_body(job_id: str, step: int, upload_id: str) -> str:

@@ -24,6 +24,9 @@ class Assignment:
     input_shape: list[int]
     num_classes: int
     bulk_url: str | None = field(default=None)  # weights and uploads there; else the API port
+    # the server takes partials (engine.tree): the phone adds the shards it holds and uploads
+    # one result per tree node they fill; absent (an older server): one result per shard
+    pre_reduce: bool = field(default=False)
 
     @classmethod
     def from_json(cls, data: Any) -> Assignment:
@@ -34,7 +37,7 @@ class Assignment:
         values: dict[str, Any] = {}
         for f in fields(cls):
             if f.name not in data:
-                if f.name == "bulk_url":
+                if f.name in ("bulk_url", "pre_reduce"):
                     continue
                 raise WireError(f"assignment lacks {f.name!r}")
             values[f.name] = _checked(f.name, data[f.name])
@@ -71,5 +74,9 @@ def _checked(name: str, value: Any) -> Any:
     if name == "bulk_url":
         if value is not None and not isinstance(value, str):
             raise bad("a string or null")
+        return value
+    if name == "pre_reduce":
+        if not isinstance(value, bool):
+            raise bad("a boolean")
         return value
     return value

@@ -115,9 +115,12 @@ class WorkLoop:
         return 0.0
 
     def _chunk_size(self) -> int:
+        """Shards per request: about CHUNK_TARGET_S of compute, a power of two, so that an
+        aligned block of shards is sent as one partial (engine.tree), not cut in two."""
         if not self._per_shard_s:
             return 1
-        return max(1, int(CHUNK_TARGET_S / self._per_shard_s))
+        fits = max(1, int(CHUNK_TARGET_S / self._per_shard_s))
+        return 1 << (fits.bit_length() - 1)
 
     def _request(self, a: Assignment, job: str, step: int, shards: list[int]) -> dict[str, Any]:
         weights = self.cache.weights(job, step, lambda: self._bulk(
@@ -128,7 +131,7 @@ class WorkLoop:
         self.cache.evict(job, keep=set(shards))
         return {"job_id": job, "step": step, "spec": a.spec, "n_train": a.n_train,
                 "input_shape": a.input_shape, "num_classes": a.num_classes,
-                "weights_path": str(weights),
+                "weights_path": str(weights), "pre_reduce": a.pre_reduce,
                 "shards": paths, "out_path": str(self.cache.result_path(job, step))}
 
     def _bulk(self, a: Assignment, call: Any) -> Any:

@@ -211,6 +211,18 @@ class Computed:
                                   self.entries, self.chunks)
 
 
+def pre_reduced(done: Computed, job_id: str, step: int, spec: Any) -> Computed:
+    """The shards' results added up the job's reduction tree (engine.tree) into one partial
+    per node they fill: one upload of M bytes for an aligned block of shards instead of one per
+    shard. The server and the reference trainer add the same pairs: the same step, bit for bit."""
+    from engine.step import pre_reduce
+    from wire.messages import decode_results
+
+    leaves = decode_results(b"".join(done.parts(job_id, step)))
+    partials = pre_reduce(leaves, spec.shards, spec.upload_precision)
+    return done if len(partials) == len(leaves) else Computed.of(partials, done.dtype)
+
+
 def handle(engine: Engine, req: dict[str, Any]) -> dict[str, Any]:
     engine.prepare(req)
     shards = {int(k): p for k, p in req["shards"].items()}
@@ -232,6 +244,8 @@ def handle(engine: Engine, req: dict[str, Any]) -> dict[str, Any]:
         return {"ok": True, "samples": samples, "seconds": best}
     started = time.perf_counter()
     done = engine.compute_all(req, sorted(shards.items()), dtype)
+    if req.get("pre_reduce") and not req.get("payload_only") and len(shards) > 1:
+        done = pre_reduced(done, req["job_id"], req["step"], engine.job.spec)
     compute_s = time.perf_counter() - started
     slept = slowdown.apply(compute_s)
     reply = {"ok": True, "samples": done.samples, "seconds": compute_s + slept,

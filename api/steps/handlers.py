@@ -17,7 +17,7 @@ from starlette.datastructures import URL
 from api.app_state import AppState
 from api.deps import check_device, principal_for
 from api.errors import ApiError
-from api.metrics import SHARD_RESULTS
+from api.metrics import SHARD_RESULTS, UPLOADED_RESULTS
 from api.schemas.common import parse_query
 from api.schemas.work import WorkOut
 from api.steps.protocol import StateMissing
@@ -75,12 +75,14 @@ def serve_weights(state: AppState, device_id: str, job_id: str, step: int) -> by
 def accept_upload(state: AppState, device_id: str, job_id: str, step: int,
                   body: bytes | memoryview) -> dict[str, Any]:
     """One device's upload for step `step` of `job_id` -> its answer; blocking."""
-    accepted, duplicates, complete = state.step_protocol.upload(device_id, job_id, step, body)
-    SHARD_RESULTS.labels("accepted").inc(len(accepted))
-    SHARD_RESULTS.labels("duplicate").inc(len(duplicates))
-    if complete and accepted:
+    up = state.step_protocol.upload(device_id, job_id, step, body)
+    SHARD_RESULTS.labels("accepted").inc(len(up.accepted))
+    SHARD_RESULTS.labels("duplicate").inc(len(up.duplicates))
+    UPLOADED_RESULTS.labels("partial").inc(up.partials)
+    UPLOADED_RESULTS.labels("shard").inc(up.shard_results)
+    if up.complete and up.accepted:
         state.scheduler_hooks.step_complete(job_id, step)
-    return {"accepted": accepted, "duplicates": duplicates}
+    return {"accepted": up.accepted, "duplicates": up.duplicates}
 
 
 async def carries_device_token(state: AppState, scope: dict[str, Any]) -> bool:

@@ -31,6 +31,7 @@ from engine.jobinfo import JobInfo, job_info
 from engine.sampler import shard_indices
 from engine.step import ShardResult
 from engine.stored import Samples
+from engine.tree import is_node
 from hotstate import keys
 from hotstate.blobs import BlobStore
 from hotstate.bodies import drop_body, keep_body
@@ -72,6 +73,14 @@ class JobRow:
     spec: dict[str, Any]
     step_started_at: dt.datetime | None
     state_nonce: str | None  # names the stored state of `step` (hotstate.keys.state)
+
+
+class Uploaded(NamedTuple):
+    accepted: list[int]  # shards of the results stored (the first of their range and step)
+    duplicates: list[int]  # shards of the results dropped (their range was stored already)
+    complete: bool  # every shard of the step is now covered
+    partials: int  # results in the message adding several shards (engine.tree)
+    shard_results: int  # results of one shard each
 
 
 class ShardChunk(NamedTuple):
@@ -222,7 +231,7 @@ class StepProtocol:
         if not todo:
             return None
         return Assignment(job_id=job.id, step=job.step, shards=todo, spec=job.spec,
-                          **self.info(job).assignment_facts())
+                          pre_reduce=True, **self.info(job).assignment_facts())
 
     # -- GET /v1/jobs/{id}/weights?step=t -----------------------------------------------------
     def weights(self, device_id: str, job_id: str, step: int) -> bytes:
@@ -283,9 +292,8 @@ class StepProtocol:
         return chunk
 
     # -- POST /v1/jobs/{id}/steps/{t}/gradients -----------------------------------------------
-    def upload(self, device_id: str, job_id: str, step: int, body: bytes) -> tuple[list[int], list[int], bool]:
-        """Store each shard's result once (first upload wins); returns (accepted, duplicates,
-        step_complete)."""
+    def upload(self, device_id: str, job_id: str, step: int, body: bytes) -> Uploaded:
+        """Store each shard's result (or partial) once: the first upload wins."""
         job, held = self._job_and_held(device_id, job_id)
         if job is None:
             raise NotThere(f"job {job_id} not found")
@@ -300,7 +308,14 @@ class StepProtocol:
                                      expect_dtype=info.spec.upload_precision)
         except WireError as exc:
             raise BadUpload(str(exc)) from None
-        foreign = sorted({r.shard for r in results} - held)
+        for r in results:  # a partial must be a node of the job's tree, of the right size
+            if not is_node(*r.node, info.spec.shards):
+                raise BadUpload(f"shards {r.shard}..{r.shard + r.span - 1} are not a node of the "
+                                f"reduction tree over {info.spec.shards} shards")
+            if r.count != r.span * info.spec.per_shard_batch:
+                raise BadUpload(f"shard {r.shard}: {r.count} samples, expected "
+                                f"{r.span * info.spec.per_shard_batch}")
+        foreign = sorted({k for r in results for k in range(*r.node)} - held)
         if foreign:
             raise ForeignShard(f"shards {foreign} of {job_id} are not assigned to {device_id}")
         accepted, duplicates = store_results(self.blobs, job_id, step, body, results)
@@ -308,14 +323,17 @@ class StepProtocol:
             took = (self.clock() - job.step_started_at).total_seconds()
             self.blobs.set(keys.latency(job_id, device_id), f"{took:.4f}".encode(), ttl=3600)
         complete = len(uploaded_shards(self.blobs, job_id, step)) >= info.spec.shards
-        return accepted, duplicates, complete
+        return Uploaded(accepted, duplicates, complete,
+                        partials=sum(r.span > 1 for r in results),
+                        shard_results=sum(r.span == 1 for r in results))
 
 
 def store_results(blobs: BlobStore, job_id: str, step: int, body: bytes | memoryview,
                   results: list[ShardResult]) -> tuple[list[int], list[int]]:
-    """Each shard's result under its key, first upload wins. The body is kept once as it
-    came (before any reference to it), and each shard's key points into it; a body that
-    won no shard is dropped again."""
+    """Each shard's result (or partial) under its key, first upload wins; returns the shards
+    of the results that won and of those that lost. The body is kept once as it came (before
+    any reference to it), and each result's key points into it; a body that won nothing is
+    dropped again."""
     offsets = [(offset_in(r.grad_sum, body), offset_in(r.stats, body)) for r in results]
     by_ref = any(g is not None and s is not None for g, s in offsets)
     body_key = ""
@@ -326,11 +344,11 @@ def store_results(blobs: BlobStore, job_id: str, step: int, body: bytes | memory
     for r, (g_off, s_off) in sorted(zip(results, offsets), key=lambda x: x[0].shard):
         ref = g_off is not None and s_off is not None
         blob = pack_ref(r, body_key, g_off, s_off) if ref else pack_result(r)
-        if blobs.set_if_absent(keys.grad(job_id, step, r.shard), blob):
-            accepted.append(r.shard)
+        if blobs.set_if_absent(keys.grad(job_id, step, r.shard, r.span), blob):
+            accepted.extend(range(*r.node))
             referenced = referenced or ref
         else:
-            duplicates.append(r.shard)
+            duplicates.extend(range(*r.node))
     if by_ref and not referenced:
         drop_body(blobs, body_key)
     return accepted, duplicates

@@ -21,7 +21,7 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from sqlalchemy import select
 
@@ -36,9 +36,10 @@ from engine.optim import STATE_SLOTS
 from engine.runner import final_metrics
 from engine.step import ShardResult, StepMetrics, TrainState
 from engine.step import apply_step as engine_apply_step
+from engine.tree import choose
 from hotstate import keys
 from hotstate.bodies import fetch_bodies
-from hotstate.gradstore import GradBlobError, body_key_of, unpack
+from hotstate.gradstore import GradBlobError, body_key_of, stored_nodes, unpack, uploaded_shards
 from hotstate.recent import RECENT
 from hotstate.trainstate import StateBlob
 from hotstate.version import bump_version
@@ -84,24 +85,30 @@ def enqueue_apply(ctx: SchedulerContext, job_id: str, step: int, force: bool = F
 
 
 def step_complete(ctx: SchedulerContext, job_id: str, step: int, shards: int) -> bool:
-    return len(ctx.blobs.keys(keys.grad_prefix(job_id, step))) >= shards
+    return len(uploaded_shards(ctx.blobs, job_id, step)) >= shards
 
 
 def load_results(ctx: SchedulerContext, job_id: str, step: int, info: JobInfo) -> list[ShardResult] | None:
-    """Every shard's stored result of `step` (views of the stored uploads), or None when one is
+    """Stored results of `step` covering every shard once (shards' and partials', the largest
+    preferred: engine.tree.choose), as views of the stored uploads, or None when a shard is
     missing; results that are corrupted or whose upload body is gone (a replica that held it
     died) are deleted, so their devices see those shards as to do again."""
-    shard_keys = [keys.grad(job_id, step, shard) for shard in range(info.spec.shards)]
+    nodes = stored_nodes(ctx.blobs, job_id, step)
+    chosen = choose(nodes, info.spec.shards)
+    if chosen is None:
+        return None
+    shard_keys = [nodes[node] for node in chosen]
     stored = ctx.blobs.get_many(shard_keys)
     if any(data is None for data in stored):
         return None
     refs = [_body_key(data) for data in stored]
     bodies = fetch_bodies(ctx.blobs, sorted({ref for ref in refs if ref}))
     results, broken = [], []
-    for key, data, ref in zip(shard_keys, stored, refs):
+    for (lo, hi), key, data, ref in zip(chosen, shard_keys, stored, refs):
         try:  # a malformed reference (ref None) fails here too
-            results.append(unpack(data, info.model.n_params, info.model.n_stats,
-                                  bodies.get(ref) if ref else None))
+            result = unpack(data, info.model.n_params, info.model.n_stats,
+                            bodies.get(ref) if ref else None)
+            results.append(replace(result, shard=lo, span=hi - lo))  # the key names the range
         except GradBlobError:
             broken.append(key)
     if broken:

@@ -5,6 +5,7 @@ reference trainer (`phalanx train --local`) ends: train_loss within 1e-5 relativ
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -91,6 +92,33 @@ def test_four_agents_wait_for_the_gang_then_match_the_reference(cluster: Cluster
     job = cluster.wait_done(job_id)
     assert_matches_reference(job, spec, tmp_path)
     assert "Scheduled" in reasons(cluster, job_id)
+
+
+def uploaded_results(c: Cluster) -> dict[str, float]:
+    """`phalanx_uploaded_results_total` by kind (shard, partial), from the server's /metrics."""
+    with c.client() as client:
+        text = client.get("/metrics").text
+    found = re.findall(r'^phalanx_uploaded_results_total\{kind="(\w+)"\} (\S+)$', text, re.M)
+    return {"partial": 0.0, "shard": 0.0} | {k: float(v) for k, v in found}
+
+
+def test_phones_holding_several_shards_pre_add_them_and_match_the_reference_bit_for_bit(
+        cluster: Cluster, tmp_path: Path) -> None:
+    """Issue 21 item 1: two phones hold 8 of the 16 shards each (aligned blocks) and upload one
+    partial a step where they uploaded 8 results; the final weights are the reference
+    trainer's, bit for bit (it adds the same pairs of the same tree)."""
+    for i in range(2):
+        cluster.start_agent(f"phone-{i}")
+    spec = digits_spec(epochs=2, min_devices=2)
+    job_id = cluster.submit(spec)
+    job = cluster.wait_done(job_id)
+    assert_matches_reference(job, spec, tmp_path)
+    assert job["metrics"]["params_sha256"] == reference(spec, tmp_path)["params_sha256"]
+    counted = uploaded_results(cluster)
+    # the first step's first request is one shard (the agent times a shard before it sizes
+    # its requests); after that, a phone's 8 shards go up as few partials
+    assert counted["partial"] >= job["step"], counted
+    assert counted["shard"] + counted["partial"] < 16 * job["step"] / 2, counted
 
 
 def test_an_agent_killed_mid_run_and_a_fifth_joining_change_nothing(cluster: Cluster, tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ import io
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from api.steps.protocol import ForeignShard, StateMissing
 from engine.data import load_dataset
 from engine.jobinfo import job_info
 from engine.sampler import shard_indices
+from engine.step import ShardResult, pre_reduce, reduce_results
 from hotstate import keys
 from scheduler import context
 from scheduler.tasks.reconcile import run_reconcile, run_reconcile_job
@@ -147,6 +149,43 @@ def stored_result(ctx: Any, job_id: str, step: int, shard: int) -> Any:
     ref = body_key_of(data)
     return unpack(data, info.model.n_params, info.model.n_stats,
                   ctx.blobs.get(ref) if ref else None)
+
+
+def test_a_partial_of_a_devices_shards_is_stored_once_and_the_step_applies(
+        app_client: TestClient) -> None:
+    """Issue 21 item 1 on the wire: the assignment says partials are welcome; a phone's two
+    shards go up as one partial under one key; a range that is no node of the tree, a partial
+    whose sample count is wrong, or one reaching into another phone's shards is refused."""
+    job_id, [(dev, hdr), (other, other_hdr)] = running_job(app_client)
+    ctx = context.get_context()
+    work = app_client.get(f"/v1/devices/{dev}/work", params={"wait": 0}, headers=hdr).json()
+    assert work["assignment"]["pre_reduce"] is True
+    leaves = {k: decode_results(b)[0] for k, b in shard_result_blobs(ctx, job_id, 0).items()}
+    mine, theirs = shards_of(job_id, dev), shards_of(job_id, other)
+    assert mine == [0, 1] and theirs == [2, 3]
+    url = f"/v1/jobs/{job_id}/steps/0/gradients"
+
+    def post(results: list[ShardResult], headers: dict = hdr) -> Any:
+        return app_client.post(url, content=encode_results(job_id, 0, results), headers=headers)
+
+    not_a_node = reduce_results([leaves[1], leaves[2]], 1, 3, "float32")
+    refused = post([not_a_node])
+    assert refused.status_code == 422 and "1..2 are not a node" in refused.json()["detail"]
+    everything = reduce_results(list(leaves.values()), 0, 4, "float32")
+    assert post([everything]).status_code == 403  # shards 2 and 3 are the other phone's
+    [partial] = pre_reduce([leaves[k] for k in mine], 4, "float32")
+    short = post([replace(partial, count=partial.count - 1)])
+    assert short.status_code == 422 and "samples" in short.json()["detail"]
+    assert ctx.blobs.keys(keys.grad_prefix(job_id, 0)) == []  # nothing refused was stored
+    accepted = post([partial])
+    assert accepted.json() == {"accepted": [0, 1], "duplicates": []}
+    assert ctx.blobs.keys(keys.grad_prefix(job_id, 0)) == [keys.grad(job_id, 0, 0, 2)]
+    assert post([partial]).json() == {"accepted": [], "duplicates": [0, 1]}
+    assert app_client.get(f"/v1/devices/{dev}/work", params={"wait": 0},
+                          headers=hdr).json()["assignment"] is None  # nothing left to do
+    assert post([leaves[2], leaves[3]], other_hdr).json()["accepted"] == [2, 3]
+    assert run_apply_step(ctx, job_id, 0) == "applied"
+    assert job(ctx, job_id).step == 1
 
 
 def test_the_long_poll_wakes_when_work_arrives(app_client: TestClient) -> None:
