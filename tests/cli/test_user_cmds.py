@@ -15,6 +15,7 @@ from typing import Any
 
 import httpx
 import numpy as np
+import pytest
 import yaml
 
 from tests.cli.conftest import Cli, one_line_error
@@ -84,12 +85,17 @@ def test_no_server_configured_says_to_log_in_instead_of_trying_localhost(cli: Cl
     assert "no server configured: run `phalanx login" in line
 
 
-def test_version_flag_and_shell_completion(cli: Cli) -> None:
+def test_version_flag_and_shell_completion(cli: Cli, monkeypatch: pytest.MonkeyPatch) -> None:
+    import shellingham
+
     from phalanx import __version__
 
     assert cli("--version").stdout.strip() == __version__
-    script = cli("--show-completion", env={"SHELL": "/bin/bash"})
-    assert script.exit_code == 0 and "complete" in script.stdout
+    # typer finds the user's shell in the process tree (shellingham); the suite's tree is
+    # whatever started it (nohup, timeout, CI), where detection fails: a user's bash here
+    monkeypatch.setattr(shellingham, "detect_shell", lambda: ("bash", "/bin/bash"))
+    script = cli("--show-completion")
+    assert script.exit_code == 0 and "complete -o" in script.stdout, script.output
 
 
 # -- tokens -------------------------------------------------------------------------------------

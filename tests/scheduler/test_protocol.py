@@ -156,8 +156,10 @@ def test_a_partial_of_a_devices_shards_is_stored_once_and_the_step_applies(
     """Issue 21 item 1 on the wire: the assignment says partials are welcome; a phone's two
     shards go up as one partial under one key; a range that is no node of the tree, a partial
     whose sample count is wrong, or one reaching into another phone's shards is refused."""
-    job_id, [(dev, hdr), (other, other_hdr)] = running_job(app_client)
+    job_id, phones = running_job(app_client)
     ctx = context.get_context()
+    # (dev, hdr) holds shards 0 and 1: which phone that is depends on the devices' ids
+    [(dev, hdr), (other, other_hdr)] = sorted(phones, key=lambda p: shards_of(job_id, p[0]))
     work = app_client.get(f"/v1/devices/{dev}/work", params={"wait": 0}, headers=hdr).json()
     assert work["assignment"]["pre_reduce"] is True
     leaves = {k: decode_results(b)[0] for k, b in shard_result_blobs(ctx, job_id, 0).items()}
