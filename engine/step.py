@@ -153,10 +153,11 @@ def reduce_results(results: Sequence[ShardResult], lo: int, hi: int,
         grad[block] = tree.reduce({n: r.grad_sum[block] for n, r in by_node.items()}, lo, hi, add)
     stats = tree.reduce({n: r.stats for n, r in by_node.items()}, lo, hi,
                         lambda a, b: np.add(a, b, dtype=np.float32))
-    loss = tree.reduce({n: float(r.loss_sum) for n, r in by_node.items()}, lo, hi, operator.add)
-    inside = [r for n, r in by_node.items() if lo <= n[0] and n[1] <= hi]
-    return ShardResult(lo, grad, loss, sum(r.correct for r in inside),
-                       sum(r.count for r in inside), np.asarray(stats, np.float32), hi - lo)
+    loss, correct, count = (tree.reduce({n: value(r) for n, r in by_node.items()}, lo, hi,
+                                        operator.add)
+                            for value in (lambda r: float(r.loss_sum), lambda r: int(r.correct),
+                                          lambda r: int(r.count)))
+    return ShardResult(lo, grad, loss, correct, count, np.asarray(stats, np.float32), hi - lo)
 
 
 def pre_reduce(results: Sequence[ShardResult], shards: int, precision: str) -> list[ShardResult]:

@@ -153,6 +153,9 @@ def test_a_partial_and_a_backup_of_one_of_its_shards_are_added_once(setup):
     after, metrics = apply_step(model, spec, state, both)
     assert _state_bytes(after) == _state_bytes(reference)
     assert metrics.samples == spec.global_batch_size
+    # adding them directly too: the backup inside the partial's range is not counted again
+    total = reduce_results(both, 0, spec.shards, spec.upload_precision)
+    assert total.count == spec.global_batch_size and total.span == spec.shards
 
 
 def test_the_blocked_tree_sum_is_the_whole_vector_tree_bit_for_bit() -> None:
