@@ -63,8 +63,9 @@ BULK_REFUSED_CONNECTIONS = Counter(
     "phalanx_bulk_refused_connections", "Connections the bulk listener closed at once, by "
     "reason: max_connections (it already served PHALANX_BULK_MAX_CONNECTIONS)", ["reason"],
     registry=REQUESTS)
-SHARD_RESULTS = Counter("phalanx_shard_results", "Shard results uploaded by devices: accepted "
-                        "(the first of its shard and step) or duplicate (dropped: first wins)",
+SHARD_RESULTS = Counter("phalanx_shard_results", "Shards whose results devices uploaded (a "
+                        "partial counts each shard it adds): accepted (the first of its shard "
+                        "and step) or duplicate (dropped: first wins)",
                         ["outcome"], registry=REQUESTS)
 UPLOADED_RESULTS = Counter("phalanx_uploaded_results", "Results in devices' uploads: a shard's "
                            "own, or a partial adding the several shards a phone holds "

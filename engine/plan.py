@@ -10,8 +10,9 @@ Estimates, computed from the layer graph without allocating the model (docs/mode
   weights, their float32 copy for compute, the gradient and its upload (4 x 4 bytes per
   parameter), every layer's output kept for the backward and its gradient (2 x 4 bytes per
   activation per sample), and the agent's own runtime (numpy, buffers).
-* Bytes per step: every device downloads the weights once, every shard uploads one gradient
-  (with its batch statistics).
+* Bytes per step: every device downloads the weights once and uploads one gradient (with its
+  batch statistics) per tree node its shards fill (engine.tree), or per shard where the job's
+  upload precision allows no partials.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 
 from engine.layerspec import LayerInfo
 from engine.models import layer_infos, parameter_count
+from engine.precision import can_pre_add
 from engine.spec import TrainSpec
 from engine.tree import cover
 
@@ -37,6 +39,7 @@ class ModelPlan:
     total_steps: int
     weights_bytes: int  # downloaded by every device, every step
     gradient_bytes: int  # one upload: a shard's result, or a partial of several (engine.tree)
+    pre_adds: bool  # phones upload partials (engine.precision.can_pre_add)
     layers: tuple[LayerInfo, ...]
 
     def bytes_per_step(self, devices: int, shards: int) -> int:
@@ -44,6 +47,8 @@ class ModelPlan:
         fill (pre-added on the phone), the shards split evenly in contiguous runs as placement
         first splits them."""
         devices = max(1, min(devices, shards))
+        if not self.pre_adds:
+            return devices * self.weights_bytes + shards * self.gradient_bytes
         uploads = sum(len(cover(range(i * shards // devices, (i + 1) * shards // devices), shards))
                       for i in range(devices))
         return devices * self.weights_bytes + uploads * self.gradient_bytes
@@ -90,6 +95,7 @@ def model_plan(train: TrainSpec, input_shape: tuple[int, ...], num_classes: int)
         weights_bytes=4 * (n_params + n_bn),
         # the gradient in the job's upload precision, the batch statistics in float32
         gradient_bytes=(2 if train.upload_precision != "float32" else 4) * n_params + 4 * n_bn,
+        pre_adds=can_pre_add(train.upload_precision),
         layers=tuple(infos),
     )
 

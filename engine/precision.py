@@ -7,6 +7,11 @@ without further loss. The rule is IEEE round-to-nearest, ties to even: numpy's c
 for bfloat16 (float32's upper 16 bits) the same rule on the bit pattern. float16 overflows past
 65504 (the upload is refused as not finite): bfloat16 keeps float32's range and is the one to use
 for gradient sums; float16 keeps 3 more bits of mantissa where values stay small.
+
+Sums of shard results up the reduction tree (engine.tree) are rounded by `node_precision`: to
+the upload precision for bfloat16 (so a phone's partial of many shards travels in bfloat16 too),
+never to float16 (a sum of gradients leaves its range: inner nodes stay float32, and a float16
+job's phones upload each shard's result, not partials).
 """
 
 from __future__ import annotations
@@ -43,3 +48,14 @@ def round_to(x: np.ndarray, precision: str) -> np.ndarray:
         with np.errstate(over="ignore"):  # past 65504: inf, refused by the wire as not finite
             return x.astype(np.float16).astype(np.float32)
     raise ValueError(f"unknown precision {precision!r}; one of {', '.join(PRECISIONS)}")
+
+
+def node_precision(upload_precision: str) -> str:
+    """What a sum of two tree nodes is rounded to, for a job uploading in `upload_precision`."""
+    return "float32" if upload_precision == "float16" else upload_precision
+
+
+def can_pre_add(upload_precision: str) -> bool:
+    """Whether phones may upload partials (sums of shards) for such a job: only where a partial
+    travels in the precision a shard's result does."""
+    return node_precision(upload_precision) == upload_precision

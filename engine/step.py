@@ -7,11 +7,11 @@ reference trainer and the scheduler both call `apply_step`, which adds whatever 
 given up the same tree, so which device computed (or pre-added) which shard cannot change the
 step.
 
-A node's value is its two children added in float32 and rounded to the job's upload precision
-(a float32 add equals the float64 sum rounded once: no double-rounding error at these widths).
-So a partial uploads in the wire's precision like a single shard's result, M bytes however
-many shards it holds; the price against a float64 sum is one float32 rounding per tree level,
-~log2(shards) x 6e-8 relative to the gradient's size, well below the step's own noise.
+A node's value is its two children added in float32 and rounded to `node_precision` (the
+job's upload precision, except float16: engine.precision). A float32 add of two float32 (or
+narrower) values is their exact sum rounded once, so each level of the tree costs one rounding
+at most: 2^-24 (~6e-8) of a node's size in float32; in bfloat16 2^-8 (~4e-3) a level, the price
+of a partial of many shards travelling in half the bytes (measured in docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import numpy as np
 from engine import tree
 from engine.graph import Model
 from engine.optim import STATE_SLOTS, Hyper, optimizer_step
-from engine.precision import round_to
+from engine.precision import can_pre_add, node_precision, round_to
 from engine.spec import TrainSpec
 
 BN_MOMENTUM = 0.1  # running = (1 - 0.1) x running + 0.1 x (shard-averaged batch statistic)
@@ -136,15 +136,16 @@ REDUCE_BLOCK = 1 << 16
 
 def reduce_results(results: Sequence[ShardResult], lo: int, hi: int,
                    precision: str) -> ShardResult:
-    """Node [lo, hi)'s partial from results whose nodes cover it exactly once (none above it):
-    gradients and statistics added up the tree in float32 (each node rounded to `precision`),
-    losses in float64 up the same tree, counts summed."""
+    """Node [lo, hi)'s partial from results whose nodes cover it exactly once (none above it)
+    for a job uploading in `precision`: gradients and statistics added up the tree in float32
+    (each node rounded to node_precision), losses in float64 up the same tree, counts summed."""
     by_node = {r.node: r for r in results}
     if (lo, hi) in by_node:
         return by_node[(lo, hi)]
+    rounding = node_precision(precision)
 
     def add(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-        return round_to(np.add(a, b, dtype=np.float32), precision)
+        return round_to(np.add(a, b, dtype=np.float32), rounding)
 
     first = next(iter(by_node.values()))
     grad = np.empty(first.grad_sum.size, np.float32)
@@ -162,7 +163,10 @@ def reduce_results(results: Sequence[ShardResult], lo: int, hi: int,
 
 def pre_reduce(results: Sequence[ShardResult], shards: int, precision: str) -> list[ShardResult]:
     """What a phone uploads for the shard results it computed: one partial per largest node
-    they fill (tree.cover), in shard order."""
+    they fill (tree.cover), in shard order; the results as they are where the job's precision
+    allows no partials (engine.precision.can_pre_add)."""
+    if not can_pre_add(precision):
+        return sorted(results, key=lambda r: r.shard)
     held = {k for r in results for k in range(*r.node)}
     return [reduce_results([r for r in results if lo <= r.shard < hi], lo, hi, precision)
             for lo, hi in tree.cover(held, shards)]

@@ -13,7 +13,8 @@ Helpers here know ranges only; engine.step adds the values.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Mapping
+import bisect
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import TypeVar
 
 Node = tuple[int, int]  # [lo, hi)
@@ -48,20 +49,42 @@ def is_node(lo: int, hi: int, shards: int) -> bool:
 
 def cover(held: Collection[int], shards: int) -> list[Node]:
     """The largest nodes made only of shards in `held`, in shard order: what a phone holding
-    `held` uploads (one partial each; a contiguous run of k shards is at most ~2 log2 k nodes)."""
-    have = set(held)
+    `held` uploads (one partial each; a contiguous run of k shards is at most ~2 log2 k nodes).
+    Only nodes partly held are walked (counted by bisection in the sorted held shards), so the
+    cost is O(len(cover) x log(shards)) whatever the tree's size: the plan calls it per device."""
+    have = sorted({k for k in held if 0 <= k < shards})
     out: list[Node] = []
 
     def walk(lo: int, hi: int) -> None:
-        if all(k in have for k in range(lo, hi)):
+        inside = bisect.bisect_left(have, hi) - bisect.bisect_left(have, lo)
+        if inside == hi - lo:
             out.append((lo, hi))
-        elif hi - lo > 1:
+        elif inside:
             mid = split(lo, hi)
             walk(lo, mid)
             walk(mid, hi)
 
-    walk(0, shards)
+    if have:
+        walk(0, shards)
     return out
+
+
+def next_blocks(todo: Sequence[int], most: int) -> tuple[list[int], list[int]]:
+    """Split sorted shards `todo` into what to compute next and what is left: whole aligned
+    power-of-two runs from the start (so what is computed together fills tree nodes and goes
+    up as few partials), as many as fit in `most` shards; at least one shard."""
+    taken = 0
+    while taken < len(todo):
+        lo, size = todo[taken], 1
+        while (lo % (2 * size) == 0 and taken + 2 * size <= len(todo)
+               and todo[taken + 2 * size - 1] == lo + 2 * size - 1):
+            size *= 2
+        if taken + size > most:
+            if taken:
+                break
+            size = 1 << (max(1, most).bit_length() - 1)  # the aligned block is larger: its head
+        taken += size
+    return list(todo[:taken]), list(todo[taken:])
 
 
 def choose(available: Collection[Node], shards: int) -> list[Node] | None:

@@ -39,9 +39,14 @@ def grad(job_id: str, step: int, shard: int, span: int = 1) -> str:
 def grad_node(suffix: str) -> tuple[int, int] | None:
     """The shard range [lo, hi) a grad key's suffix (after grad_prefix) names; None: not one."""
     lo, sep, hi = suffix.partition("-")
-    if not lo.isdigit() or (sep and not hi.isdigit()):
+    if not _number(lo) or (sep and not _number(hi)):
         return None
-    return (int(lo), int(hi) if sep else int(lo) + 1)
+    node = (int(lo), int(hi) if sep else int(lo) + 1)
+    return node if node[1] > node[0] else None
+
+
+def _number(text: str) -> bool:
+    return text.isascii() and text.isdecimal()  # isdigit takes "²", which int() refuses
 
 
 def upload_body(job_id: str, step: int, upload_id: str) -> str:

@@ -28,6 +28,7 @@ from agent.runtime.guard import Limits
 from agent.runtime.ledger import UploadLedger
 from agent.runtime.monitor import Monitor
 from agent.runtime.state import AgentState
+from engine.tree import next_blocks
 from wire.assignment import Assignment
 
 log = logging.getLogger(__name__)
@@ -108,19 +109,19 @@ class WorkLoop:
                 return PAUSED_POLL_S  # the heartbeat reports why; the scheduler moves shards
             if self.state.draining or self.state.fatal:
                 return 0.0
-            chunk, todo = todo[: self._chunk_size()], todo[self._chunk_size():]
+            chunk, todo = next_blocks(todo, self._chunk_size())
             if not self._compute_and_upload(a, job, step, chunk):
                 return 0.0  # the step moved on: poll again at once
         self.steps_done += 1
         return 0.0
 
     def _chunk_size(self) -> int:
-        """Shards per request: about CHUNK_TARGET_S of compute, a power of two, so that an
-        aligned block of shards is sent as one partial (engine.tree), not cut in two."""
+        """At most how many shards a request computes: about CHUNK_TARGET_S of compute (the
+        first, to measure a shard, one); next_blocks cuts the request on aligned blocks, so
+        what is computed together goes up as few partials (engine.tree)."""
         if not self._per_shard_s:
             return 1
-        fits = max(1, int(CHUNK_TARGET_S / self._per_shard_s))
-        return 1 << (fits.bit_length() - 1)
+        return max(1, int(CHUNK_TARGET_S / self._per_shard_s))
 
     def _request(self, a: Assignment, job: str, step: int, shards: list[int]) -> dict[str, Any]:
         weights = self.cache.weights(job, step, lambda: self._bulk(

@@ -28,6 +28,7 @@ from api.store.models import Job, ShardAssignment
 from api.store.state_names import JobState
 from engine.data import load_dataset
 from engine.jobinfo import JobInfo, job_info
+from engine.precision import can_pre_add
 from engine.sampler import shard_indices
 from engine.step import ShardResult
 from engine.stored import Samples
@@ -231,7 +232,8 @@ class StepProtocol:
         if not todo:
             return None
         return Assignment(job_id=job.id, step=job.step, shards=todo, spec=job.spec,
-                          pre_reduce=True, **self.info(job).assignment_facts())
+                          pre_reduce=can_pre_add(self.info(job).spec.upload_precision),
+                          **self.info(job).assignment_facts())
 
     # -- GET /v1/jobs/{id}/weights?step=t -----------------------------------------------------
     def weights(self, device_id: str, job_id: str, step: int) -> bytes:
@@ -309,6 +311,10 @@ class StepProtocol:
         except WireError as exc:
             raise BadUpload(str(exc)) from None
         for r in results:  # a partial must be a node of the job's tree, of the right size
+            if r.span > 1 and not can_pre_add(info.spec.upload_precision):
+                raise BadUpload(f"shards {r.shard}..{r.shard + r.span - 1}: a job uploading in "
+                                f"{info.spec.upload_precision} takes each shard's result, not "
+                                f"partials (their sums leave its range)")
             if not is_node(*r.node, info.spec.shards):
                 raise BadUpload(f"shards {r.shard}..{r.shard + r.span - 1} are not a node of the "
                                 f"reduction tree over {info.spec.shards} shards")

@@ -10,6 +10,7 @@ import pytest
 from engine.data import load_dataset
 from engine.models import build_model
 from engine.optim import SUM_BLOCK, ordered_sum
+from engine.precision import round_to
 from engine.sampler import select_microbatch, shard_indices
 from engine.spec import TrainSpec
 from engine.step import (
@@ -175,6 +176,40 @@ def test_the_blocked_tree_sum_is_the_whole_vector_tree_bit_for_bit() -> None:
     for a in g[1:]:
         in_order = in_order + a
     assert in_order.tobytes() != want.tobytes()
+
+
+def test_float16_sums_stay_float32_and_float16_phones_upload_leaves() -> None:
+    """Shard results near float16's top add past 65504: rounding the tree's nodes to float16
+    would make them infinite (NaN parameters on the server). Nodes stay float32 for float16
+    jobs, and a phone's results go up as they are (no partial could travel in float16)."""
+    rng = np.random.default_rng(4)
+    leaves = [ShardResult(i, round_to(rng.uniform(30000, 60000, 1000).astype(np.float32),
+                                      "float16"), 1.0, 0, 1, np.zeros(2, np.float32))
+              for i in range(4)]
+    total = reduce_results(leaves, 0, 4, "float16").grad_sum
+    assert np.isfinite(total).all() and np.abs(total).max() > 65504
+    g = [r.grad_sum for r in leaves]
+    assert total.tobytes() == ((g[0] + g[1]) + (g[2] + g[3])).tobytes()  # float32, unrounded
+    assert pre_reduce(leaves[:2], 4, "float16") == leaves[:2]
+
+
+@pytest.mark.parametrize("shards", [2, 16, 552])
+def test_bfloat16_partials_travel_in_bfloat16_within_a_rounding_a_level(shards: int) -> None:
+    """A bfloat16 job's partials are rounded to bfloat16 at every node (so a partial of many
+    shards is still half the bytes); what that costs against the exact sum of the leaves is at
+    most one bfloat16 rounding (2^-8 of the node's magnitude) per level, which
+    docs/benchmarks.md measures on a job."""
+    rng = np.random.default_rng(shards)
+    leaves = [ShardResult(i, round_to(rng.standard_normal(4096).astype(np.float32), "bfloat16"),
+                          1.0, 0, 1, np.zeros(2, np.float32)) for i in range(shards)]
+    total = reduce_results(leaves, 0, shards, "bfloat16").grad_sum
+    assert total.tobytes() == round_to(total, "bfloat16").tobytes()  # it travels as it is
+    exact = np.sum([r.grad_sum.astype(np.float64) for r in leaves], axis=0)
+    magnitude = np.sum([np.abs(r.grad_sum.astype(np.float64)) for r in leaves], axis=0)
+    levels = (shards - 1).bit_length()
+    assert (np.abs(total - exact) <= levels * 2.0 ** -8 * magnitude).all()
+    float32_total = reduce_results(leaves, 0, shards, "float32").grad_sum
+    assert (np.abs(float32_total - exact) <= levels * 2.0 ** -24 * magnitude).all()
 
 
 @pytest.mark.parametrize("n", [1, SUM_BLOCK - 1, SUM_BLOCK, 3 * SUM_BLOCK + 17])

@@ -53,6 +53,58 @@ def test_a_phone_holding_an_aligned_block_uploads_one_partial_and_a_ragged_run_f
         assert len(got) <= 2 * (hi - lo).bit_length() + 2
 
 
+def test_cover_walks_only_what_is_held_so_a_big_plan_stays_cheap() -> None:
+    """The plan covers every device's run (POST /jobs?dry_run=true): at 4096 shards and devices
+    a walk of the whole tree per device was seconds of CPU a request. Counting the nodes visited
+    shows the walk stays near the held run, whatever the tree's size."""
+    visited = 0
+    real_split = tree.split
+
+    def counting_split(lo: int, hi: int) -> int:
+        nonlocal visited
+        visited += 1
+        return real_split(lo, hi)
+
+    tree.split = counting_split  # type: ignore[assignment]
+    try:
+        assert tree.cover([2049], 1 << 20) == [(2049, 2050)]
+    finally:
+        tree.split = real_split  # type: ignore[assignment]
+    assert visited <= 21  # one split per level down to the leaf, nothing beside it
+    assert tree.cover([], 8) == [] and tree.cover([9, -1], 8) == []
+
+
+@pytest.mark.parametrize(("todo", "most", "first", "rest"), [
+    (list(range(8)), 1, [0], list(range(1, 8))),                 # the first, measuring request
+    (list(range(1, 8)), 8, list(range(1, 8)), []),               # [1,2) [2,4) [4,8): all fit
+    (list(range(1, 8)), 4, [1, 2, 3], [4, 5, 6, 7]),             # [4,8) would not fit: next time
+    (list(range(8, 16)), 5, [8, 9, 10, 11], [12, 13, 14, 15]),   # the head of a larger block
+    ([3, 5, 6, 7], 3, [3, 5], [6, 7]),                           # gaps: leaves, then [6,8)
+    ([4, 5, 6], 64, [4, 5, 6], []),
+])
+def test_a_phone_asks_for_whole_aligned_blocks(todo, most, first, rest) -> None:
+    assert tree.next_blocks(todo, most) == (first, rest)
+
+
+def test_next_blocks_never_cuts_an_aligned_node_that_fits_a_request() -> None:
+    """What a phone computes together goes up as one partial per node it fills: a node of the
+    phone's cover that fits one request must never be cut between two (one upload per piece)."""
+    rng = random.Random(3)
+    for _ in range(300):
+        shards = rng.randint(1, 300)
+        todo = sorted(rng.sample(range(shards), rng.randint(1, shards)))
+        most, chunks, left = rng.randint(1, 40), [], todo
+        while left:
+            chunk, left = tree.next_blocks(left, most)
+            assert 1 <= len(chunk) <= most and chunk == sorted(chunk)
+            chunks.append(set(chunk))
+        assert sorted(k for c in chunks for k in c) == todo
+        for lo, hi in tree.cover(todo, shards):
+            size = hi - lo
+            if size <= most and size & (size - 1) == 0:
+                assert any(set(range(lo, hi)) <= c for c in chunks), (lo, hi)
+
+
 def test_the_server_chooses_one_cover_preferring_the_larger_node() -> None:
     assert tree.choose({(0, 4), (2, 3), (4, 8)}, 8) == [(0, 4), (4, 8)]
     assert tree.choose({(0, 2), (2, 3), (3, 4), (4, 8)}, 8) == [(0, 2), (2, 3), (3, 4), (4, 8)]

@@ -164,7 +164,9 @@ def enroll(client: TestClient, name: str) -> tuple[str, dict[str, str]]:
     assert reg.status_code == 201, reg.text
     body = reg.json()
     headers = {"Authorization": f"Bearer {body['device_token']}"}
-    hb = client.post(f"/v1/devices/{body['device_id']}/heartbeat", json={"telemetry": []},
+    # an agent of today: it computes every feature a job may ask for (upload_precision, ...)
+    hb = client.post(f"/v1/devices/{body['device_id']}/heartbeat",
+                     json={"telemetry": [], "capabilities": {"features": list(FEATURES)}},
                      headers=headers)
     assert hb.status_code == 200, hb.text
     return body["device_id"], headers

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from engine.step import ShardResult
+from hotstate import keys
 from hotstate.blobs import MemoryBlobStore
 from hotstate.gradstore import (
     GradBlobError,
@@ -13,7 +14,9 @@ from hotstate.gradstore import (
     offset_in,
     pack_ref,
     pack_result,
+    stored_nodes,
     unpack,
+    uploaded_shards,
 )
 from wire.messages import decode_results, encode_results
 
@@ -78,3 +81,17 @@ def test_a_state_blob_filled_in_place_is_byte_for_byte_encode_state() -> None:
     assert bytes(blob.data) == encode_state(state)
     back = decode_state(memoryview(blob.data).toreadonly(), expect_step=4)
     assert back.opt_state.tobytes() == state.opt_state.tobytes()
+
+
+def test_stored_nodes_read_shards_and_partials_and_skip_what_is_no_range() -> None:
+    """The apply step adds whatever cover is stored: each key names its shard range; a key
+    that names none (a stray, a reversed or empty range, digits int() would refuse) is not a
+    result and must not make a shard look uploaded."""
+    blobs = MemoryBlobStore()
+    for key in (keys.grad("j", 3, 0), keys.grad("j", 3, 4, 4)):
+        blobs.set(key, b"x")
+    prefix = keys.grad_prefix("j", 3)
+    for stray in ("2-2", "5-1", "²", "1-²", "x", "-3"):
+        blobs.set(prefix + stray, b"x")
+    assert set(stored_nodes(blobs, "j", 3)) == {(0, 1), (4, 8)}
+    assert uploaded_shards(blobs, "j", 3) == {0, 4, 5, 6, 7}

@@ -190,6 +190,27 @@ def test_a_partial_of_a_devices_shards_is_stored_once_and_the_step_applies(
     assert job(ctx, job_id).step == 1
 
 
+def test_a_float16_job_takes_each_shards_result_and_no_partial(app_client: TestClient) -> None:
+    """Sums of gradients leave float16's range (65504): a float16 job's assignment asks for no
+    partials, a partial is refused naming why, and each shard's own result is taken."""
+    job_id, phones = running_job(app_client, upload_precision="float16")
+    [(dev, hdr), _] = sorted(phones, key=lambda p: shards_of(job_id, p[0]))
+    work = app_client.get(f"/v1/devices/{dev}/work", params={"wait": 0}, headers=hdr).json()
+    assert work["assignment"]["pre_reduce"] is False
+    ctx = context.get_context()
+    leaves = {k: decode_results(b)[0] for k, b in shard_result_blobs(ctx, job_id, 0).items()}
+    url = f"/v1/jobs/{job_id}/steps/0/gradients"
+    # a partial as an agent ignoring the assignment would add it (float32 nodes)
+    partial = reduce_results([leaves[0], leaves[1]], 0, 2, "float16")
+    refused = app_client.post(url, content=encode_results(job_id, 0, [partial], "float16"),
+                              headers=hdr)
+    assert refused.status_code == 422 and "float16" in refused.json()["detail"]
+    assert pre_reduce([leaves[0], leaves[1]], 4, "float16") == [leaves[0], leaves[1]]
+    both = app_client.post(url, content=encode_results(job_id, 0, [leaves[0], leaves[1]],
+                                                       "float16"), headers=hdr)
+    assert both.json() == {"accepted": [0, 1], "duplicates": []}
+
+
 def test_the_long_poll_wakes_when_work_arrives(app_client: TestClient) -> None:
     dev, hdr = enroll(app_client, "lonely")
     got: dict = {}
