@@ -23,7 +23,7 @@ def mean(rows: list[dict[str, Any]], key: str) -> float:
 
 
 def main() -> None:
-    print("| upload precision | mean final train loss | mean val loss | mean val accuracy (range) |")
+    print("| upload precision | mean final train loss | mean val loss | mean val accuracy (range over 5 seeds) |")
     for precision in ("float32", "bfloat16", "float16"):
         rows = [run_reference(dict(SPEC, seed=s, upload_precision=precision), None,
                               progress=False) for s in SEEDS]

@@ -70,9 +70,13 @@ def cover(held: Collection[int], shards: int) -> list[Node]:
 
 
 def next_blocks(todo: Sequence[int], most: int) -> tuple[list[int], list[int]]:
-    """Split sorted shards `todo` into what to compute next and what is left: whole aligned
-    power-of-two runs from the start (so what is computed together fills tree nodes and goes
-    up as few partials), as many as fit in `most` shards; at least one shard."""
+    """Split sorted, distinct shards `todo` into what to compute next and what is left: whole
+    aligned power-of-two runs from the start (so what is computed together fills tree nodes and
+    goes up as few partials), as many as fit in `most` shards; at least one shard. A run larger
+    than any request is cut into heads of the largest power of two that fits. (The ragged nodes
+    at the right edge of a tree over a non-power-of-two count are not kept whole: at worst one
+    more upload.)"""
+    top = 1 << (max(1, most).bit_length() - 1)  # the largest aligned block a request can hold
     taken = 0
     while taken < len(todo):
         lo, size = todo[taken], 1
@@ -80,9 +84,12 @@ def next_blocks(todo: Sequence[int], most: int) -> tuple[list[int], list[int]]:
                and todo[taken + 2 * size - 1] == lo + 2 * size - 1):
             size *= 2
         if taken + size > most:
-            if taken:
+            if size > most and taken + top <= most:
+                size = top  # cut in any case: its head, as large as a request may hold
+            elif taken:
                 break
-            size = 1 << (max(1, most).bit_length() - 1)  # the aligned block is larger: its head
+            else:
+                size = top
         taken += size
     return list(todo[:taken]), list(todo[taken:])
 

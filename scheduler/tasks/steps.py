@@ -2,8 +2,8 @@
 
 Order of effects, so that a crash anywhere repeats or repairs rather than corrupts:
 1. read state t and every shard's result for t from the blob store (missing: return);
-2. compute step t+1 with the engine's apply_step (sorted by shard, float64: the same function
-   as the reference trainer);
+2. compute step t+1 with the engine's apply_step (shard results and partials added up the
+   canonical tree, engine.tree: the same function as the reference trainer);
 3. write state t+1 to the blob store under a nonce of this apply's own (and a checkpoint file
    when due) BEFORE the commit;
 4. commit `UPDATE jobs SET step=t+1, state_nonce=<nonce> WHERE id=:id AND step=t` with the

@@ -231,6 +231,11 @@ def test_a_dry_run_answers_the_plan_and_where_it_could_run_and_creates_nothing(a
     # 8 devices, 2 shards each: one pre-added partial up per device, not one per shard
     assert plan["bytes_per_step"] == 8 * plan["weights_bytes"] + 8 * plan["gradient_bytes"]
     assert 64 << 20 < plan["memory_per_device_bytes"] < 100 << 20
+    # float16 uploads take no partials (their sums leave its range): one upload per shard
+    half = api.post("/v1/jobs?dry_run=true", json={**SPEC, "upload_precision": "float16"})
+    f16 = half.json()["plan"]
+    assert f16["gradient_bytes"] < 0.51 * plan["gradient_bytes"]
+    assert f16["bytes_per_step"] == 8 * f16["weights_bytes"] + 16 * f16["gradient_bytes"]
     placement = answer["placement"]
     assert placement["eligible"] == 1 and placement["ineligible"] == 2
     reasons = {d["reason"] for d in placement["ineligible_devices"]}

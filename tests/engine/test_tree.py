@@ -53,7 +53,8 @@ def test_a_phone_holding_an_aligned_block_uploads_one_partial_and_a_ragged_run_f
         assert len(got) <= 2 * (hi - lo).bit_length() + 2
 
 
-def test_cover_walks_only_what_is_held_so_a_big_plan_stays_cheap() -> None:
+def test_cover_walks_only_what_is_held_so_a_big_plan_stays_cheap(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """The plan covers every device's run (POST /jobs?dry_run=true): at 4096 shards and devices
     a walk of the whole tree per device was seconds of CPU a request. Counting the nodes visited
     shows the walk stays near the held run, whatever the tree's size."""
@@ -65,11 +66,8 @@ def test_cover_walks_only_what_is_held_so_a_big_plan_stays_cheap() -> None:
         visited += 1
         return real_split(lo, hi)
 
-    tree.split = counting_split  # type: ignore[assignment]
-    try:
-        assert tree.cover([2049], 1 << 20) == [(2049, 2050)]
-    finally:
-        tree.split = real_split  # type: ignore[assignment]
+    monkeypatch.setattr(tree, "split", counting_split)
+    assert tree.cover([2049], 1 << 20) == [(2049, 2050)]
     assert visited <= 21  # one split per level down to the leaf, nothing beside it
     assert tree.cover([], 8) == [] and tree.cover([9, -1], 8) == []
 
@@ -81,8 +79,10 @@ def test_cover_walks_only_what_is_held_so_a_big_plan_stays_cheap() -> None:
     (list(range(8, 16)), 5, [8, 9, 10, 11], [12, 13, 14, 15]),   # the head of a larger block
     ([3, 5, 6, 7], 3, [3, 5], [6, 7]),                           # gaps: leaves, then [6,8)
     ([4, 5, 6], 64, [4, 5, 6], []),
+    (list(range(31, 64)), 20, list(range(31, 48)), list(range(48, 64))),  # [32,64) cut anyway
 ])
-def test_a_phone_asks_for_whole_aligned_blocks(todo, most, first, rest) -> None:
+def test_a_phone_asks_for_whole_aligned_blocks(todo: list[int], most: int, first: list[int],
+                                               rest: list[int]) -> None:
     assert tree.next_blocks(todo, most) == (first, rest)
 
 
