@@ -200,6 +200,12 @@ class Client:
         except ValueError:
             raise TransportError(f"bad X-Phalanx-Shard-Samples: {total!r}") from None
 
+    def report_diverged(self, job_id: str, step: int, shard: int, reason: str) -> dict[str, Any]:
+        """The job's current step has no finite result for `shard`: the server fails the job."""
+        path = f"/v1/jobs/{_q(job_id)}/steps/{int(step)}/diverged"
+        return self._send("POST", path, json_body={"shard": int(shard), "reason": reason[:500]}
+                          ).json()
+
     def upload_gradients(self, job_id: str, step: int, body: Body,
                          bulk_url: str | None = None) -> dict[str, Any]:
         """To the API, or to the bulk listener at `bulk_url` (the assignment names it); `body`

@@ -56,6 +56,11 @@ class WireError(ValueError):
     """A malformed or mismatched message; the text says what is wrong."""
 
 
+class NotFinite(WireError):
+    """A result to encode holds NaN or infinity: the training diverged (or a float16 gradient
+    overflowed). Every device computes the same bits, so computing it again will not help."""
+
+
 def encode_weights(job_id: str, step: int, params: np.ndarray, buffers: np.ndarray) -> bytes:
     return _pack(_weights_header(job_id, step, params.size, buffers.size),
                  [_f32(params), _f32(buffers)])
@@ -140,7 +145,7 @@ def results_payload(results: list[ShardResult], dtype: str = "float32"
                 grad = np.ascontiguousarray(r.grad_sum, dtype=_DTYPES[dtype])  # no copy if f32
             finite = all_finite(grad)
         if not finite:
-            raise WireError(f"shard {r.shard}: gradient is not finite in {dtype} "
+            raise NotFinite(f"shard {r.shard}: gradient is not finite in {dtype} "
                             "(diverged, or too large for float16)")
         chunks += [grad, _f32(r.stats)]
         entry = {"shard": int(r.shard), "loss_sum": float(r.loss_sum),
@@ -208,7 +213,7 @@ def _pack_parts(header: dict[str, Any], arrays: list[np.ndarray]) -> list[memory
     try:
         raw = json.dumps(header, allow_nan=False, separators=(",", ":")).encode()
     except ValueError:
-        raise WireError("header holds NaN or infinity (a shard's loss is not finite)") from None
+        raise NotFinite("header holds NaN or infinity (a shard's loss is not finite)") from None
     parts = [memoryview(a).cast("B") for a in arrays]
     crc = crc32(raw)
     for part in parts:

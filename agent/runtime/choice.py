@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from agent.runtime.executor import ExecConfig
+from agent.runtime.executor import Diverged, ExecConfig
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +133,8 @@ class PowerMeter:
 
 def profile(configs: list[ExecConfig], measure: Callable[[ExecConfig], float],
             read_power: Callable[[], float | None] | None = None) -> list[Measurement]:
-    """Measure each config (samples/s); one that fails is left out, not fatal."""
+    """Measure each config (samples/s); one that fails is left out, not fatal (but a result
+    that is not finite is the job's, not the config's: Diverged goes up)."""
     results = []
     for config in configs:
         try:
@@ -143,6 +144,8 @@ def profile(configs: list[ExecConfig], measure: Callable[[ExecConfig], float],
             with PowerMeter(read_power) as meter:
                 speed = measure(config)
             results.append(Measurement(config, speed, meter.mean_w))
+        except Diverged:
+            raise  # the shard's result is not finite whatever the config: the job diverged
         except Exception as exc:  # a config the phone refuses (e.g. no torch) is just not chosen
             log.warning("execution candidate %s failed: %s", config.describe(), exc)
     return results

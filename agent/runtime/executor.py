@@ -20,6 +20,10 @@ class WorkerError(RuntimeError):
     """The worker failed a request or died."""
 
 
+class Diverged(WorkerError):
+    """The worker's result is not finite (wire.messages.NotFinite): the job diverged."""
+
+
 @dataclass(frozen=True)
 class ExecConfig:
     backend: str = "numpy"
@@ -88,6 +92,8 @@ class ComputeWorker:
             except (BrokenPipeError, OSError) as exc:
                 raise WorkerError(f"compute worker is gone: {exc}") from None
             reply = self._read()
+        if reply.get("diverged"):
+            raise Diverged(str(reply["diverged"]))
         if not reply.get("ok"):
             raise WorkerError(reply.get("error", "compute worker failed"))
         return reply

@@ -24,6 +24,7 @@ from agent.client import (
 from agent.runtime import choice
 from agent.runtime.cache import WorkCache
 from agent.runtime.execution import ExecutionManager
+from agent.runtime.executor import Diverged
 from agent.runtime.guard import Limits
 from agent.runtime.ledger import UploadLedger
 from agent.runtime.monitor import Monitor
@@ -172,9 +173,18 @@ class WorkLoop:
             req = self._request(a, job, step, shards)
         except Conflict:
             return False  # weights of another step: this step is already applied
-        self._ensure_choice(a, req)
         started = time.monotonic()
-        self.execution.step(req)
+        try:
+            self._ensure_choice(a, req)  # profiling computes a shard too
+            started = time.monotonic()
+            self.execution.step(req)
+        except Diverged as exc:  # the same bits on any phone: no retry, the job fails
+            log.error("%s step %d diverged (%s): reporting it", job, step, exc)
+            try:
+                self.client.report_diverged(job, step, shards[0], str(exc))
+            except StatusError as gone:  # the job moved on meanwhile (409), or another report won
+                log.info("diverged report not taken: %s", gone)
+            return False
         self._per_shard_s = (time.monotonic() - started) / len(shards)
         out = self.cache.result_path(job, step)
         try:

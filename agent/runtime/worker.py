@@ -34,7 +34,12 @@ from typing import Any
 
 from agent.config import atomic_write  # stdlib only: safe to import before pinning
 from agent.runtime import slowdown
-from agent.runtime.executor import ComputeWorker, ExecConfig, WorkerError  # stdlib only too
+from agent.runtime.executor import (  # stdlib only too
+    ComputeWorker,
+    Diverged,
+    ExecConfig,
+    WorkerError,
+)
 from agent.runtime.workerenv import BACKEND_ENV, CORES_ENV, THREADS_ENV
 
 
@@ -157,6 +162,8 @@ class Engine:
         try:
             try:
                 reply = self._helpers[index - 1].request(ask)
+            except Diverged:
+                raise  # the helper is fine; its shard's result is not finite
             except WorkerError:
                 self._helpers[index - 1].close()
                 self._helpers[index - 1] = ComputeWorker(ExecConfig(self.backend, 1))
@@ -280,10 +287,17 @@ def main() -> int:
                 break
             reply = handle(engine, req)
         except Exception as exc:  # report, keep serving: the agent decides what to do
-            reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+            reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}", **_diverged(exc)}
         proto.write(json.dumps(reply) + "\n")
     engine.close()
     return 0
+
+
+def _diverged(exc: Exception) -> dict[str, str]:
+    """A reply's mark that the result is not finite (a helper's too), which the agent reports."""
+    from wire.messages import NotFinite  # numpy: imported after pinning, as the engine is
+
+    return {"diverged": str(exc)} if isinstance(exc, (NotFinite, Diverged)) else {}
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ from starlette.concurrency import run_in_threadpool
 
 from api.deps import DeviceDep
 from api.schemas.common import errors
-from api.schemas.work import UploadOut, WorkOut
+from api.schemas.work import DivergedIn, DivergedOut, UploadOut, WorkOut
 from api.steps.handlers import (
     MAX_WAIT_S,
     WEIGHTS_HEADERS,
@@ -67,6 +67,18 @@ async def upload_gradients(job_id: str, step: int, request: Request, principal: 
     body = await _whole_body(request)
     return await run_in_threadpool(accept_upload, request.app.state, principal.device_id,
                                    job_id, step, body)
+
+
+@router.post("/jobs/{job_id}/steps/{step}/diverged", response_model=DivergedOut)
+def report_diverged(job_id: str, step: int, body: DivergedIn, request: Request,
+                    principal: DeviceDep):
+    """A device found its shard's loss or gradient not finite at the job's current step: the
+    job fails with that reason (every device would compute the same bits)."""
+    failed = request.app.state.step_protocol.diverged(principal.device_id, job_id, step,
+                                                     body.shard, body.reason)
+    if failed:
+        request.app.state.scheduler_hooks.job_changed(job_id)
+    return DivergedOut(failed=failed)
 
 
 async def _whole_body(request: Request) -> bytes:

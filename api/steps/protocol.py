@@ -24,6 +24,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from api.errors import ApiError, Conflict, Forbidden, NotFound, Unavailable
+from api.store.jobs import fail_diverged
 from api.store.models import Job, ShardAssignment
 from api.store.state_names import JobState
 from engine.data import load_dataset
@@ -292,6 +293,23 @@ class StepProtocol:
         if len(chunk.body) <= SHARD_CACHED_MAX_BYTES:
             self._shards.put(key, chunk)
         return chunk
+
+    # -- POST /v1/jobs/{id}/steps/{t}/diverged -----------------------------------------------
+    def diverged(self, device_id: str, job_id: str, step: int, shard: int, reason: str) -> bool:
+        """Fail the job: a shard this device holds has no finite result at the current step.
+        Every device computes a shard's result bit for bit alike (invariant 1), so another
+        device would find the same; the job stops with the reason instead of retrying for ever."""
+        job, held = self._job_and_held(device_id, job_id)
+        if job is None:
+            raise NotThere(f"job {job_id} not found")
+        if shard not in held:
+            raise ForeignShard(f"shard {shard} of {job_id} is not assigned to {device_id}")
+        if job.step != step or job.state != JobState.RUNNING:
+            raise StaleStep(f"job is at step {job.step} ({job.state}), not {step}")
+        why = (f"diverged at step {step}: {reason} (device {device_id}); lower the learning "
+               f"rate, add warmup, or upload in float32/bfloat16")
+        with self.session_factory.begin() as session:
+            return fail_diverged(session, job_id, step, why, self.clock())
 
     # -- POST /v1/jobs/{id}/steps/{t}/gradients -----------------------------------------------
     def upload(self, device_id: str, job_id: str, step: int, body: bytes) -> Uploaded:

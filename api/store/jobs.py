@@ -145,6 +145,16 @@ def cancel_job(session: Session, job_id: str, now: dt.datetime, principal: Princ
     return job
 
 
+def fail_diverged(session: Session, job_id: str, step: int, reason: str,
+                  now: dt.datetime) -> bool:
+    """Running at `step` -> Failed, the training having diverged there (a shard's loss or
+    gradient is not finite: every device computes the same bits, so recomputing elsewhere would
+    not help, and the step cannot be applied). False when the job was elsewhere already."""
+    return transition(session, job_id, JobState.FAILED,
+                      StateEvent("Diverged", reason, "Warning"), now=now,
+                      expect={"step": step}, reason=reason, finished_at=now)
+
+
 def step_metrics(session: Session, job_id: str, principal: Principal, *, since_step: int,
                  limit: int) -> Sequence[StepMetric]:
     get_job(session, job_id, principal)

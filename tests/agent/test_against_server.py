@@ -176,6 +176,46 @@ def test_a_real_job_trains_on_the_agent(server: LiveServer, tmp_path: Path, cool
     assert "Traceback" not in log.read_text()
 
 
+def test_a_job_that_diverges_fails_with_the_reason_instead_of_retrying(
+        server: LiveServer, tmp_path: Path, cool_phone: Path) -> None:
+    """Inputs of 30,000 make a micro-batch's gradient sum overflow float16 at the first step:
+    the real agent's worker finds it not finite, the agent reports it, and the job fails
+    saying so (before, the agent retried the step for ever and the job hung Running)."""
+    home = tmp_path / "phone"
+    device_id = enroll(server, home, cool_phone)
+    log = tmp_path / "agent.log"
+    proc = agent_process(home / "config.json", cool_phone, log)
+    labels = np.arange(400) % 10
+    buf = io.BytesIO()
+    np.savez(buf, x=np.full((400, 1, 4, 4), 30000.0, np.float32), y=labels)
+    spec = {"name": "diverges", "model": {"arch": "logreg"}, "dataset": f"huge-{device_id}",
+            "global_batch_size": 96, "shards": 4, "epochs": 1, "seed": 0,
+            "upload_precision": "float16", "placement": {"min_devices": 1, "max_devices": 1}}
+    try:
+        wait_for("Ready", lambda: device(server, device_id)["state"] == "Ready",
+                 on_fail=log.read_text)
+        with server.client() as c:
+            up = c.post("/v1/datasets", data={"name": spec["dataset"]},
+                        files={"file": ("huge.npz", buf.getvalue(), "application/octet-stream")})
+            assert up.status_code == 201, up.text
+            job_id = c.post("/v1/jobs", json=spec).json()["id"]
+
+        def finished() -> dict[str, Any] | None:
+            with server.client() as c:
+                j = c.get(f"/v1/jobs/{job_id}").json()
+            return j if j["state"] in ("Succeeded", "Failed") else None
+
+        done = wait_for("the job to finish", finished, timeout=120,
+                        on_fail=lambda: log.read_text() + server.log()[-3000:])
+        assert done["state"] == "Failed" and done["step"] == 0, done
+        assert done["reason"].startswith("diverged at step 0: shard "), done["reason"]
+        assert "not finite in float16" in done["reason"] and device_id in done["reason"]
+        assert "reporting it" in log.read_text()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
 def test_enrolling_with_a_bad_token_is_refused_clearly(server: LiveServer, tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, "-m", "agent", "enroll", "--server", server.url,
                           "--token", "not-a-token", "--config", str(tmp_path / "c.json")],

@@ -211,6 +211,36 @@ def test_a_float16_job_takes_each_shards_result_and_no_partial(app_client: TestC
     assert both.json() == {"accepted": [0, 1], "duplicates": []}
 
 
+def test_a_diverged_shard_fails_the_job_with_its_reason(app_client: TestClient) -> None:
+    """Every device computes a shard's bits alike, so a result that is not finite would be so
+    anywhere: the device's report fails the job, naming the step and what was seen, instead of
+    the shard moving from phone to phone for ever. Only a holder of the shard, at the job's
+    current step, may say so."""
+    job_id, phones = running_job(app_client)
+    [(dev, hdr), (other, other_hdr)] = sorted(phones, key=lambda p: shards_of(job_id, p[0]))
+    url = f"/v1/jobs/{job_id}/steps/0/diverged"
+    seen = {"shard": 1, "reason": "shard 1: gradient is not finite in float32"}
+    foreign = app_client.post(url, json=seen, headers=other_hdr)
+    assert foreign.status_code == 403 and "shard 1" in foreign.json()["detail"]
+    stale = app_client.post(f"/v1/jobs/{job_id}/steps/3/diverged", json=seen, headers=hdr)
+    assert stale.status_code == 409
+    bad = app_client.post(url, json={"shard": 1, "reason": ""}, headers=hdr)
+    assert bad.status_code == 422
+    assert app_client.get(f"/v1/jobs/{job_id}", headers=admin(app_client)).json()["state"] == \
+        "Running"
+    reported = app_client.post(url, json=seen, headers=hdr)
+    assert reported.status_code == 200 and reported.json() == {"failed": True}
+    failed = app_client.get(f"/v1/jobs/{job_id}", headers=admin(app_client)).json()
+    assert failed["state"] == "Failed"
+    assert failed["reason"].startswith("diverged at step 0: shard 1: gradient is not finite")
+    events = app_client.get(f"/v1/jobs/{job_id}/events", headers=admin(app_client)).json()
+    assert "Diverged" in [e["reason"] for e in events["items"]]
+    again = app_client.post(url, json=seen, headers=hdr)
+    assert again.status_code in (403, 409)  # the job is over: its shards are released
+    assert app_client.get(f"/v1/devices/{dev}/work", params={"wait": 0},
+                          headers=hdr).json()["assignment"] is None
+
+
 def test_the_long_poll_wakes_when_work_arrives(app_client: TestClient) -> None:
     dev, hdr = enroll(app_client, "lonely")
     got: dict = {}

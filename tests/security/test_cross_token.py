@@ -19,6 +19,7 @@ PUBLIC = {("get", "/healthz"), ("get", "/readyz"), ("get", "/install.sh"),
 DEVICE_ONLY = {("post", "/v1/devices/{device_id}/heartbeat"), ("get", "/v1/devices/{device_id}/work"),
                ("get", "/v1/jobs/{job_id}/weights"), ("get", "/v1/jobs/{job_id}/shards/{shard}/data"),
                ("post", "/v1/jobs/{job_id}/steps/{step}/gradients"),
+               ("post", "/v1/jobs/{job_id}/steps/{step}/diverged"),
                ("post", "/v1/devices/{device_id}/token"), ("post", "/v1/devices/{device_id}/logs"),
                ("post", "/v1/devices/{device_id}/upgrade-report")}
 ADMIN_ONLY = {("get", "/v1/enrollment-tokens"), ("post", "/v1/enrollment-tokens"),
@@ -60,6 +61,8 @@ def ask(api, method: str, path: str, params: dict[str, str], token: str | None):
     if method == "post" and path.endswith("/gradients"):
         return api.client.post(url, headers=headers, content=b"\0" * 64)
     body = {"json": {}} if method in ("post", "patch") else {}
+    if path.endswith("/diverged"):  # a well-formed report: only the token may refuse it
+        body = {"json": {"shard": 0, "reason": "shard 0: gradient is not finite"}}
     query = {"step": 0} if path.endswith("/weights") else {}
     return api.client.request(method.upper(), url, headers=headers, params=query, **body)
 
