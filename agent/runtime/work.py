@@ -105,13 +105,14 @@ class WorkLoop:
                      "computing them again", again, job, step)
         if not todo:
             return 0.5  # everything of this step is in; wait for the next step
+        share = list(todo)  # this pass's shards: the worker uploads each node of them filled
         while todo and not stop.is_set():
             if self.monitor.pause() is not None:  # a reading at most max_age_s old
                 return PAUSED_POLL_S  # the heartbeat reports why; the scheduler moves shards
             if self.state.draining or self.state.fatal:
                 return 0.0
             chunk, todo = next_blocks(todo, self._chunk_size())
-            if not self._compute_and_upload(a, job, step, chunk):
+            if not self._compute_and_upload(a, job, step, chunk, share, last=not todo):
                 return 0.0  # the step moved on: poll again at once
         self.steps_done += 1
         return 0.0
@@ -167,17 +168,20 @@ class WorkLoop:
             self.execution.profile(key, first, backend)
             self.state.set_profile(arch, self.execution.report())
 
-    def _compute_and_upload(self, a: Assignment, job: str, step: int,
-                            shards: list[int]) -> bool:
+    def _compute_and_upload(self, a: Assignment, job: str, step: int, shards: list[int],
+                            share: list[int], last: bool = True) -> bool:
+        """Compute `shards` (part of this pass's `share` of the step) and upload what the
+        worker hands back: with pre_reduce, the nodes of the share they fill, the rest held in
+        the worker until a later request fills them (all of it on the `last`)."""
         try:
-            req = self._request(a, job, step, shards)
+            req = {**self._request(a, job, step, shards), "step_shards": share, "last": last}
         except Conflict:
             return False  # weights of another step: this step is already applied
         started = time.monotonic()
         try:
             self._ensure_choice(a, req)  # profiling computes a shard too
             started = time.monotonic()
-            self.execution.step(req)
+            reply = self.execution.step(req)
         except Diverged as exc:  # the same bits on any phone: no retry, the job fails
             log.error("%s step %d diverged (%s): reporting it", job, step, exc)
             try:
@@ -186,6 +190,8 @@ class WorkLoop:
                 log.info("diverged report not taken: %s", gone)
             return False
         self._per_shard_s = (time.monotonic() - started) / len(shards)
+        if reply.get("held"):
+            return True  # pre-added in the worker; goes up with a later request of the step
         out = self.cache.result_path(job, step)
         try:
             body = out.read_bytes()

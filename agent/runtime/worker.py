@@ -80,6 +80,7 @@ class Engine:
         self._job: Any = None  # engine.runner.JobModel (numpy is imported only when working)
         self._weights: tuple[str, Any, Any] | None = None
         self._shards: dict[str, tuple[Any, Any]] = {}
+        self.held = HeldPartials()
 
     def prepare(self, req: dict[str, Any]) -> None:
         from engine.runner import job_model
@@ -218,16 +219,44 @@ class Computed:
                                   self.entries, self.chunks)
 
 
-def pre_reduced(done: Computed, job_id: str, step: int, spec: Any) -> Computed:
-    """The shards' results added up the job's reduction tree (engine.tree) into one partial
-    per node they fill: one upload of M bytes for an aligned block of shards instead of one per
-    shard. The server and the reference trainer add the same pairs: the same step, bit for bit."""
-    from engine.step import pre_reduce
-    from wire.messages import decode_results
+class HeldPartials:
+    """A step's results computed but not yet uploaded, kept pre-added (engine.tree) between the
+    agent's requests: a phone whose shards take longer than one request computes them a request
+    at a time and still uploads one partial per node of its share of the step (the nodes of
+    `step_shards`, the shards the agent set out to compute), each as soon as it is filled. At
+    most ~2 log2(k) vectors are held. A new pass over the step (other `step_shards`) starts
+    afresh: whatever was held is computed again, never added twice."""
 
-    leaves = decode_results(b"".join(done.parts(job_id, step)))
-    partials = pre_reduce(leaves, spec.shards, spec.upload_precision)
-    return done if len(partials) == len(leaves) else Computed.of(partials, done.dtype)
+    def __init__(self) -> None:
+        self._pass: str | None = None
+        self._partials: list[Any] = []
+
+    def add(self, done: Computed, req: dict[str, Any], spec: Any) -> Computed | None:
+        """What to upload now out of `done` and what is held: filled nodes of the share, and
+        everything once the request is the pass's last; None: nothing yet."""
+        from engine.step import pre_reduce
+        from engine.tree import cover
+        from wire.messages import decode_results
+
+        job_id, step = req["job_id"], req["step"]
+        share = sorted(int(k) for k in req.get("step_shards") or req["shards"])
+        this_pass = json.dumps([job_id, step, share])
+        if this_pass != self._pass:
+            self._pass, self._partials = this_pass, []
+        if not self._partials and req.get("last", True) and len(done.entries) == 1:
+            return done  # one shard and nothing held: nothing to add
+        leaves = decode_results(b"".join(done.parts(job_id, step)))
+        partials = pre_reduce(self._partials + leaves, spec.shards, spec.upload_precision)
+        if req.get("last", True):
+            ready, self._partials = partials, []
+        else:
+            nodes = set(cover(share, spec.shards))
+            ready = [r for r in partials if r.node in nodes]
+            self._partials = [r for r in partials if r.node not in nodes]
+        if not ready:
+            return None
+        unchanged = len(ready) == len(leaves) and all(a is b for a, b in zip(ready, leaves))
+        return done if unchanged else Computed.of(ready, done.dtype)  # (no re-encoding)
 
 
 def handle(engine: Engine, req: dict[str, Any]) -> dict[str, Any]:
@@ -251,18 +280,22 @@ def handle(engine: Engine, req: dict[str, Any]) -> dict[str, Any]:
         return {"ok": True, "samples": samples, "seconds": best}
     started = time.perf_counter()
     done = engine.compute_all(req, sorted(shards.items()), dtype)
-    if req.get("pre_reduce") and not req.get("payload_only") and len(shards) > 1:
-        done = pre_reduced(done, req["job_id"], req["step"], engine.job.spec)
+    samples = done.samples
+    upload: Computed | None = done
+    if req.get("pre_reduce") and not req.get("payload_only"):
+        upload = engine.held.add(done, req, engine.job.spec)
     compute_s = time.perf_counter() - started
     slept = slowdown.apply(compute_s)
-    reply = {"ok": True, "samples": done.samples, "seconds": compute_s + slept,
+    reply = {"ok": True, "samples": samples, "seconds": compute_s + slept,
              "compute_s": compute_s, "helper_pids": [h.pid for h in engine.helpers]}
     if req.get("payload_only"):  # a helper's answer to its worker: read back at once
         with open(req["out_path"], "wb") as fh:
             fh.writelines(memoryview(c).cast("B") for c in done.chunks)
         return {**reply, "entries": done.entries, "n_params": done.n_params,
                 "n_stats": done.n_stats}
-    atomic_write(Path(req["out_path"]), done.parts(req["job_id"], req["step"]))
+    if upload is None:  # all held until their node is filled: nothing to upload yet
+        return {**reply, "held": True}
+    atomic_write(Path(req["out_path"]), upload.parts(req["job_id"], req["step"]))
     return reply
 
 

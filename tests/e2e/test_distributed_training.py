@@ -115,10 +115,12 @@ def test_phones_holding_several_shards_pre_add_them_and_match_the_reference_bit_
     assert_matches_reference(job, spec, tmp_path)
     assert job["metrics"]["params_sha256"] == reference(spec, tmp_path)["params_sha256"]
     counted = uploaded_results(cluster)
-    # the first step's first request is one shard (the agent times a shard before it sizes
-    # its requests); after that, a phone's 8 shards go up as few partials
+    # a phone's 8 shards go up as one partial a step, however many requests computed them (the
+    # worker holds what it pre-added until the node is filled): 2 uploads a step, not 16. The
+    # first step's first request is one shard (the agent times it): without holding, that
+    # step alone costs 6 more uploads; a straggler's backup (a loaded machine) may cost one
     assert counted["partial"] >= job["step"], counted
-    assert counted["shard"] + counted["partial"] < 16 * job["step"] / 2, counted
+    assert counted["shard"] + counted["partial"] <= 2 * job["step"] + 3, counted
 
 
 def test_an_agent_killed_mid_run_and_a_fifth_joining_change_nothing(cluster: Cluster, tmp_path: Path) -> None:
