@@ -29,6 +29,10 @@ class ExecutionManager:
         self.results: list[choice.Measurement] = []
         self._profiled_at = -1e18
 
+    def ready(self) -> bool:
+        """Whether a chosen worker is there to compute (else a profile must come first)."""
+        return self.worker is not None and self.worker.alive()
+
     def needs_profile(self, model_key: str, throttled_now: bool, requested: bool) -> bool:
         if self.worker is None or not self.worker.alive() or model_key != self.model_key:
             return True

@@ -35,6 +35,7 @@ from wire.assignment import Assignment
 log = logging.getLogger(__name__)
 CHUNK_TARGET_S = 2.0  # compute this long between guard checks and uploads
 PAUSED_POLL_S = 2.0
+HOLD_FACTOR = 1.5  # partials held up to this x the last pass's time (scheduler: late at 3x)
 
 
 class WorkLoop:
@@ -49,6 +50,7 @@ class WorkLoop:
         self.uploaded_shards = 0
         self.steps_done = 0
         self._per_shard_s: float | None = None
+        self._pass_s: float | None = None  # the last whole pass over a step's shards
         self._job: str | None = None
         self._throttle_seen = 0
         self._use_bulk = True  # until the bulk port proves unreachable
@@ -93,7 +95,7 @@ class WorkLoop:
         job, step = a.job_id, a.step
         if job != self._job:
             self.cache.keep_only(job)
-            self._job, self._per_shard_s = job, None
+            self._job, self._per_shard_s, self._pass_s = job, None, None
         self.ledger.forget_job(job, keep_from_step=step)
         self.monitor.set_limits(Limits.from_job_spec(a.spec, self.shared_default))
         # the server's list is authoritative: a shard it lists again lost its result (the
@@ -106,14 +108,21 @@ class WorkLoop:
         if not todo:
             return 0.5  # everything of this step is in; wait for the next step
         share = list(todo)  # this pass's shards: the worker uploads each node of them filled
+        began = time.monotonic()
+        # hold partials no longer than a pass took last time (x 1.5): a phone running late
+        # uploads what it has, so a straggler's backup covers only what it has not done
+        hold_s = HOLD_FACTOR * self._pass_s if self._pass_s else float("inf")
         while todo and not stop.is_set():
             if self.monitor.pause() is not None:  # a reading at most max_age_s old
                 return PAUSED_POLL_S  # the heartbeat reports why; the scheduler moves shards
             if self.state.draining or self.state.fatal:
                 return 0.0
+            first = todo == share
             chunk, todo = next_blocks(todo, self._chunk_size())
-            if not self._compute_and_upload(a, job, step, chunk, share, last=not todo):
+            last = not todo or time.monotonic() - began > hold_s
+            if not self._compute_and_upload(a, job, step, chunk, share, last, first):
                 return 0.0  # the step moved on: poll again at once
+        self._pass_s = time.monotonic() - began
         self.steps_done += 1
         return 0.0
 
@@ -169,25 +178,30 @@ class WorkLoop:
             self.state.set_profile(arch, self.execution.report())
 
     def _compute_and_upload(self, a: Assignment, job: str, step: int, shards: list[int],
-                            share: list[int], last: bool = True) -> bool:
+                            share: list[int], last: bool = True, first: bool = True) -> bool:
         """Compute `shards` (part of this pass's `share` of the step) and upload what the
         worker hands back: with pre_reduce, the nodes of the share they fill, the rest held in
-        the worker until a later request fills them (all of it on the `last`)."""
+        the worker until a later request fills them (all of it on the `last`). A new profile
+        (which restarts the worker: what it holds would be lost) is taken on a pass's first
+        request only."""
         try:
             req = {**self._request(a, job, step, shards), "step_shards": share, "last": last}
         except Conflict:
             return False  # weights of another step: this step is already applied
         started = time.monotonic()
         try:
-            self._ensure_choice(a, req)  # profiling computes a shard too
+            if first or not self.execution.ready():
+                self._ensure_choice(a, req)  # profiling computes a shard too
             started = time.monotonic()
             reply = self.execution.step(req)
         except Diverged as exc:  # the same bits on any phone: no retry, the job fails
             log.error("%s step %d diverged (%s): reporting it", job, step, exc)
             try:
                 self.client.report_diverged(job, step, shards[0], str(exc))
-            except StatusError as gone:  # the job moved on meanwhile (409), or another report won
-                log.info("diverged report not taken: %s", gone)
+            except StatusError as gone:
+                if gone.status not in (403, 404, 409):
+                    raise  # a server error or a revoked token: the loop's backoff and rules
+                log.info("diverged report not taken (the job moved on): %s", gone)
             return False
         self._per_shard_s = (time.monotonic() - started) / len(shards)
         if reply.get("held"):

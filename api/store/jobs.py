@@ -152,7 +152,8 @@ def fail_diverged(session: Session, job_id: str, step: int, reason: str,
     not help, and the step cannot be applied). False when the job was elsewhere already."""
     return transition(session, job_id, JobState.FAILED,
                       StateEvent("Diverged", reason, "Warning"), now=now,
-                      expect={"step": step}, reason=reason, finished_at=now)
+                      expect={"step": step, "state": JobState.RUNNING.value}, reason=reason,
+                      finished_at=now)
 
 
 def step_metrics(session: Session, job_id: str, principal: Principal, *, since_step: int,

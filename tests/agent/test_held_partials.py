@@ -69,3 +69,15 @@ def test_a_new_pass_drops_what_was_held_and_the_last_request_sends_the_rest() ->
     assert [r.node for r in rest] == [(8, 10)]
     assert ask(held, [8], list(range(8, 16)), last=False, step=8) is None
     assert same(ask(held, [9], list(range(8, 16)), last=True, step=9), [leaf(9)])  # not step 8's
+
+
+def test_shards_computed_again_with_the_same_share_are_not_added_twice() -> None:
+    """Paused mid-pass, the agent polls again and the server lists the same shards (nothing of
+    them was uploaded): what the worker held merges by tree node with the recomputed leaves."""
+    held, share = HeldPartials(), list(range(8, 16))
+    assert ask(held, [8, 9], share, last=False) is None
+    for chunk in ([8, 9], [10, 11]):  # the second pass recomputes 8 and 9
+        assert ask(held, chunk, share, last=False) is None
+    [partial] = ask(held, [12, 13, 14, 15], share, last=True)
+    assert same([partial], pre_reduce([leaf(k) for k in share], 16, "float32"))
+    assert partial.count == 8 * SPEC.per_shard_batch
