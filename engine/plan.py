@@ -45,8 +45,8 @@ class ModelPlan:
     def bytes_per_step(self, devices: int, shards: int) -> int:
         """Weights down to every device, and up one result per tree node each device's shards
         fill (pre-added on the phone), the shards split evenly in contiguous runs as placement
-        first splits them: at best, since a phone pre-adds only what one request of ~2 s of
-        compute holds (agent.runtime.work)."""
+        first splits them: at best, since a phone running late uploads what it holds before
+        its nodes are filled (agent.runtime.work)."""
         devices = max(1, min(devices, shards))
         if not self.pre_adds:
             return devices * self.weights_bytes + shards * self.gradient_bytes

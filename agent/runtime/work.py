@@ -188,7 +188,6 @@ class WorkLoop:
             req = {**self._request(a, job, step, shards), "step_shards": share, "last": last}
         except Conflict:
             return False  # weights of another step: this step is already applied
-        started = time.monotonic()
         try:
             if first or not self.execution.ready():
                 self._ensure_choice(a, req)  # profiling computes a shard too

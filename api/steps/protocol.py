@@ -232,9 +232,10 @@ class StepProtocol:
         todo = sorted(held - uploaded_shards(self.blobs, job.id, job.step))
         if not todo:
             return None
+        info = self.info(job)  # (one lookup: it serialises the spec to find the cached info)
         return Assignment(job_id=job.id, step=job.step, shards=todo, spec=job.spec,
-                          pre_reduce=can_pre_add(self.info(job).spec.upload_precision),
-                          **self.info(job).assignment_facts())
+                          pre_reduce=can_pre_add(info.spec.upload_precision),
+                          **info.assignment_facts())
 
     # -- GET /v1/jobs/{id}/weights?step=t -----------------------------------------------------
     def weights(self, device_id: str, job_id: str, step: int) -> bytes:

@@ -44,6 +44,17 @@ def device(server: LiveServer, device_id: str) -> dict[str, Any]:
         return c.get(f"/v1/devices/{device_id}").json()
 
 
+def wait_finished(server: LiveServer, job_id: str, agent_log: Path) -> dict[str, Any]:
+    """The job once Succeeded or Failed (the agent's log and the server's tail if it never is)."""
+    def finished() -> dict[str, Any] | None:
+        with server.client() as c:
+            j = c.get(f"/v1/jobs/{job_id}").json()
+        return j if j["state"] in ("Succeeded", "Failed") else None
+
+    return wait_for("the job to finish", finished, timeout=120,
+                    on_fail=lambda: agent_log.read_text() + server.log()[-3000:])
+
+
 def test_enroll_heartbeat_kill_restart(server: LiveServer, tmp_path: Path, cool_phone: Path) -> None:
     home = tmp_path / "phone"
     device_id = enroll(server, home, cool_phone, "rack=a")
@@ -199,14 +210,7 @@ def test_a_job_that_diverges_fails_with_the_reason_instead_of_retrying(
                         files={"file": ("huge.npz", buf.getvalue(), "application/octet-stream")})
             assert up.status_code == 201, up.text
             job_id = c.post("/v1/jobs", json=spec).json()["id"]
-
-        def finished() -> dict[str, Any] | None:
-            with server.client() as c:
-                j = c.get(f"/v1/jobs/{job_id}").json()
-            return j if j["state"] in ("Succeeded", "Failed") else None
-
-        done = wait_for("the job to finish", finished, timeout=120,
-                        on_fail=lambda: log.read_text() + server.log()[-3000:])
+        done = wait_finished(server, job_id, log)
         assert done["state"] == "Failed" and done["step"] == 0, done
         assert done["reason"].startswith("diverged at step 0: shard "), done["reason"]
         assert "not finite in float16" in done["reason"] and device_id in done["reason"]
@@ -277,14 +281,7 @@ def test_an_unreachable_bulk_port_falls_back_to_the_api(tmp_path: Path, cool_pho
                     "placement": {"min_devices": 1, "max_devices": 1}}
             with srv.client() as c:
                 job_id = c.post("/v1/jobs", json=spec).json()["id"]
-
-            def finished() -> dict[str, Any] | None:
-                with srv.client() as c:
-                    j = c.get(f"/v1/jobs/{job_id}").json()
-                return j if j["state"] in ("Succeeded", "Failed") else None
-
-            done = wait_for("the job to finish", finished, timeout=120,
-                            on_fail=lambda: log.read_text() + srv.log()[-3000:])
+            done = wait_finished(srv, job_id, log)
             assert done["state"] == "Succeeded" and done["step"] == done["total_steps"]
         finally:
             proc.terminate()
