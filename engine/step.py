@@ -26,6 +26,7 @@ from engine import tree
 from engine.graph import Model
 from engine.optim import STATE_SLOTS, Hyper, optimizer_step
 from engine.precision import can_pre_add, node_precision, round_to
+from engine.slices import Bounds, slots_within
 from engine.spec import TrainSpec
 
 BN_MOMENTUM = 0.1  # running = (1 - 0.1) x running + 0.1 x (shard-averaged batch statistic)
@@ -104,21 +105,27 @@ def initial_state(model: Model, spec: TrainSpec) -> TrainState:
 def apply_step(model: Model, spec: TrainSpec, state: TrainState,
                results: Iterable[ShardResult], workers: int = 1,
                out: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
-               ) -> tuple[TrainState, StepMetrics]:
+               part: Bounds | None = None) -> tuple[TrainState, StepMetrics]:
     """Average every shard's gradient for state.step, update, and return step + 1.
     `workers` threads share the (element-wise) work; the result is the same bit for bit.
-    `out`: float32 (params, optimizer state, buffers) arrays the new state is written into."""
-    chosen = _check_results(model, spec, list(results))
+    `out`: float32 (params, optimizer state, buffers) arrays the new state is written into.
+    `part`: apply only the slice [lo, hi) of the vector (engine.slices): `state` is that
+    slice's (`cut_state`) and the results' gradients are their [lo, hi) ranges; the slice
+    starting at 0 carries the buffers. The slices' states joined are the whole step's."""
+    lo, hi = part or (0, model.n_params)
+    chosen = _check_results(model, spec, list(results), hi - lo)
     # the canonical tree: the one summation order every placement (and pre-adding) shares
     total = reduce_results(chosen, 0, spec.shards, spec.upload_precision)
     loss, correct, count = total.loss_sum, total.correct, total.count
     hp = Hyper.of(spec, state.step)
+    slots = list(model.layout.values()) if part is None else slots_within(
+        list(model.layout.values()), lo, hi)
     params, opt_state = optimizer_step([total.grad_sum], state.params,
-                                       state.opt_state, hp, model.decay_mask,
-                                       list(model.layout.values()), grad_divisor=count,
-                                       workers=workers, out=out[:2] if out else None)
+                                       state.opt_state, hp, model.decay_mask[lo:hi], slots,
+                                       grad_divisor=count, workers=workers,
+                                       out=out[:2] if out else None)
     buffers = state.buffers
-    if model.n_buffers:
+    if model.n_buffers and lo == 0:
         mean_stats = total.stats.astype(np.float64) / spec.shards
         buffers = ((1.0 - BN_MOMENTUM) * state.buffers.astype(np.float64)
                    + BN_MOMENTUM * mean_stats).astype(np.float32)
@@ -127,6 +134,34 @@ def apply_step(model: Model, spec: TrainSpec, state: TrainState,
         buffers = out[2]
     metrics = StepMetrics(state.step, loss / count, correct / count, hp.lr, count)
     return TrainState(state.step + 1, params, opt_state, buffers), metrics
+
+
+def cut_state(state: TrainState, part: Bounds) -> TrainState:
+    """Slice [lo, hi)'s share of a state: its params, each optimizer vector's [lo, hi) one
+    after another, and the buffers when the slice starts at 0 (else none)."""
+    lo, hi = part
+    n = state.params.size
+    slots = state.opt_state.size // max(n, 1)
+    opt = np.concatenate([state.opt_state[k * n + lo : k * n + hi] for k in range(slots)]) \
+        if slots else np.zeros(0, np.float32)
+    buffers = state.buffers if lo == 0 else np.zeros(0, np.float32)
+    return TrainState(state.step, state.params[lo:hi], opt, buffers)
+
+
+def join_states(parts: Sequence[TrainState], bounds: Sequence[Bounds]) -> TrainState:
+    """The whole state from its slices' (`cut_state`'s inverse)."""
+    n = bounds[-1][1]
+    slots = sum(p.opt_state.size for p in parts) // max(n, 1)
+    params = np.empty(n, np.float32)
+    opt = np.empty(slots * n, np.float32)
+    for p, (lo, hi) in zip(parts, bounds):
+        params[lo:hi] = p.params
+        for k in range(slots):
+            opt[k * n + lo : k * n + hi] = p.opt_state[k * (hi - lo) : (k + 1) * (hi - lo)]
+    steps = {p.step for p in parts}
+    if len(steps) != 1:
+        raise ValueError(f"slices of different steps: {sorted(steps)}")
+    return TrainState(steps.pop(), params, opt, parts[0].buffers)
 
 
 # Elements per block of the tree's sum: every node's block of a few hundred KB stays in the
@@ -172,7 +207,8 @@ def pre_reduce(results: Sequence[ShardResult], shards: int, precision: str) -> l
             for lo, hi in tree.cover(held, shards)]
 
 
-def _check_results(model: Model, spec: TrainSpec, results: list[ShardResult]) -> list[ShardResult]:
+def _check_results(model: Model, spec: TrainSpec, results: list[ShardResult],
+                   width: int) -> list[ShardResult]:
     """The results to add: nodes of the tree covering every shard once (of two covering the
     same shards, the larger: equal bits). Refused: a range that is no node, a shard no result
     covers, arrays or counts that do not fit."""
@@ -188,8 +224,8 @@ def _check_results(model: Model, spec: TrainSpec, results: list[ShardResult]) ->
         missing = sorted(set(range(spec.shards)) - covered)
         raise ValueError(f"step needs every one of shards 0..{spec.shards - 1}; missing {missing}")
     picked = [by_node[n] for n in chosen]
-    for r in picked:
-        if r.grad_sum.shape != (model.n_params,) or r.stats.shape != (model.n_stats,):
+    for r in picked:  # width: the gradient's length (a slice's when applying one)
+        if r.grad_sum.shape != (width,) or r.stats.shape != (model.n_stats,):
             raise ValueError(f"shard {r.shard}: result does not fit this model's layout")
         if r.count != r.span * spec.per_shard_batch:
             raise ValueError(f"shard {r.shard}: {r.count} samples, expected "
