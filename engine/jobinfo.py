@@ -10,6 +10,7 @@ from typing import Any
 
 from engine.data import DatasetError, dataset_info
 from engine.runner import JobModel, job_model
+from engine.slices import Bounds, slice_bounds
 
 
 @dataclass(frozen=True)
@@ -19,6 +20,12 @@ class JobInfo(JobModel):
     @property
     def total_steps(self) -> int:
         return self.spec.total_steps
+
+    @functools.cached_property
+    def slices(self) -> list[Bounds]:
+        """The vector's parts applied apart (engine.slices): [(0, n_params)] unless sliced."""
+        return slice_bounds(list(self.model.layout.values()), self.model.n_params,
+                            self.spec.slices)
 
     def assignment_facts(self) -> dict[str, Any]:
         return {

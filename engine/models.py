@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from engine.base import Slot
 from engine.graph import Model, Sequential, plan_layout
 from engine.layerspec import LayerInfo, network
 
@@ -241,9 +242,15 @@ def parameter_count(arch: str, input_shape: tuple[int, ...], num_classes: int,
                     options: dict[str, Any] | None = None) -> int:
     """How many parameters `build_model` would make, without allocating them: ValueError for
     a network that cannot be built, ModelTooLarge past MAX_PARAMS."""
+    return sum(s.size for s in parameter_slots(arch, input_shape, num_classes, options))
+
+
+def parameter_slots(arch: str, input_shape: tuple[int, ...], num_classes: int,
+                    options: dict[str, Any] | None = None) -> list[Slot]:
+    """The parameter tensors `build_model` would lay out, without allocating them."""
     net, _ = _network(arch, input_shape, num_classes, options)
     shape = tuple(int(d) for d in input_shape)
-    return sum(s.size for s in plan_layout(arch, shape, int(num_classes), net).params)
+    return list(plan_layout(arch, shape, int(num_classes), net).params)
 
 
 def layer_infos(arch: str, input_shape: tuple[int, ...], num_classes: int,

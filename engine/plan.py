@@ -21,8 +21,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.layerspec import LayerInfo
-from engine.models import layer_infos, parameter_count
+from engine.models import layer_infos, parameter_slots
 from engine.precision import can_pre_add
+from engine.slices import Bounds, slice_bounds
 from engine.spec import TrainSpec
 from engine.tree import cover
 
@@ -41,6 +42,7 @@ class ModelPlan:
     gradient_bytes: int  # one upload: a shard's result, or a partial of several (engine.tree)
     pre_adds: bool  # phones upload partials (engine.precision.can_pre_add)
     layers: tuple[LayerInfo, ...]
+    slices: tuple[Bounds, ...] = ((0, 0),)  # the vector's parts applied apart (engine.slices)
 
     def bytes_per_step(self, devices: int, shards: int) -> int:
         """Weights down to every device, and up one result per tree node each device's shards
@@ -65,6 +67,9 @@ class ModelPlan:
             "weights_bytes": self.weights_bytes,
             "gradient_bytes": self.gradient_bytes,
             "bytes_per_step": self.bytes_per_step(devices, shards),
+            # each slice's step is applied by its own task: the largest bounds one task's bytes
+            "slices": len(self.slices),
+            "largest_slice_parameters": max(hi - lo for lo, hi in self.slices),
             "devices_counted": devices,
             "layers": [{"path": i.path, "type": i.type, "out_shape": list(i.out_shape),
                         "parameters": i.params, "flops_per_sample": 3 * _forward_flops(i)}
@@ -80,7 +85,8 @@ def model_plan(train: TrainSpec, input_shape: tuple[int, ...], num_classes: int)
     """The plan of `train` on a dataset of `input_shape` samples and `num_classes` classes
     (train.n_train set); ValueError when the model cannot be built."""
     options = train.model_options
-    n_params = parameter_count(train.arch, input_shape, num_classes, options)
+    slots = parameter_slots(train.arch, input_shape, num_classes, options)
+    n_params = sum(s.size for s in slots)
     infos = layer_infos(train.arch, input_shape, num_classes, options)
     # batch-norm buffers travel with the weights, their statistics with each gradient
     n_bn = 2 * sum(i.out_shape[0] for i in infos if i.type == "batchnorm")
@@ -98,6 +104,7 @@ def model_plan(train: TrainSpec, input_shape: tuple[int, ...], num_classes: int)
         gradient_bytes=(2 if train.upload_precision != "float32" else 4) * n_params + 4 * n_bn,
         pre_adds=can_pre_add(train.upload_precision),
         layers=tuple(infos),
+        slices=tuple(slice_bounds(slots, n_params, train.slices)),
     )
 
 

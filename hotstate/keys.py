@@ -26,6 +26,36 @@ def state(job_id: str, step: int, nonce: str | None) -> str:
     return f"job:{job_id}:state:{step}:{nonce}"
 
 
+def state_slice(job_id: str, step: int, nonce: str | None, index: int) -> str:
+    """Slice `index`'s part of the state of `step` (a job with slices > 1: engine.slices)."""
+    return f"{state(job_id, step, nonce)}:s{index}"
+
+
+def state_keys(job_id: str, step: int, nonce: str | None, slices: int) -> list[str]:
+    """Every key the state of `step` is stored under: one, or one per slice. They are written
+    before a row names the nonce and dropped together, so the first stands for all."""
+    if slices == 1:
+        return [state(job_id, step, nonce)]
+    return [state_slice(job_id, step, nonce, i) for i in range(slices)]
+
+
+def slice_plan(job_id: str, step: int, nonce: str | None) -> str:
+    """A sliced step's plan, made once by whoever starts applying it: the results every slice
+    reads (one cover of the tree) and the nonce the slices of step + 1 are stored under.
+    Keyed by the state it applies to (`nonce`): a rewound job's step is another plan."""
+    return f"job:{job_id}:slices:{step}:{nonce}"
+
+
+def slice_done(job_id: str, step: int, nonce: str | None, index: int) -> str:
+    """Set once slice `index` of the plan's step + 1 is stored."""
+    return f"{slice_plan(job_id, step, nonce)}:done:{index}"
+
+
+def slice_claim(job_id: str, step: int, index: int) -> str:
+    """Set when slice `index` of `step` is sent to a worker; expires so a lost one is resent."""
+    return f"{apply_claim(job_id, step)}:s{index}"
+
+
 def new_nonce() -> str:
     return uuid.uuid4().hex[:16]
 
@@ -95,7 +125,7 @@ def step_of_key(key: str) -> int | None:
     """The step number in a `job:{id}:state:{t}`, `...:grad:{t}:{k}` or
     `...:body:{t}:{upload}` key."""
     parts = key.split(":")
-    if len(parts) >= 4 and parts[2] in ("state", "weights", "grad", "body", "apply"):
+    if len(parts) >= 4 and parts[2] in ("state", "weights", "grad", "body", "apply", "slices"):
         try:
             return int(parts[3])
         except ValueError:

@@ -16,7 +16,7 @@ from kombu import Exchange, Queue
 from api.settings import Settings, get_settings
 
 CONTROL, STEPS = "control", "steps"
-TASK_MODULES = ["scheduler.tasks.reconcile", "scheduler.tasks.steps"]
+TASK_MODULES = ["scheduler.tasks.reconcile", "scheduler.tasks.steps", "scheduler.tasks.slices"]
 
 
 def celery_config(settings: Settings) -> dict[str, Any]:
@@ -41,6 +41,7 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "task_default_queue": CONTROL,
         "task_routes": {
             "scheduler.apply_step": {"queue": STEPS},
+            "scheduler.apply_slice": {"queue": STEPS},
             "scheduler.reconcile": {"queue": CONTROL},
             "scheduler.reconcile_job": {"queue": CONTROL},
         },

@@ -11,6 +11,7 @@ from api.schemas.common import Labels, ReadModel, RequestModel
 from api.store.states import JobState
 from engine.models import ARCHS as BUILTIN_ARCHS
 from engine.models import CUSTOM
+from engine.slices import MAX_SLICES
 
 ARCHS = (*BUILTIN_ARCHS, CUSTOM)  # the engine's list: one place says what exists
 
@@ -109,6 +110,10 @@ class JobCreate(RequestModel):
         "float32", description="how each shard's gradient travels: bfloat16 or float16 halve the "
         "upload bytes; the rounding (to nearest, ties to even) is part of the math, so the run "
         "still equals phalanx train --local of the same spec")
+    slices: int = Field(1, ge=1, le=MAX_SLICES, description="the parameter vector cut into "
+                        "this many parts (between tensors), each step's parts reduced and "
+                        "updated by separate scheduler tasks in parallel: spreads a large "
+                        "model's step over the workers; the same math bit for bit")
     label_smoothing: float = Field(0.0, ge=0, lt=1, description="the target is (1 - e) on the "
                                    "label plus e / classes on every class (torch's)")
     checkpoint_every: int = Field(50, ge=1, le=100000)

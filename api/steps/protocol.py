@@ -227,12 +227,13 @@ class StepProtocol:
         job, held = view.jobs.get(job_id), view.held[job_id]
         if job is None or job.state != JobState.RUNNING:
             return None
-        if not self.blobs.exists(keys.state(job.id, job.step, job.state_nonce)):
+        info = self.info(job)  # (one lookup: it serialises the spec to find the cached info)
+        if not self.blobs.exists(keys.state_keys(job.id, job.step, job.state_nonce,
+                                                 len(info.slices))[0]):
             return None  # being restored; reconcile wakes us when the weights are back
         todo = sorted(held - uploaded_shards(self.blobs, job.id, job.step))
         if not todo:
             return None
-        info = self.info(job)  # (one lookup: it serialises the spec to find the cached info)
         return Assignment(job_id=job.id, step=job.step, shards=todo, spec=job.spec,
                           pre_reduce=can_pre_add(info.spec.upload_precision),
                           **info.assignment_facts())
@@ -263,13 +264,17 @@ class StepProtocol:
 
     def _encode(self, job: JobRow, step: int) -> bytes:
         """The weights message from the state in the blob store: when another process applied
-        the step, or the state was restored from a checkpoint. Only its params and buffers
-        are read (two thirds of the state's bytes), once per step and process."""
-        arrays = read_weights(self.blobs, keys.state(job.id, step, job.state_nonce),
-                              expect_step=step)
-        if arrays is None:
+        the step, or the state was restored from a checkpoint; a sliced job's from its slices
+        (the buffers travel in the first). Only params and buffers are read (two thirds of the
+        state's bytes), once per step and process."""
+        slices = len(self.info(job).slices)
+        parts = [read_weights(self.blobs, key, expect_step=step)
+                 for key in keys.state_keys(job.id, step, job.state_nonce, slices)]
+        if any(p is None for p in parts):
             raise StateMissing(f"weights of step {step} are being restored; retry shortly")
-        return encode_weights(job.id, step, *arrays)
+        got = [p for p in parts if p is not None]
+        params = got[0][0] if slices == 1 else np.concatenate([p for p, _ in got])
+        return encode_weights(job.id, step, params, got[0][1])
 
     # -- GET /v1/jobs/{id}/shards/{k}/data ----------------------------------------------------
     def shard_data(self, device_id: str, job_id: str, shard: int, start: int | None = None,

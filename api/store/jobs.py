@@ -20,6 +20,7 @@ from api.store.tokens import Principal
 from engine.data import DatasetError, dataset_info
 from engine.plan import ModelPlan, model_plan
 from engine.sampler import total_steps
+from engine.slices import SliceError
 from engine.spec import TrainSpec
 
 
@@ -45,6 +46,8 @@ def check_spec(spec: dict[str, Any], data_dir: Path) -> ModelPlan:
     try:
         train = TrainSpec.from_job_spec(spec, n_train=info.n_train)
         return model_plan(train, info.input_shape, info.num_classes)
+    except SliceError as exc:
+        raise Invalid("slices", str(exc)) from exc
     except ValueError as exc:  # ModelTooLarge, SpecError and LayerError are ValueErrors
         raise Invalid("model", str(exc)) from exc
 

@@ -145,7 +145,8 @@ def run_reconcile_job(ctx: SchedulerContext, job_id: str) -> str:
     info, why = job_info_or_reason(job.id, job.spec, ctx.settings.data_dir)
     if info is None:
         return fail(ctx, job, why or "cannot run this spec")
-    if not ctx.blobs.exists(keys.state(job.id, job.step, job.state_nonce)):  # never read 25 MB
+    # never read 25 MB: a state's (first) key stands for it (hotstate.keys.state_keys)
+    if not ctx.blobs.exists(keys.state_keys(job.id, job.step, job.state_nonce, len(info.slices))[0]):
         state = ensure_state(ctx, job, info)
         if state is None or state.step != job.step:
             return "restored"

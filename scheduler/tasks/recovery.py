@@ -7,6 +7,7 @@ there; the math is a function of (spec, seed), so the rewound run ends where it 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from sqlalchemy import delete
@@ -15,7 +16,8 @@ from api.store.db import transaction
 from api.store.models import Job, StepMetric
 from api.store.state_names import ACTIVE_STATES
 from engine.jobinfo import JobInfo
-from engine.step import TrainState, initial_state
+from engine.slices import Bounds
+from engine.step import TrainState, cut_state, initial_state, join_states
 from hotstate import keys
 from hotstate.recent import RECENT
 from hotstate.trainstate import StateError, decode_state, encode_state
@@ -25,20 +27,54 @@ from scheduler.checkpoints import latest_checkpoint, read_checkpoint
 from scheduler.context import SchedulerContext
 
 
-def load_state(ctx: SchedulerContext, job_id: str, step: int,
-               nonce: str | None) -> TrainState | None:
-    """The state of `step` stored under `nonce` (the job row's `state_nonce`)."""
+def load_state(ctx: SchedulerContext, job_id: str, step: int, nonce: str | None,
+               bounds: Sequence[Bounds] = ((0, 0),)) -> TrainState | None:
+    """The state of `step` stored under `nonce` (the job row's `state_nonce`); a sliced job's
+    (`bounds`: its slices) joined from its slices."""
+    if len(bounds) > 1:
+        parts = [load_slice(ctx, job_id, step, nonce, i) for i in range(len(bounds))]
+        if any(p is None for p in parts):
+            return None
+        return join_states([p for p in parts if p is not None], bounds)
     key = keys.state(job_id, step, nonce)
     recent = RECENT.get(job_id, step, nonce)
     if recent is not None and ctx.blobs.exists(key):
         return recent
-    data = ctx.blobs.get(key)
+    return _decode(ctx.blobs.get(key), step)
+
+
+def load_slice(ctx: SchedulerContext, job_id: str, step: int, nonce: str | None,
+               index: int) -> TrainState | None:
+    """Slice `index`'s part of the state of `step` (engine.step.cut_state's)."""
+    key = keys.state_slice(job_id, step, nonce, index)
+    recent = RECENT.get(slice_name(job_id, index), step, nonce)
+    if recent is not None and ctx.blobs.exists(key):
+        return recent
+    return _decode(ctx.blobs.get(key), step)
+
+
+def slice_name(job_id: str, index: int) -> str:
+    """What this process's RECENT cache keeps a slice's state under."""
+    return f"{job_id}#s{index}"
+
+
+def _decode(data: bytes | None, step: int) -> TrainState | None:
     if data is None:
         return None
     try:
         return decode_state(data, expect_step=step)
     except StateError:
         return None
+
+
+def store_state(ctx: SchedulerContext, job_id: str, nonce: str, state: TrainState,
+                bounds: Sequence[Bounds]) -> list[str]:
+    """Write `state` under `nonce` (cut into its slices when sliced); the keys written."""
+    parts = [state] if len(bounds) == 1 else [cut_state(state, b) for b in bounds]
+    names = keys.state_keys(job_id, state.step, nonce, len(bounds))
+    for key, part in zip(names, parts):
+        ctx.blobs.set(key, encode_state(part))
+    return names
 
 
 def restore_point(ctx: SchedulerContext, job: Job, info: JobInfo) -> TrainState:
@@ -61,13 +97,13 @@ def ensure_state(ctx: SchedulerContext, job: Job, info: JobInfo) -> TrainState |
 
     Returns None when another task moved the job meanwhile (the caller just stops).
     """
-    state = load_state(ctx, job.id, job.step, job.state_nonce)
+    state = load_state(ctx, job.id, job.step, job.state_nonce, info.slices)
     if state is not None:
         return state
     restored = restore_point(ctx, job, info)
     # state first, then the row naming it: a crash in between leaves a harmless extra key
     nonce = keys.new_nonce()
-    ctx.blobs.set(keys.state(job.id, restored.step, nonce), encode_state(restored))
+    written = store_state(ctx, job.id, nonce, restored, info.slices)
     now = ctx.clock()
     if restored.step == job.step:
         with transaction(ctx.session_factory) as session:
@@ -77,7 +113,7 @@ def ensure_state(ctx: SchedulerContext, job: Job, info: JobInfo) -> TrainState |
             if won and job.step > 0:  # lost, but a checkpoint of this step brings it back
                 _record_restore(session, job, restored, now)
         if not won:  # another restore or apply named its own state meanwhile
-            ctx.blobs.delete(keys.state(job.id, restored.step, nonce))
+            ctx.blobs.delete(*written)
             return None
         bump_version(ctx.blobs)  # long polls hold back work until the weights exist
         return restored
@@ -88,7 +124,7 @@ def ensure_state(ctx: SchedulerContext, job: Job, info: JobInfo) -> TrainState |
             step=restored.step, step_started_at=now, state_nonce=nonce,
         )
         if not won:
-            ctx.blobs.delete(keys.state(job.id, restored.step, nonce))
+            ctx.blobs.delete(*written)
             return None
         session.execute(delete(StepMetric).where(StepMetric.job_id == job.id,
                                                  StepMetric.step >= restored.step))

@@ -21,20 +21,15 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, replace
-
-from sqlalchemy import select
+from dataclasses import replace
 
 from api.metrics_tasks import observe_task
 from api.store.db import transaction
-from api.store.models import Event, Job, StepMetric
-from api.store.states import Event as StateEvent
-from api.store.states import JobState, transition
-from engine.data import load_dataset
+from api.store.models import Job
+from api.store.states import JobState
 from engine.jobinfo import JobInfo, job_info_or_reason
 from engine.optim import STATE_SLOTS
-from engine.runner import final_metrics
-from engine.step import ShardResult, StepMetrics, TrainState
+from engine.step import ShardResult
 from engine.step import apply_step as engine_apply_step
 from engine.tree import choose
 from hotstate import keys
@@ -46,14 +41,12 @@ from hotstate.version import bump_version
 from scheduler import store_ops
 from scheduler.celery_app import app
 from scheduler.checkpoints import (
-    WrittenCheckpoint,
-    prune_checkpoints,
-    remove_files,
     write_checkpoint,
 )
 from scheduler.context import SchedulerContext, get_context
-from scheduler.tasks import boundary
+from scheduler.tasks.commit import Outcome, checkpoint_every, checkpoint_failed, commit_step
 from scheduler.tasks.recovery import drop_step_keys, ensure_state
+from scheduler.tasks.slices import run_sliced_step
 from wire.messages import WeightsMessage
 
 log = logging.getLogger(__name__)
@@ -126,35 +119,6 @@ def _body_key(data: bytes | memoryview) -> str | None:
         return None
 
 
-@dataclass(frozen=True)
-class Outcome:
-    APPLIED = "applied"
-    STALE = "stale"
-    GONE = "gone"
-    INCOMPLETE = "incomplete"
-    FAILED = "failed"
-    RETRY = "retry"  # not committed on purpose: applied again when the claim expires
-
-
-def checkpoint_failed(ctx: SchedulerContext, job: Job, step: int, exc: OSError, final: bool) -> None:
-    """The operator's trace of a checkpoint that could not be written (a full disk): the job
-    goes on without it, or, for the final one, waits for it."""
-    what = ("the final checkpoint is written again when the step is retried (free space on the "
-            "artifacts volume)" if final else "training goes on; the next checkpoint is tried "
-            "at its turn")
-    log.warning("checkpoint of step %d of %s not written: %s", step, job.id, exc)
-    told = f"checkpoint of step {step} not written"
-    with transaction(ctx.session_factory) as session:
-        if session.scalar(select(Event.id).where(  # once per step, not once per retry
-                Event.job_id == job.id, Event.reason == "CheckpointFailed",
-                Event.message.startswith(told)).limit(1)) is not None:
-            return
-        store_ops.record_event(session, "CheckpointFailed",
-                               f"{told} ({exc.strerror or exc}): "
-                               + what, now=ctx.clock(), job_id=job.id, kind="Warning",
-                               data={"step": step, "final": final})
-
-
 def run_apply_step(ctx: SchedulerContext, job_id: str, step: int) -> str:
     with ctx.session_factory() as session:
         job = session.get(Job, job_id)
@@ -168,6 +132,8 @@ def run_apply_step(ctx: SchedulerContext, job_id: str, step: int) -> str:
         with transaction(ctx.session_factory) as session:
             store_ops.fail_job(session, job, why or "cannot run this spec", ctx.clock())
         return Outcome.FAILED
+    if len(info.slices) > 1:
+        return run_sliced_step(ctx, job, info)
     state = ensure_state(ctx, job, info)
     if state is None or state.step != step:
         return Outcome.STALE  # rewound after lost hot state: the job goes on from there
@@ -231,68 +197,3 @@ def _drop_unnamed(ctx: SchedulerContext, storing: Future, state_key: str) -> Non
     ctx.blobs.delete(state_key)
 
 
-def checkpoint_every(ctx: SchedulerContext, job: Job) -> int:
-    every = job.spec.get("checkpoint_every") or ctx.settings.checkpoint_every_steps
-    return max(1, int(every))
-
-
-def commit_step(ctx: SchedulerContext, job: Job, info: JobInfo, m: StepMetrics,
-                new_state: TrainState, ckpt: WrittenCheckpoint | None, final: bool,
-                nonce: str, before_commit: Callable[[], None] = lambda: None) -> bool:
-    """The step's rows, committed only if the job is still at m.step; `before_commit` runs
-    inside the transaction last (a failure there rolls it back)."""
-    now = ctx.clock()
-    devices_used = 0
-    pruned: list[str] = []
-    summary = {"train_loss": m.train_loss, "train_accuracy": m.train_accuracy, "lr": m.lr}
-    finished = final_summary(ctx, job, info, m, new_state) if final else None
-    with transaction(ctx.session_factory) as session:
-        seconds = (now - job.step_started_at).total_seconds() if job.step_started_at else None
-        values: dict = {"step": new_state.step, "step_started_at": now, "state_nonce": nonce,
-                        "metrics": finished or {**(job.metrics or {}), **summary}}
-        if final:
-            done = finished or {}
-            succeeded = StateEvent("Succeeded", f"trained {job.total_steps or done.get('steps')} "
-                                   f"steps; train_loss {done['train_loss']:.6g}", data=done)
-            won = transition(session, job.id, JobState.SUCCEEDED, succeeded, now=now,
-                             expect={"step": m.step}, finished_at=now, reason=None, **values)
-        else:
-            won = store_ops.guarded_job_update(session, job.id,
-                                               {"step": m.step, "state": JobState.RUNNING.value}, **values)
-        if not won:
-            return False
-        devices_used = len(store_ops.job_devices(session, job.id))
-        session.add(StepMetric(job_id=job.id, step=m.step, ts=now,
-                               epoch=(m.step + 1) / info.spec.steps_per_epoch,
-                               train_loss=m.train_loss, train_accuracy=m.train_accuracy,
-                               lr=m.lr, samples=m.samples, step_seconds=seconds,
-                               devices=devices_used))
-        if ckpt is not None:
-            session.add(ckpt.row(job.id))
-            session.flush()
-            pruned = prune_checkpoints(session, job.id, ctx.settings.checkpoints_kept)
-        if final:
-            session.flush()
-            store_ops.release(session, job.id)
-        else:
-            boundary.at_step_boundary(ctx, session, job, info, new_state.step, now)
-        before_commit()
-    remove_files(pruned)  # after the commit: no row is left pointing at a removed file
-    return True
-
-
-def final_summary(ctx: SchedulerContext, job: Job, info: JobInfo, last: StepMetrics,
-                  state: TrainState) -> dict:
-    """Final metrics defined as the reference trainer defines them: the last epoch's mean
-    train loss and accuracy, and validation on the final weights."""
-    spe = info.spec.steps_per_epoch
-    with ctx.session_factory() as session:
-        rows = session.query(StepMetric).filter(
-            StepMetric.job_id == job.id, StepMetric.step >= last.step - spe + 1,
-            StepMetric.step < last.step,
-        ).all()
-    losses = [r.train_loss for r in rows if r.train_loss is not None] + [last.train_loss]
-    accs = [r.train_accuracy for r in rows if r.train_accuracy is not None] + [last.train_accuracy]
-    data = load_dataset(info.spec.dataset, ctx.settings.data_dir)
-    return {**final_metrics(info, state, losses, accs, data.x_val, data.y_val),
-            "last_step_loss": last.train_loss}

@@ -1,0 +1,256 @@
+"""A sliced job's step (engine.slices): one task per slice, the slices in parallel across the
+workers, the step committed once every slice of it is stored.
+
+1. Whoever starts applying step t (the apply_step task, under the step's claim) writes the
+   step's plan once, keyed by the state t it applies to: the cover of stored results (one
+   cover of the tree, engine.tree.choose) that every slice reads, and the nonce the slices of
+   state t+1 are stored under. Every slice reads the same results, so a shard uploaded twice
+   (a backup) cannot give two slices two different devices' bits.
+2. It sends each slice not yet done to the `steps` queue, under a per-slice claim that
+   expires (a lost task is sent again when reconcile next finds the step complete), and
+   applies one slice itself.
+3. A slice task reads its slice of state t and its range of each result in the plan, applies
+   engine.step.apply_step(part=...), stores its slice of state t+1 under the plan's nonce and
+   marks itself done. A slice applied twice writes the same bits under the same key: a slice
+   that fails or whose worker dies is applied again alone.
+4. The task that finds every slice done commits the step: the guarded commit of a whole
+   step (scheduler.tasks.commit), guarded by state t's nonce too; the loser of a race
+   changes nothing and deletes nothing (the slices are the winner's too).
+
+A result of the plan that is gone (the replica holding its body died) deletes the plan with
+the result: its shards are to do again, and the next complete upload plans the step afresh
+under a new nonce. Slices stored under the old one are never named by a commit (it checks the
+plan it completes is still the step's) and go with the step's keys.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from api.metrics_tasks import observe_task
+from api.store.models import Job
+from api.store.states import JobState
+from engine.jobinfo import JobInfo, job_info_or_reason
+from engine.optim import STATE_SLOTS
+from engine.step import ShardResult, StepMetrics, TrainState
+from engine.step import apply_step as engine_apply_step
+from engine.tree import Node, choose
+from hotstate import keys
+from hotstate.bodies import fetch_bodies
+from hotstate.gradstore import GradBlobError, body_key_of, stored_nodes, unpack
+from hotstate.recent import RECENT
+from hotstate.trainstate import StateBlob
+from hotstate.version import bump_version
+from scheduler.celery_app import app
+from scheduler.checkpoints import write_checkpoint
+from scheduler.context import SchedulerContext, get_context
+from scheduler.tasks.commit import Outcome, checkpoint_every, checkpoint_failed, commit_step
+from scheduler.tasks.recovery import (
+    drop_step_keys,
+    ensure_state,
+    load_slice,
+    load_state,
+    slice_name,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SlicePlan:
+    nonce: str  # what state t+1's slices are stored under
+    cover: tuple[Node, ...]  # the results every slice adds
+
+    def encode(self) -> bytes:
+        return json.dumps({"nonce": self.nonce, "cover": [list(n) for n in self.cover]}).encode()
+
+    @classmethod
+    def decode(cls, data: bytes | None) -> SlicePlan | None:
+        if data is None:
+            return None
+        try:
+            raw = json.loads(data)
+            return cls(str(raw["nonce"]), tuple((int(lo), int(hi)) for lo, hi in raw["cover"]))
+        except (ValueError, KeyError, TypeError):
+            return None
+
+
+@app.task(name="scheduler.apply_slice", acks_late=True, reject_on_worker_lost=True)
+def apply_slice(job_id: str, step: int, index: int) -> str:
+    """Idempotent: a slice applied twice, or on two workers at once, stores the same bits."""
+    started, ok = time.perf_counter(), False
+    try:
+        outcome = run_apply_slice(get_context(), job_id, int(step), int(index))
+        ok = True
+        return outcome
+    finally:
+        observe_task("apply_slice", time.perf_counter() - started, ok)
+
+
+def run_sliced_step(ctx: SchedulerContext, job: Job, info: JobInfo) -> str:
+    """Start (or resume) applying a sliced job's current step: plan it, send the slices not
+    done to the workers, apply one here."""
+    step = job.step
+    if not ctx.blobs.exists(keys.state_keys(job.id, step, job.state_nonce, len(info.slices))[0]):
+        state = ensure_state(ctx, job, info)  # lost hot state: restored, maybe rewound
+        if state is None or state.step != step:
+            return Outcome.STALE
+        job = _job(ctx, job.id) or job  # the restore named a new nonce
+        if job.step != step:
+            return Outcome.STALE
+    plan = _plan(ctx, job, info, create=True)
+    if plan is None:
+        return Outcome.INCOMPLETE
+    todo = [i for i in range(len(info.slices))
+            if not ctx.blobs.exists(keys.slice_done(job.id, step, job.state_nonce, i))]
+    if not todo:  # every slice stored, the commit not (its task died): commit now
+        return _commit(ctx, job, info, plan, None)
+    for index in todo[1:]:
+        if ctx.blobs.set_if_absent(keys.slice_claim(job.id, step, index), b"1",
+                                   ttl=ctx.tuning.apply_claim_ttl_s):
+            apply_slice.apply_async((job.id, step, index), queue="steps")
+    return run_apply_slice(ctx, job.id, step, todo[0])
+
+
+def _job(ctx: SchedulerContext, job_id: str) -> Job | None:
+    with ctx.session_factory() as session:
+        job = session.get(Job, job_id)
+        if job is not None:
+            session.expunge(job)
+        return job
+
+
+def _plan(ctx: SchedulerContext, job: Job, info: JobInfo, create: bool) -> SlicePlan | None:
+    """The step's plan; made (first writer wins) when `create` and every shard is stored."""
+    key = keys.slice_plan(job.id, job.step, job.state_nonce)
+    plan = SlicePlan.decode(ctx.blobs.get(key))
+    if plan is not None or not create:
+        return plan
+    chosen = choose(stored_nodes(ctx.blobs, job.id, job.step), info.spec.shards)
+    if chosen is None:
+        return None
+    ctx.blobs.set_if_absent(key, SlicePlan(keys.new_nonce(), tuple(chosen)).encode())
+    return SlicePlan.decode(ctx.blobs.get(key))
+
+
+def run_apply_slice(ctx: SchedulerContext, job_id: str, step: int, index: int) -> str:
+    job = _job(ctx, job_id)
+    if job is None:
+        return Outcome.GONE
+    if job.state != JobState.RUNNING or job.step != step:
+        return Outcome.STALE
+    info, _ = job_info_or_reason(job.id, job.spec, ctx.settings.data_dir)
+    if info is None or index >= len(info.slices):
+        return Outcome.STALE  # the step's own task fails the job with the reason
+    plan = _plan(ctx, job, info, create=False)
+    if plan is None:
+        return Outcome.INCOMPLETE  # replanned after a lost result: the new plan's tasks apply it
+    done = keys.slice_done(job.id, step, job.state_nonce, index)
+    if ctx.blobs.exists(done):
+        return _commit(ctx, job, info, plan, None)
+    state = load_slice(ctx, job.id, step, job.state_nonce, index)
+    if state is None:
+        ensure_state(ctx, job, info)  # restores every slice (and rewinds) when the state is lost
+        return Outcome.STALE
+    part = info.slices[index]
+    results = _slice_results(ctx, job, info, plan, part)
+    if results is None:
+        return Outcome.INCOMPLETE
+    lo, hi = part
+    blob = StateBlob(step + 1, hi - lo, info.model.n_buffers if lo == 0 else 0,
+                     len(STATE_SLOTS[info.spec.optimizer]))
+    new_state, metrics = engine_apply_step(info.model, info.spec, state, results,
+                                           workers=ctx.tuning.apply_threads,
+                                           out=(blob.params, blob.opt_state, blob.buffers),
+                                           part=part)
+    ctx.blobs.set(keys.state_slice(job.id, step + 1, plan.nonce, index), blob.data)
+    RECENT.remember(slice_name(job.id, index), new_state, plan.nonce)
+    ctx.blobs.set(done, b"1")
+    return _commit(ctx, job, info, plan, metrics)
+
+
+def _slice_results(ctx: SchedulerContext, job: Job, info: JobInfo, plan: SlicePlan,
+                   part: tuple[int, int]) -> list[ShardResult] | None:
+    """The plan's results, their gradients cut to the slice (views of the stored uploads);
+    None when one is gone or broken: then the plan goes too (the step is planned again once
+    those shards are uploaded again)."""
+    names = [keys.grad(job.id, job.step, lo, hi - lo) for lo, hi in plan.cover]
+    stored = ctx.blobs.get_many(names)
+    refs = []
+    for data in stored:
+        try:
+            refs.append(body_key_of(data) if data is not None else None)
+        except GradBlobError:
+            refs.append(None)
+    bodies = fetch_bodies(ctx.blobs, sorted({r for r in refs if r}))
+    results, broken = [], []
+    for (lo, hi), name, data, ref in zip(plan.cover, names, stored, refs):
+        try:
+            if data is None:
+                raise GradBlobError("gone")
+            r = unpack(data, info.model.n_params, info.model.n_stats,
+                       bodies.get(ref) if ref else None)
+            results.append(replace(r, shard=lo, span=hi - lo, grad_sum=r.grad_sum[part[0]:part[1]]))
+        except GradBlobError:
+            broken.append(name)
+    if broken:
+        log.warning("step %d of %s: %d result(s) of its plan are gone; replanned once uploaded "
+                    "again", job.step, job.id, len(broken))
+        claims = [keys.slice_claim(job.id, job.step, i) for i in range(len(info.slices))]
+        ctx.blobs.delete(*broken, keys.slice_plan(job.id, job.step, job.state_nonce),
+                         keys.apply_claim(job.id, job.step), *claims)
+        return None
+    return results
+
+
+def _commit(ctx: SchedulerContext, job: Job, info: JobInfo, plan: SlicePlan,
+            metrics: StepMetrics | None) -> str:
+    """Commit the step if every slice of the plan is stored and the plan is still the step's."""
+    step, slices = job.step, len(info.slices)
+    if not all(ctx.blobs.exists(keys.slice_done(job.id, step, job.state_nonce, i))
+               for i in range(slices)):
+        return Outcome.APPLIED  # this slice is; the last one to finish commits
+    if _plan(ctx, job, info, create=False) != plan:
+        return Outcome.STALE  # replanned meanwhile: the new plan's slices commit
+    final = step + 1 >= info.total_steps
+    due = final or (step + 1) % checkpoint_every(ctx, job) == 0
+    whole = load_state(ctx, job.id, step + 1, plan.nonce, info.slices) if due else None
+    if due and whole is None:
+        return Outcome.INCOMPLETE  # a slice's state went missing: reconcile restores
+    if metrics is None:  # a commit resumed after its task died: the step's metrics again
+        metrics = _metrics(ctx, job, info, plan)
+        if metrics is None:
+            return Outcome.INCOMPLETE
+    new_state = whole or TrainState(step + 1, np.zeros(0, np.float32), np.zeros(0, np.float32),
+                                    np.zeros(0, np.float32))
+    ckpt = None
+    if due and whole is not None:
+        try:
+            ckpt = write_checkpoint(ctx.settings.artifacts_dir, job.id, info.model, whole)
+        except OSError as exc:
+            checkpoint_failed(ctx, job, step + 1, exc, final)
+            if final:
+                return Outcome.RETRY
+    if not commit_step(ctx, job, info, metrics, new_state, ckpt, final, plan.nonce,
+                       from_nonce=job.state_nonce):
+        return Outcome.STALE
+    drop_step_keys(ctx, job.id, keep_state=step + 1)
+    bump_version(ctx.blobs)
+    return Outcome.APPLIED
+
+
+def _metrics(ctx: SchedulerContext, job: Job, info: JobInfo, plan: SlicePlan) -> StepMetrics | None:
+    """The step's metrics from the plan's results (the same in every slice): the smallest
+    slice applied again to a scratch state, stored nowhere."""
+    index = min(range(len(info.slices)), key=lambda i: info.slices[i][1] - info.slices[i][0])
+    state = load_slice(ctx, job.id, job.step, job.state_nonce, index)
+    results = _slice_results(ctx, job, info, plan, info.slices[index])
+    if state is None or results is None:
+        return None
+    return engine_apply_step(info.model, info.spec, state, results,
+                             part=info.slices[index])[1]
