@@ -36,6 +36,9 @@ class Tuning(BaseSettings):
     eviction_window_s: float = 60.0
     # threads that share apply_step's sum + update (element-wise: the same bits for any count)
     apply_threads: int = min(4, os.cpu_count() or 1)
+    # a sliced job's slices all applied by the task that starts the step, one after another,
+    # instead of sent to the workers (tests that call the tasks directly)
+    slices_inline: bool = False
     # tests only: sleep between writing state t+1 and committing step t+1 (the crash window)
     apply_pause_s: float = 0.0
 

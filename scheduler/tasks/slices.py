@@ -110,11 +110,18 @@ def run_sliced_step(ctx: SchedulerContext, job: Job, info: JobInfo) -> str:
             if not ctx.blobs.exists(keys.slice_done(job.id, step, job.state_nonce, i))]
     if not todo:  # every slice stored, the commit not (its task died): commit now
         return _commit(ctx, job, info, plan, None)
+    if ctx.tuning.slices_inline:
+        outcomes = [run_apply_slice(ctx, job.id, step, index) for index in todo]
+        return outcomes[-1]
     for index in todo[1:]:
         if ctx.blobs.set_if_absent(keys.slice_claim(job.id, step, index), b"1",
                                    ttl=ctx.tuning.apply_claim_ttl_s):
-            apply_slice.apply_async((job.id, step, index), queue="steps")
+            send_slice(job.id, step, index)
     return run_apply_slice(ctx, job.id, step, todo[0])
+
+
+def send_slice(job_id: str, step: int, index: int) -> None:
+    apply_slice.apply_async((job_id, step, index), queue="steps")
 
 
 def _job(ctx: SchedulerContext, job_id: str) -> Job | None:

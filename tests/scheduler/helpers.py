@@ -121,7 +121,7 @@ def shard_result_blobs(ctx: SchedulerContext, job_id: str, step: int) -> dict[in
     """Every shard's result for `step`, computed by the engine from the stored weights."""
     row = job(ctx, job_id)
     info = job_info(job_id, row.spec, ctx.settings.data_dir)
-    state = load_state(ctx, job_id, step, row.state_nonce)
+    state = load_state(ctx, job_id, step, row.state_nonce, info.slices)
     assert state is not None, f"no state for step {step}"
     data = load_dataset(info.spec.dataset)
     out = {}
@@ -138,7 +138,9 @@ def state_key(ctx: SchedulerContext, job_id: str, step: int) -> str:
 
 
 def stored_state(ctx: SchedulerContext, job_id: str, step: int) -> Any:
-    return load_state(ctx, job_id, step, job(ctx, job_id).state_nonce)
+    row = job(ctx, job_id)
+    info = job_info(job_id, row.spec, ctx.settings.data_dir)
+    return load_state(ctx, job_id, step, row.state_nonce, info.slices)
 
 
 def upload_all(ctx: SchedulerContext, job_id: str, step: int,

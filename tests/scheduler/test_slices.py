@@ -1,0 +1,179 @@
+"""A sliced job's steps (scheduler.tasks.slices) against a real database and both hot-state
+stores: the same run as the reference bit for bit, a slice applied again alone, a lost result
+replanned, lost hot state restored slice by slice, one commit whoever finishes last."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from sqlalchemy import func, select
+
+from api.store.models import StepMetric
+from hotstate import keys
+from hotstate.blobs import MemoryBlobStore, RedisBlobStore
+from phalanx.train_local import run_reference
+from scheduler.tasks import slices as sliced
+from scheduler.tasks.reconcile import run_reconcile, run_reconcile_job
+from scheduler.tasks.steps import run_apply_step
+from tests.engine.test_layerspec import EVERY_LAYER
+from tests.scheduler.helpers import (
+    add_devices,
+    job,
+    make_ctx,
+    stored_state,
+    submit,
+    tiny_spec,
+    upload_all,
+)
+
+
+def _ctx(request: pytest.FixtureRequest, db_url: str, tmp_path: Path, **tuning):
+    blobs = (RedisBlobStore(request.getfixturevalue("redis_url"))
+             if request.param == "redis" else MemoryBlobStore())
+    return make_ctx(db_url, tmp_path, blobs=blobs, **tuning)
+
+
+@pytest.fixture(params=["memory", "redis"])
+def ctx(request: pytest.FixtureRequest, db_url: str, tmp_path: Path):
+    """Every slice applied by the task that starts the step, one after another."""
+    return _ctx(request, db_url, tmp_path, slices_inline=True)
+
+
+@pytest.fixture(params=["memory", "redis"])
+def sending_ctx(request: pytest.FixtureRequest, db_url: str, tmp_path: Path):
+    """Slices sent to the workers, as deployed (the test plays the workers)."""
+    return _ctx(request, db_url, tmp_path)
+
+
+def start(ctx, spec) -> str:
+    add_devices(ctx, 2)
+    job_id = submit(ctx, spec)
+    run_reconcile(ctx)
+    assert run_reconcile_job(ctx, job_id) == "ok"  # writes step 0's seeded state, in slices
+    return job_id
+
+
+def run_to(ctx, job_id: str, step: int) -> None:
+    while job(ctx, job_id).step < step:
+        t = job(ctx, job_id).step
+        upload_all(ctx, job_id, t)
+        assert run_apply_step(ctx, job_id, t) == "applied"
+
+
+def slice_keys(ctx, job_id: str, step: int) -> list[str]:
+    return sorted(ctx.blobs.keys(f"job:{job_id}:state:{step}:"))
+
+
+@pytest.mark.parametrize("change", [
+    {"slices": 3},
+    {"slices": 4, "model": {"layers": EVERY_LAYER}},  # BN buffers ride in slice 0
+    {"slices": 2, "optimizer": {"type": "lars", "lr": 2.0, "trust_coefficient": 0.02}},
+    {"slices": 3, "optimizer": {"type": "adamw", "lr": 0.01, "weight_decay": 0.05},
+     "upload_precision": "bfloat16"},
+], ids=["sgd", "own-layer-graph", "lars", "adamw-bfloat16"])
+def test_a_sliced_run_is_the_reference_bit_for_bit(ctx, change) -> None:
+    spec = {**tiny_spec(), **change}
+    job_id = start(ctx, spec)
+    assert len(slice_keys(ctx, job_id, 0)) == spec["slices"]  # the state lives in slices
+    run_to(ctx, job_id, job(ctx, job_id).total_steps)
+    done = job(ctx, job_id)
+    ref = run_reference(spec, None, progress=False)
+    assert done.state == "Succeeded"
+    assert done.metrics["params_sha256"] == ref["params_sha256"]
+    assert abs(done.metrics["train_loss"] - ref["train_loss"]) / ref["train_loss"] < 1e-5
+
+
+def test_slices_go_to_the_workers_and_a_lost_one_is_applied_again_alone(sending_ctx,
+                                                                       monkeypatch) -> None:
+    ctx = sending_ctx
+    spec = tiny_spec(slices=3)
+    job_id = start(ctx, spec)
+    sent: list[tuple[str, int, int]] = []
+    monkeypatch.setattr(sliced, "send_slice", lambda *task: sent.append(task))
+    upload_all(ctx, job_id, 0)
+    # the step's task applies one slice and sends the others: not committed until they are
+    assert run_apply_step(ctx, job_id, 0) == "applied"
+    assert sorted(sent) == [(job_id, 0, 1), (job_id, 0, 2)] and job(ctx, job_id).step == 0
+    nonce0 = job(ctx, job_id).state_nonce
+    assert ctx.blobs.exists(keys.slice_done(job_id, 0, nonce0, 0))
+    # a worker applies slice 1; slice 2's task is lost (its worker died before running it)
+    assert sliced.run_apply_slice(ctx, job_id, 0, 1) == "applied"
+    assert job(ctx, job_id).step == 0
+    # the claim expires; the step's task runs again (reconcile) and sends only slice 2
+    applied: list[int] = []
+    real = sliced.run_apply_slice
+    monkeypatch.setattr(sliced, "run_apply_slice",
+                        lambda c, j, t, i: applied.append(i) or real(c, j, t, i))
+    ctx.blobs.delete(keys.slice_claim(job_id, 0, 2))
+    sent.clear()
+    assert run_apply_step(ctx, job_id, 0) == "applied"
+    assert applied == [2] and sent == []  # the one slice left, applied here: it commits
+    assert job(ctx, job_id).step == 1
+    # a slice task delivered twice (late) changes nothing
+    assert sliced.run_apply_slice(ctx, job_id, 0, 1) == "stale"
+    # the rest of the run, as deployed, equals the reference
+    monkeypatch.setattr(sliced, "run_apply_slice", real)
+    while job(ctx, job_id).state == "Running":
+        t = job(ctx, job_id).step
+        upload_all(ctx, job_id, t)
+        sent.clear()
+        run_apply_step(ctx, job_id, t)
+        for _, step, index in sent:
+            sliced.run_apply_slice(ctx, job_id, step, index)
+    ref = run_reference(spec, None, progress=False)
+    assert job(ctx, job_id).metrics["params_sha256"] == ref["params_sha256"]
+
+
+def test_a_step_whose_slices_finish_together_commits_once(sending_ctx, monkeypatch) -> None:
+    ctx = sending_ctx
+    job_id = start(ctx, tiny_spec(slices=2))
+    monkeypatch.setattr(sliced, "send_slice", lambda *task: None)
+    upload_all(ctx, job_id, 0)
+    run_apply_step(ctx, job_id, 0)  # slice 0 stored
+    assert sliced.run_apply_slice(ctx, job_id, 0, 1) == "applied"  # slice 1: it commits
+    # the task of slice 0 ran again after dying between its store and its commit check
+    assert sliced.run_apply_slice(ctx, job_id, 0, 0) == "stale"
+    assert job(ctx, job_id).step == 1
+    with ctx.session_factory() as s:  # one row of metrics for the step: committed once
+        assert s.scalar(select(func.count()).select_from(StepMetric)
+                        .where(StepMetric.job_id == job_id)) == 1
+
+
+def test_a_lost_result_replans_the_step_under_a_new_nonce(sending_ctx, monkeypatch) -> None:
+    ctx = sending_ctx
+    spec = tiny_spec(slices=2)
+    job_id = start(ctx, spec)
+    monkeypatch.setattr(sliced, "send_slice", lambda *task: None)
+    upload_all(ctx, job_id, 0)
+    run_apply_step(ctx, job_id, 0)  # slice 0 stored under the first plan
+    nonce0 = job(ctx, job_id).state_nonce
+    first = sliced.SlicePlan.decode(ctx.blobs.get(keys.slice_plan(job_id, 0, nonce0)))
+    ctx.blobs.delete(keys.grad(job_id, 0, 2))  # shard 2's result is gone (its replica died)
+    assert sliced.run_apply_slice(ctx, job_id, 0, 1) == "incomplete"
+    assert ctx.blobs.get(keys.slice_plan(job_id, 0, nonce0)) is None
+    assert job(ctx, job_id).step == 0  # never a step with a result missing
+    upload_all(ctx, job_id, 0, shards=[2])  # the device uploads it again
+    monkeypatch.setattr(ctx.tuning, "slices_inline", True)
+    ctx.blobs.delete(*ctx.blobs.keys(f"job:{job_id}:slices:0:"))  # done marks of the old plan
+    assert run_apply_step(ctx, job_id, 0) == "applied"
+    row = job(ctx, job_id)
+    assert row.step == 1 and row.state_nonce != first.nonce  # the new plan's slices
+    run_to(ctx, job_id, row.total_steps)
+    assert job(ctx, job_id).metrics["params_sha256"] == run_reference(
+        spec, None, progress=False)["params_sha256"]
+
+
+def test_lost_hot_state_is_restored_in_slices_from_the_checkpoint(ctx) -> None:
+    spec = tiny_spec(slices=3)
+    job_id = start(ctx, spec)
+    run_to(ctx, job_id, 4)  # checkpoint_every 3: a checkpoint of step 3
+    whole = stored_state(ctx, job_id, 4)
+    ctx.blobs.flush()
+    assert run_reconcile_job(ctx, job_id) == "restored"
+    assert job(ctx, job_id).step == 3 and len(slice_keys(ctx, job_id, 3)) == 3
+    run_to(ctx, job_id, 4)
+    again = stored_state(ctx, job_id, 4)
+    assert np.array_equal(again.params, whole.params)
+    assert np.array_equal(again.opt_state, whole.opt_state)
