@@ -285,3 +285,21 @@ def test_an_api_restart_mid_job_loses_nothing(cluster: Cluster, tmp_path: Path) 
     cluster.restart_server()
     job = cluster.wait_done(job_id, timeout=240)
     assert_matches_reference(job, spec, tmp_path)
+
+
+def test_a_sliced_job_is_applied_across_the_workers_and_matches_the_reference_bit_for_bit(
+        cluster: Cluster, tmp_path: Path) -> None:
+    """Issue 21 item 2: the vector in 4 slices (engine.slices); each step's slices are applied
+    by separate tasks (the replica that completes the step takes one, the two worker processes
+    the others) and the step commits once all are stored: the final weights are still the
+    reference trainer's, bit for bit."""
+    cluster.start_worker(beat=False)
+    for i in range(2):
+        cluster.start_agent(f"phone-{i}")
+    spec = digits_spec(epochs=2, min_devices=2, slices=4)
+    job_id = cluster.submit(spec)
+    job = cluster.wait_done(job_id)
+    assert_matches_reference(job, spec, tmp_path)
+    assert job["metrics"]["params_sha256"] == reference(spec, tmp_path)["params_sha256"]
+    applied_by = [w.log().count("scheduler.apply_slice") for w in cluster.workers]
+    assert all(n > 0 for n in applied_by), applied_by  # both workers applied slices
