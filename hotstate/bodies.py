@@ -159,21 +159,36 @@ def fetch_bodies(blobs: BlobStore, body_keys: Iterable[str]) -> dict[str, bytes 
     """Every body a step's results name: from this process's shelf, from the replicas that
     hold them (one connection per replica, replicas in parallel), or from the blob store.
     A body that cannot be had is None; a replica that cannot be reached is marked down."""
-    out: dict[str, bytes | memoryview | None] = {}
-    remote: dict[str, list[tuple[str, str]]] = defaultdict(list)
-    in_store = []
-    for key in body_keys:
+    got = fetch_pieces(blobs, [(key, None) for key in body_keys])
+    return {key: value for (key, _), value in got.items()}
+
+
+Range = tuple[int, int] | None  # [start, stop) of a body; None: all of it
+Piece = tuple[str, Range]
+
+
+def fetch_pieces(blobs: BlobStore, pieces: Iterable[Piece]) -> dict[Piece, bytes | memoryview | None]:
+    """`fetch_bodies` for ranges of bodies: what a sliced step's task reads (its slice of each
+    gradient, scheduler.tasks.slices), so each task moves only its share of the bytes. A piece
+    that cannot be had whole is None."""
+    out: dict[Piece, bytes | memoryview | None] = {}
+    remote: dict[str, list[tuple[Piece, str]]] = defaultdict(list)
+    for piece in pieces:
+        key, span = piece
         parsed = parse_peer_key(key)
         if parsed is None:
-            in_store.append(key)
+            if span is None:
+                out[piece] = blobs.get(key)
+            else:
+                data = blobs.get_range(key, span[0], span[1] - span[0])
+                out[piece] = data if len(data) == span[1] - span[0] else None
             continue
         mine, body = SHELF.local(key)
         if mine:
-            out[key] = body
+            out[piece] = _cut(body, span)
         else:
-            remote[parsed[0]].append((key, parsed[1]))
-    if in_store:
-        out.update(zip(in_store, blobs.get_many(in_store)))
+            query = f"?range={span[0]}-{span[1]}" if span is not None else ""
+            remote[parsed[0]].append((piece, f"/bodies/{parsed[1]}{query}"))
     if remote:
         with ThreadPoolExecutor(max_workers=min(8, len(remote))) as pool:
             for address, got in zip(remote, pool.map(_fetch_from, remote, remote.values())):
@@ -181,26 +196,33 @@ def fetch_bodies(blobs: BlobStore, body_keys: Iterable[str]) -> dict[str, bytes 
                     log.warning("replica %s cannot be reached: its uploads are recomputed, and "
                                 "replicas keep bodies in Redis for %.0f s", address, PEER_DOWN_TTL_S)
                     blobs.set(keys.peer_down(address), b"1", ttl=PEER_DOWN_TTL_S)
-                    got = dict.fromkeys((key for key, _ in remote[address]), None)
+                    got = dict.fromkeys((piece for piece, _ in remote[address]), None)
                 out.update(got)
     return out
 
 
-def _fetch_from(address: str, wanted: list[tuple[str, str]]) -> dict[str, memoryview | None] | None:
-    """The bodies one replica holds, over one kept-alive connection; None when it cannot be
+def _cut(body: memoryview | None, span: Range) -> memoryview | None:
+    if body is None or span is None:
+        return body
+    return body[span[0]:span[1]] if 0 <= span[0] <= span[1] <= body.nbytes else None
+
+
+def _fetch_from(address: str, wanted: list[tuple[Piece, str]]
+                ) -> dict[Piece, memoryview | None] | None:
+    """The pieces one replica holds, over one kept-alive connection; None when it cannot be
     reached (refused, reset, silent past the timeout)."""
     host, _, port = address.rpartition(":")
     conn = http.client.HTTPConnection(host.strip("[]"), int(port), timeout=FETCH_TIMEOUT_S)
-    got: dict[str, memoryview | None] = {}
+    got: dict[Piece, memoryview | None] = {}
     try:
-        for key, body_id in wanted:
-            conn.request("GET", f"/bodies/{body_id}")
+        for piece, path in wanted:
+            conn.request("GET", path)
             resp = conn.getresponse()
             if resp.getheader(PEER_HEADER) != address:  # not the replica the key names
                 return None
             if resp.status != 200:
                 resp.read()
-                got[key] = None
+                got[piece] = None
                 continue
             length = int(resp.getheader("Content-Length", "0"))
             buf = new_buffer(length)
@@ -210,7 +232,7 @@ def _fetch_from(address: str, wanted: list[tuple[str, str]]) -> dict[str, memory
                 if not n:
                     raise ConnectionError("the replica closed the connection mid-body")
                 read += n
-            got[key] = buf
+            got[piece] = buf
         return got
     except (OSError, http.client.HTTPException, ValueError):
         return None

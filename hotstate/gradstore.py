@@ -16,6 +16,7 @@ copy. Two forms under a shard's key:
 from __future__ import annotations
 
 import struct
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -68,6 +69,29 @@ def pack_ref(result: ShardResult, body_key: str, grad_offset: int, stats_offset:
                      int(result.count), result.grad_sum.size, result.stats.size, grad_offset,
                      stats_offset, len(key))
     return head + key
+
+
+@dataclass(frozen=True)
+class Ref:
+    """A reference's header: where a result's arrays sit in the body it names."""
+
+    body_key: str
+    loss_sum: float
+    correct: int
+    count: int
+    grad_offset: int
+    stats_offset: int
+
+
+def read_ref(data: bytes | memoryview, n_params: int, n_stats: int) -> Ref | None:
+    """A reference's header; None for a whole result (`unpack` reads it)."""
+    body_key = body_key_of(data)
+    if body_key is None:
+        return None
+    _, _, loss_sum, correct, count, p, s, g_off, s_off, _ = _REF.unpack_from(data)
+    if p != n_params or s != n_stats:
+        raise GradBlobError("gradient reference does not fit this job's model")
+    return Ref(body_key, float(loss_sum), int(correct), int(count), int(g_off), int(s_off))
 
 
 def body_key_of(data: bytes | memoryview) -> str | None:

@@ -1,5 +1,6 @@
 """The replica's peer port: the upload bodies it keeps (hotstate.bodies), for whoever applies
-their steps. One path, `GET /bodies/{id}`; the id is the capability (128 random bits, known
+their steps. One path, `GET /bodies/{id}` (`?range=start-stop`: those bytes of it, what a
+sliced step's task reads); the id is the capability (128 random bits, known
 only through Redis). Not for phones: bind it where the workers and the other replicas reach it
 (`PHALANX_PEER_HOST`, by default this host's name as it resolves: the pod's or container's
 address in Kubernetes and compose).
@@ -19,7 +20,7 @@ from api.steps.capped_server import CappedThreadingHTTPServer
 from hotstate.bodies import PEER_HEADER, SHELF, BodyShelf
 
 log = logging.getLogger(__name__)
-BODY = re.compile(r"/bodies/([0-9a-f]{32})")
+BODY = re.compile(r"/bodies/([0-9a-f]{32})(?:\?range=(\d{1,15})-(\d{1,15}))?")
 SEND_TIMEOUT_S = 60.0
 MAX_CONNECTIONS = 256
 
@@ -90,6 +91,9 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:  # noqa: N802 - BaseHTTPRequestHandler's naming
         match = BODY.fullmatch(self.path)
         body = self.server.shelf.get(match.group(1)) if match else None
+        if body is not None and match and match.group(2) is not None:  # a slice's range of it
+            start, stop = int(match.group(2)), int(match.group(3))
+            body = body[start:stop] if start <= stop <= body.nbytes else None
         if body is None:
             self.send_response(404)
             self._identify()

@@ -41,8 +41,8 @@ from engine.step import ShardResult, StepMetrics, TrainState
 from engine.step import apply_step as engine_apply_step
 from engine.tree import Node, choose
 from hotstate import keys
-from hotstate.bodies import fetch_bodies
-from hotstate.gradstore import GradBlobError, body_key_of, stored_nodes, unpack
+from hotstate.bodies import Piece, fetch_pieces
+from hotstate.gradstore import GradBlobError, Ref, read_ref, stored_nodes, unpack
 from hotstate.recent import RECENT
 from hotstate.trainstate import StateBlob
 from hotstate.version import bump_version
@@ -183,28 +183,54 @@ def run_apply_slice(ctx: SchedulerContext, job_id: str, step: int, index: int) -
 
 def _slice_results(ctx: SchedulerContext, job: Job, info: JobInfo, plan: SlicePlan,
                    part: tuple[int, int]) -> list[ShardResult] | None:
-    """The plan's results, their gradients cut to the slice (views of the stored uploads);
-    None when one is gone or broken: then the plan goes too (the step is planned again once
-    those shards are uploaded again)."""
-    names = [keys.grad(job.id, job.step, lo, hi - lo) for lo, hi in plan.cover]
+    """The plan's results, their gradients cut to the slice: only those bytes are read from
+    the replicas holding the uploads (hotstate.bodies.fetch_pieces), and the batch statistics
+    only by the slice that carries the buffers (the others add zeros: they apply no buffers).
+    None when a result is gone or broken: then the plan goes too (the step is planned again
+    once those shards are uploaded again)."""
+    lo, hi = part
+    n_params, n_stats = info.model.n_params, info.model.n_stats
+    names = [keys.grad(job.id, job.step, a, b - a) for a, b in plan.cover]
     stored = ctx.blobs.get_many(names)
-    refs = []
-    for data in stored:
-        try:
-            refs.append(body_key_of(data) if data is not None else None)
-        except GradBlobError:
-            refs.append(None)
-    bodies = fetch_bodies(ctx.blobs, sorted({r for r in refs if r}))
-    results, broken = [], []
-    for (lo, hi), name, data, ref in zip(plan.cover, names, stored, refs):
+    refs: list[Ref | None] = []
+    broken = []
+    for name, data in zip(names, stored):
         try:
             if data is None:
                 raise GradBlobError("gone")
-            r = unpack(data, info.model.n_params, info.model.n_stats,
-                       bodies.get(ref) if ref else None)
-            results.append(replace(r, shard=lo, span=hi - lo, grad_sum=r.grad_sum[part[0]:part[1]]))
+            refs.append(read_ref(data, n_params, n_stats))
         except GradBlobError:
+            refs.append(None)
             broken.append(name)
+    wanted: list[Piece] = []
+    for ref in refs:
+        if ref is not None:
+            wanted.append((ref.body_key, (ref.grad_offset + 4 * lo, ref.grad_offset + 4 * hi)))
+            if lo == 0:
+                wanted.append((ref.body_key, (ref.stats_offset, ref.stats_offset + 4 * n_stats)))
+    pieces = fetch_pieces(ctx.blobs, wanted)
+    no_stats = np.zeros(n_stats, np.float32)
+    results = []
+    for (a, b), name, data, ref in zip(plan.cover, names, stored, refs):
+        if name in broken or data is None:
+            continue
+        if ref is None:  # a whole result, stored in the blob store itself
+            try:
+                r = unpack(data, n_params, n_stats)
+            except GradBlobError:
+                broken.append(name)
+                continue
+            results.append(replace(r, shard=a, span=b - a, grad_sum=r.grad_sum[lo:hi]))
+            continue
+        grad = pieces.get((ref.body_key, (ref.grad_offset + 4 * lo, ref.grad_offset + 4 * hi)))
+        stats = pieces.get((ref.body_key, (ref.stats_offset, ref.stats_offset + 4 * n_stats))) \
+            if lo == 0 else no_stats
+        if grad is None or stats is None:
+            broken.append(name)
+            continue
+        results.append(ShardResult(a, np.frombuffer(grad, "<f4"), ref.loss_sum, ref.correct,
+                                   ref.count, np.frombuffer(stats, "<f4") if lo == 0 else stats,
+                                   b - a))
     if broken:
         log.warning("step %d of %s: %d result(s) of its plan are gone; replanned once uploaded "
                     "again", job.step, job.id, len(broken))

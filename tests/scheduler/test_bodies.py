@@ -96,6 +96,25 @@ def test_bodies_are_read_over_the_peer_port_and_a_dead_replica_is_marked_down(
     assert redis_store.exists(keys.peer_down(address))
 
 
+def test_a_sliced_steps_task_reads_only_its_range_of_each_body(
+        redis_store: RedisBlobStore, replica: tuple[PeerListener, BodyShelf]) -> None:
+    """scheduler.tasks.slices: a task applying one slice reads that range of every upload, over
+    the peer port or from Redis, never the whole body."""
+    _, shelf = replica
+    payload = np.random.default_rng(7).bytes(1_000_000)
+    remote = shelf.put("j", 0, payload)
+    redis_store.set("job:j:body:0:x", payload)
+    pieces = [(remote, (1000, 5000)), (remote, (0, 1_000_000)), (remote, (5, 2_000_000)),
+              ("job:j:body:0:x", (999_000, 1_000_000)), ("job:j:body:0:x", (999_000, 1_000_001))]
+    got = bodies.fetch_pieces(redis_store, pieces)
+    assert bytes(got[pieces[0]]) == payload[1000:5000]
+    assert bytes(got[pieces[1]]) == payload
+    assert got[pieces[2]] is None  # past the body's end: not a piece of it
+    assert bytes(got[pieces[3]]) == payload[999_000:]
+    assert got[pieces[4]] is None
+    assert not redis_store.exists(keys.peer_down(shelf.address))
+
+
 def test_a_replica_marked_down_keeps_bodies_in_redis(
         redis_store: RedisBlobStore, monkeypatch: pytest.MonkeyPatch) -> None:
     shelf = BodyShelf()
