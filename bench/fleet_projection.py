@@ -113,10 +113,15 @@ def bytes_moved(agents: int) -> float:
     return 2 * agents * 4 * BENCH_PARAMS  # one vector down and one up per agent (k = 1)
 
 
+def server_cpu(cpu: dict[str, float]) -> float:
+    """Every server-side process's CPU a step: the API and workers (one "server" group in
+    runs before the bench split them), Postgres and Redis."""
+    return sum(v for g, v in cpu.items() if g != "agents")
+
+
 def fit(runs: list[dict], here_cores: float, reduce_b: float, update_b: float) -> Calibration:
     agents = [float(r["agents"]) for r in runs]
-    server = [r["cpu_s_per_step"]["server"] + r["cpu_s_per_step"].get("postgres", 0.0)
-              + r["cpu_s_per_step"].get("redis", 0.0) for r in runs]
+    server = [server_cpu(r["cpu_s_per_step"]) for r in runs]
     fixed, per_byte = _line([bytes_moved(int(a)) for a in agents], server)
     _, per_agent = _line(agents, [r["cpu_s_per_step"]["agents"] for r in runs])
     latency = statistics.fmean(

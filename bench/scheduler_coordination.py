@@ -60,9 +60,11 @@ def base_env(root: Path, db_url: str, redis_url: str | None) -> dict[str, str]:
 
 
 class Services:
-    def __init__(self, root: Path, mode: str, pg_url: str | None, redis_url: str | None) -> None:
-        self.root, self.mode = root, mode
+    def __init__(self, root: Path, mode: str, pg_url: str | None, redis_url: str | None,
+                 workers: int = 1) -> None:
+        self.root, self.mode, self.workers = root, mode, workers
         self.procs: list[subprocess.Popen[bytes]] = []
+        self.worker_procs: list[subprocess.Popen[bytes]] = []
         if mode == "redis":
             import redis
 
@@ -86,8 +88,12 @@ class Services:
                "--workers", os.environ.get("BENCH_API_WORKERS", "1")]
         self._spawn(cmd, "server.log")
         if self.mode == "redis":
-            self._spawn([sys.executable, "-m", "phalanx.cli.main", "worker", "--beat",
-                         "--loglevel", os.environ.get("BENCH_WORKER_LOGLEVEL", "WARNING")], "worker.log")
+            for i in range(self.workers):  # one beat; the others work only
+                self.worker_procs.append(self._spawn(
+                    [sys.executable, "-m", "phalanx.cli.main", "worker",
+                     *(["--beat"] if i == 0 else []),
+                     "--loglevel", os.environ.get("BENCH_WORKER_LOGLEVEL", "WARNING")],
+                    f"worker-{i}.log"))
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             try:
@@ -99,10 +105,12 @@ class Services:
                 time.sleep(0.2)
         raise RuntimeError((self.root / "server.log").read_text()[-3000:])
 
-    def _spawn(self, cmd: list[str], log: str) -> None:
+    def _spawn(self, cmd: list[str], log: str) -> subprocess.Popen[bytes]:
         with open(self.root / log, "ab") as fh:
-            self.procs.append(subprocess.Popen(cmd, cwd=REPO, env=self.env, stdout=fh,
-                                               stderr=subprocess.STDOUT))
+            proc = subprocess.Popen(cmd, cwd=REPO, env=self.env, stdout=fh,
+                                    stderr=subprocess.STDOUT)
+        self.procs.append(proc)
+        return proc
 
     def stop(self) -> None:
         for p in self.procs:
@@ -189,8 +197,9 @@ def agent_process(url: str, devices: list[tuple[str, str]], stop: Any, log: Any,
 
 
 def run_phalanx(root: Path, mode: str, n: int, steps: int, pg: str | None, rd: str | None,
-                per_agent: int = 1, pre_add: bool = True) -> dict:
-    services = Services(root, mode, pg, rd)
+                per_agent: int = 1, pre_add: bool = True, slices: int = 1,
+                workers: int = 1) -> dict:
+    services = Services(root, mode, pg, rd, workers)
     services.start()
     stop, log = mp.Event(), mp.Queue()
     procs: list[mp.Process] = []
@@ -204,10 +213,13 @@ def run_phalanx(root: Path, mode: str, n: int, steps: int, pg: str | None, rd: s
         spec = {"name": f"coord-{n}", "model": {"arch": "mobilenet_v1"}, "dataset": DATASET,
                 "global_batch_size": 4 * n * per_agent, "shards": n * per_agent,
                 "epochs": 1000, "seed": 0,
-                "checkpoint_every": 100000, "optimizer": {"lr": 0.01},
+                "checkpoint_every": 100000, "optimizer": {"lr": 0.01}, "slices": slices,
                 "placement": {"min_devices": n, "max_devices": n}}
         admin = {"Authorization": f"Bearer {ADMIN}"}
-        groups_pids = {"server": [p.pid for p in services.procs], "agents": [p.pid for p in procs]}
+        # the API process apart from the workers: the data plane's CPU, process by process
+        groups_pids = {"api": [p.pid for p in services.procs if p not in services.worker_procs],
+                       **{f"worker{i}": [p.pid] for i, p in enumerate(services.worker_procs)},
+                       "agents": [p.pid for p in procs]}
         with httpx.Client(base_url=services.url, headers=admin, timeout=60) as c:
             job_id = c.post("/v1/jobs", json=spec).json()["id"]
             deadline = time.monotonic() + 600
@@ -241,6 +253,7 @@ def run_phalanx(root: Path, mode: str, n: int, steps: int, pg: str | None, rd: s
     cpu = {g: (cpu_after[g] - cpu_before.get(g, 0.0)) / max(1, at - first) for g in cpu_after}
     per_step = [sent[r["step"]] for r in measured if r["step"] in sent]
     return {"mode": mode, "agents": n, "shards_per_agent": per_agent, "pre_add": pre_add,
+            "slices": slices, "workers": workers if mode == "redis" else 0,
             "upload_bytes_per_agent_step": statistics.median(per_step) / n if per_step else None,
             "model_bytes": 4 * N_PARAMS, "step_wall_s": statistics.median(wall),
             "cpu_s_per_step": cpu,
@@ -323,19 +336,23 @@ def main() -> None:
                         help="k: each agent holds k shards (an aligned block of the tree)")
     parser.add_argument("--pre-add", default="on",
                         help="on, off or on,off: agents pre-add their shards (issue 21 item 1)")
+    parser.add_argument("--slices", default="1",
+                        help="P or P,Q: the job's vector in P slices (issue 21 item 2)")
+    parser.add_argument("--workers", type=int, default=1,
+                        help="phalanx worker processes in mode redis")
     parser.add_argument("--pg-url", default=os.environ.get("PHALANX_TEST_DATABASE_URL"))
     parser.add_argument("--redis-url", default=os.environ.get("PHALANX_TEST_REDIS_URL"))
     args = parser.parse_args()
     counts = [int(a) for a in args.agents.split(",")]
     results: list[dict] = []
-    runs = [(mode, n, pre == "on") for mode in args.modes.split(",") for n in counts
-            for pre in args.pre_add.split(",")]
-    for mode, n, pre_add in runs:
+    runs = [(mode, n, pre == "on", int(p)) for mode in args.modes.split(",") for n in counts
+            for pre in args.pre_add.split(",") for p in args.slices.split(",")]
+    for mode, n, pre_add, slices in runs:
         with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as tmp:
             pg = fresh_pg(args.pg_url) if mode == "redis" else None
             try:
                 row = run_phalanx(Path(tmp), mode, n, args.steps, pg, args.redis_url,
-                                  args.shards_per_agent, pre_add)
+                                  args.shards_per_agent, pre_add, slices, args.workers)
             finally:
                 drop_pg(args.pg_url, pg)
         results.append(row)
@@ -345,7 +362,7 @@ def main() -> None:
                   f"{row['upload_bytes_per_agent_step'] / row['model_bytes']:.2f} x M per "
                   f"agent and step (bound 1 + ceil(log2 {per_agent}) = "
                   f"{1 + (per_agent - 1).bit_length()})", flush=True)
-        print(f"phalanx {mode:8} {n:>3} agents: step {row['step_wall_s'] * 1000:7.0f} ms, "
+        print(f"phalanx {mode:8} {n:>3} agents, {slices} slice(s): step {row['step_wall_s'] * 1000:7.0f} ms, "
               f"agent-local {row['slowest_agent_local_s'] * 1000:5.0f} ms, coordination "
               f"{row['coordination_s'] * 1000:7.0f} ms | CPU per step: " + ", ".join(
                   f"{g} {v * 1000:.0f} ms" for g, v in row["cpu_s_per_step"].items() if v)

@@ -27,6 +27,11 @@ class Assignment:
     # the server takes partials (engine.tree): the phone adds the shards it holds and uploads
     # one result per tree node they fill; absent (an older server): one result per shard
     pre_reduce: bool = field(default=False)
+    # a sliced job (engine.slices): the [lo, hi) of each slice, fetched as its own weights
+    # message; empty: one message. `state`: the name of the step's state (the nonce a weights
+    # message's X-Phalanx-State carries), so slices fetched ahead are used only if they match
+    slices: list[list[int]] = field(default_factory=list)
+    state: str | None = field(default=None)
 
     @classmethod
     def from_json(cls, data: Any) -> Assignment:
@@ -37,7 +42,7 @@ class Assignment:
         values: dict[str, Any] = {}
         for f in fields(cls):
             if f.name not in data:
-                if f.name in ("bulk_url", "pre_reduce"):
+                if f.name in OPTIONAL:
                     continue
                 raise WireError(f"assignment lacks {f.name!r}")
             values[f.name] = _checked(f.name, data[f.name])
@@ -47,6 +52,7 @@ class Assignment:
         return asdict(self)
 
 
+OPTIONAL = ("bulk_url", "pre_reduce", "slices", "state")  # absent from older servers
 _INTS = {"step", "n_params", "n_buffers", "n_stats", "total_steps", "n_train", "num_classes"}
 
 
@@ -71,7 +77,13 @@ def _checked(name: str, value: Any) -> Any:
         if not isinstance(value, str) or not value:
             raise bad("a non-empty string")
         return value
-    if name == "bulk_url":
+    if name == "slices":
+        if not isinstance(value, list) or any(
+                not isinstance(v, list) or len(v) != 2
+                or any(isinstance(b, bool) or not isinstance(b, int) for b in v) for v in value):
+            raise bad("a list of [lo, hi] integer pairs")
+        return [list(v) for v in value]
+    if name in ("bulk_url", "state"):
         if value is not None and not isinstance(value, str):
             raise bad("a string or null")
         return value

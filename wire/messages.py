@@ -61,9 +61,35 @@ class NotFinite(WireError):
     overflowed). Every device computes the same bits, so computing it again will not help."""
 
 
-def encode_weights(job_id: str, step: int, params: np.ndarray, buffers: np.ndarray) -> bytes:
-    return _pack(_weights_header(job_id, step, params.size, buffers.size),
-                 [_f32(params), _f32(buffers)])
+def encode_weights(job_id: str, step: int, params: np.ndarray, buffers: np.ndarray,
+                   part: tuple[int, int] | None = None) -> bytes:
+    """`part`: these are the params [lo, hi) of a sliced job's vector (engine.slices); the
+    header says so, and the buffers travel with the slice starting at 0."""
+    header = _weights_header(job_id, step, params.size, buffers.size)
+    if part is not None:
+        header["slice"] = [int(part[0]), int(part[1])]
+    return _pack(header, [_f32(params), _f32(buffers)])
+
+
+def join_weights(job_id: str, step: int, parts: list[bytes | memoryview]) -> bytes:
+    """The whole weights message of a sliced job from its slices' messages, in order: each
+    checked as any message is, and together they must cover the vector once, from 0."""
+    params, buffers, expect = [], None, 0
+    for data in parts:
+        header, _ = _unpack(data, "weights", job_id, step)
+        span = header.get("slice")
+        if not (isinstance(span, list) and len(span) == 2 and all(_is_int(v) for v in span)):
+            raise WireError("a slice's weights message must say which slice it is")
+        if span[0] != expect or span[1] <= span[0]:
+            raise WireError(f"slice [{span[0]}, {span[1]}) does not follow [.., {expect})")
+        _, p, b = decode_weights(data, expect_job=job_id, expect_step=step,
+                                 n_params=span[1] - span[0])
+        params.append(p)
+        buffers = b if buffers is None else buffers
+        expect = span[1]
+    if not params or buffers is None:
+        raise WireError("no slices")
+    return encode_weights(job_id, step, np.concatenate(params), buffers)
 
 
 def _weights_header(job_id: str, step: int, n_params: int, n_buffers: int) -> dict[str, Any]:

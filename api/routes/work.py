@@ -14,10 +14,9 @@ from api.schemas.common import errors
 from api.schemas.work import DivergedIn, DivergedOut, UploadOut, WorkOut
 from api.steps.handlers import (
     MAX_WAIT_S,
-    WEIGHTS_HEADERS,
     accept_upload,
     long_poll_work,
-    serve_weights,
+    wait_for_weights,
 )
 
 router = APIRouter(prefix="/v1", tags=["step protocol"],
@@ -34,11 +33,16 @@ async def get_work(device_id: str, request: Request, principal: DeviceDep,
 
 
 @router.get("/jobs/{job_id}/weights")
-async def get_weights(job_id: str, request: Request, principal: DeviceDep,
-                  step: int = Query(..., ge=0)):
-    payload = await run_in_threadpool(serve_weights, request.app.state, principal.device_id,
-                                      job_id, step)
-    return Response(payload, media_type=OCTETS, headers=WEIGHTS_HEADERS)
+async def get_weights(
+        job_id: str, request: Request, principal: DeviceDep, step: int = Query(..., ge=0),
+        part: int | None = Query(None, ge=0, alias="slice", description="a sliced job's slice k alone "
+                                  "(engine.slices); served once applied, before its step "
+                                  "commits (header X-Phalanx-State names the state)"),
+        wait: float = Query(0.0, ge=0.0, le=MAX_WAIT_S, description="with `slice`: wait up to "
+                            "this long for that slice of the next step to be applied")):
+    payload, headers = await wait_for_weights(request.app.state, principal.device_id, job_id,
+                                              step, part, wait)
+    return Response(payload, media_type=OCTETS, headers=headers)
 
 
 @router.get("/jobs/{job_id}/shards/{shard}/data")

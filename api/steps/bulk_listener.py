@@ -44,7 +44,7 @@ from api.metrics import HTTP_LATENCY, HTTP_REQUESTS, UNMATCHED
 from api.schemas.common import parse_query
 from api.steps.bulk_body import MAX_BODIES
 from api.steps.capped_server import CappedThreadingHTTPServer
-from api.steps.handlers import WEIGHTS_HEADERS, accept_upload, serve_weights
+from api.steps.handlers import accept_upload, serve_weights
 from wire.messages import new_buffer
 from wire.sockopts import set_socket_buffers
 
@@ -293,13 +293,15 @@ class BulkListener:
         return check_device(principal, None)
 
     def _weights(self, device_id: str, job_id: str, query: str) -> Reply:
-        step = parse_query(_WeightsQuery, query).step
-        payload = serve_weights(self.state, device_id, job_id, step)  # refusals: raised
-        return Reply(200, payload, {"Content-Type": "application/octet-stream", **WEIGHTS_HEADERS})
+        q = parse_query(_WeightsQuery, query)
+        # a slice not applied yet is a 409 here at once: phones wait for one on the API port
+        payload, headers = serve_weights(self.state, device_id, job_id, q.step, q.slice)
+        return Reply(200, payload, {"Content-Type": "application/octet-stream", **headers})
 
 
 class _WeightsQuery(BaseModel):
     step: int = Field(ge=0)
+    slice: int | None = Field(None, ge=0)
 
 
 @dataclass(frozen=True)

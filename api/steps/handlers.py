@@ -20,7 +20,7 @@ from api.errors import ApiError
 from api.metrics import SHARD_RESULTS, UPLOADED_RESULTS
 from api.schemas.common import parse_query
 from api.schemas.work import WorkOut
-from api.steps.protocol import StateMissing
+from api.steps.protocol import NotYetApplied, StateMissing
 
 log = logging.getLogger(__name__)
 
@@ -60,16 +60,36 @@ def _bulk_url(state: AppState, url: URL) -> str | None:
 
 
 WEIGHTS_HEADERS = {"Cache-Control": "private, max-age=86400"}
+STATE_HEADER = "X-Phalanx-State"  # the nonce of the state a weights message is
 
 
-def serve_weights(state: AppState, device_id: str, job_id: str, step: int) -> bytes:
-    """The weights message of step `step`; blocking. Refusals are `ApiError`s (one mapping to
-    HTTP per transport: api.error_responses)."""
+def serve_weights(state: AppState, device_id: str, job_id: str, step: int,
+                  part: int | None = None) -> tuple[bytes | memoryview, dict[str, str]]:
+    """The weights message of step `step` (`part`: one slice's) and its headers; blocking.
+    Refusals are `ApiError`s (one mapping to HTTP per transport: api.error_responses)."""
     try:
-        return state.step_protocol.weights(device_id, job_id, step)
+        payload, nonce = state.step_protocol.weights(device_id, job_id, step, part)
     except StateMissing:
         state.scheduler_hooks.job_changed(job_id)  # restore now, not at the next beat
         raise
+    return payload, {**WEIGHTS_HEADERS, **({STATE_HEADER: nonce} if nonce else {})}
+
+
+async def wait_for_weights(state: AppState, device_id: str, job_id: str, step: int,
+                           part: int | None, wait: float
+                           ) -> tuple[bytes | memoryview, dict[str, str]]:
+    """`serve_weights`, waiting up to `wait` s for a slice of the next step to be applied
+    (each slice applied moves the version key, which wakes this as it wakes work polls)."""
+    deadline = time.monotonic() + min(wait, state.settings.work_long_poll_max_s)
+    while True:
+        since = state.version_watch.snapshot()
+        try:
+            return await run_in_threadpool(serve_weights, state, device_id, job_id, step, part)
+        except NotYetApplied:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise
+            await state.version_watch.wait_change(since, remaining)
 
 
 def accept_upload(state: AppState, device_id: str, job_id: str, step: int,

@@ -39,6 +39,7 @@ from hotstate.blobs import BlobStore
 from hotstate.bodies import drop_body, keep_body
 from hotstate.gradstore import offset_in, pack_ref, pack_result, uploaded_shards
 from hotstate.recent import RECENT
+from hotstate.sliceplan import read_plan
 from hotstate.trainstate import read_weights
 from hotstate.version import current_version
 from wire.assignment import Assignment
@@ -61,6 +62,14 @@ class BadUpload(ApiError):
 
 class NotThere(NotFound):
     pass
+
+
+class NotYetApplied(Conflict):
+    """A slice of the next step asked for before it is applied (the phone waits and asks again)."""
+
+
+class BadSlice(ApiError):
+    status_code = 422
 
 
 class StateMissing(Unavailable):
@@ -97,6 +106,9 @@ SHARD_CHUNK_BYTES = 16 << 20
 SHARD_CACHE_BYTES = 16 << 20
 SHARD_CACHED_MAX_BYTES = 1 << 20
 SHARD_BUILDS = threading.BoundedSemaphore(2)
+# slices' weights messages kept (every phone asks for each): about a step of 8 jobs of 25 M
+# parameters, bounded in bytes since a job may have up to 64 slices
+SLICE_CACHE_BYTES = 1 << 30
 
 
 class LRU:
@@ -162,6 +174,7 @@ class StepProtocol:
         self.session_factory, self.blobs, self.data_dir, self.clock = (
             session_factory, blobs, data_dir, clock)
         self._weights = LRU(8)
+        self._slices = LRU(SLICE_CACHE_BYTES, weigh=len)
         self._encoding = threading.Lock()
         self._shards = LRU(SHARD_CACHE_BYTES, weigh=lambda chunk: len(chunk.body))
         self._holdings: Holdings | None = None
@@ -234,33 +247,68 @@ class StepProtocol:
         todo = sorted(held - uploaded_shards(self.blobs, job.id, job.step))
         if not todo:
             return None
+        slices = [list(b) for b in info.slices] if len(info.slices) > 1 else []
         return Assignment(job_id=job.id, step=job.step, shards=todo, spec=job.spec,
                           pre_reduce=can_pre_add(info.spec.upload_precision),
-                          **info.assignment_facts())
+                          slices=slices, state=job.state_nonce, **info.assignment_facts())
 
-    # -- GET /v1/jobs/{id}/weights?step=t -----------------------------------------------------
-    def weights(self, device_id: str, job_id: str, step: int) -> bytes:
+    # -- GET /v1/jobs/{id}/weights?step=t[&slice=k] --------------------------------------------
+    def weights(self, device_id: str, job_id: str, step: int,
+                part: int | None = None) -> tuple[bytes | memoryview, str | None]:
+        """The weights message of step `step` and the name of the state it is (the nonce the
+        assignment names, `X-Phalanx-State`). `part`: slice `part`'s message alone (a sliced
+        job: engine.slices), served as soon as that slice of the step is applied, before the
+        step commits (a phone fetches the next step's slices while the others are applied;
+        it uses them only if the state it is assigned is the one they name)."""
         job, held = self._job_and_held(device_id, job_id)
         if job is None:
             raise NotThere(f"job {job_id} not found")
         if not held:
             raise ForeignShard(f"device {device_id} holds no shard of {job_id}")
+        if part is not None:
+            return self._slice_weights(job, step, part)
         if job.step != step:
             raise StaleStep(f"job is at step {job.step}, not {step}")
         # the state the row names: a step reached again after a rewind is another state
         key = (job_id, step, job.state_nonce)
         cached = self._weights.get(key)
         if cached is not None:
-            return cached
+            return cached, job.state_nonce
         # every agent asks for the new weights at once: encode them once, not once per agent
         with self._encoding:
             cached = self._weights.get(key)
-            if cached is not None:
-                return cached
-            # made by this process's apply (scheduler.local_apply), else from the state
-            data = RECENT.weights(job_id, step, job.state_nonce) or self._encode(job, step)
-            self._weights.put(key, data)
-            return data
+            if cached is None:
+                # made by this process's apply (scheduler.local_apply), else from the state
+                cached = RECENT.weights(job_id, step, job.state_nonce) or self._encode(job, step)
+                self._weights.put(key, cached)
+            return cached, job.state_nonce
+
+    def _slice_weights(self, job: JobRow, step: int, part: int) -> tuple[bytes, str]:
+        bounds = self.info(job).slices
+        if not 0 <= part < len(bounds):
+            raise BadSlice(f"slice {part} does not exist: job {job.id} has {len(bounds)} "
+                           f"slice(s), 0..{len(bounds) - 1}")
+        if job.state != JobState.RUNNING and job.step == step - 1:
+            raise StaleStep(f"job is {job.state}: step {step} will not be applied")
+        nonce = job.state_nonce if job.step == step else None
+        if job.step == step - 1:  # being applied: this slice may be already
+            plan = read_plan(self.blobs, job.id, job.step, job.state_nonce)
+            if plan is None or not self.blobs.exists(
+                    keys.slice_done(job.id, job.step, job.state_nonce, part)):
+                raise NotYetApplied(f"slice {part} of step {step} is not applied yet")
+            nonce = plan.nonce
+        if nonce is None:
+            raise StaleStep(f"job is at step {job.step}, not {step}")
+        key = (job.id, step, nonce, part)
+        cached = self._slices.get(key)
+        if cached is None:
+            arrays = read_weights(self.blobs, keys.state_slice(job.id, step, nonce, part),
+                                  expect_step=step)
+            if arrays is None:
+                raise StateMissing(f"weights of step {step} are being restored; retry shortly")
+            cached = encode_weights(job.id, step, *arrays, part=bounds[part])
+            self._slices.put(key, cached)
+        return cached, nonce
 
     def _encode(self, job: JobRow, step: int) -> bytes:
         """The weights message from the state in the blob store: when another process applied

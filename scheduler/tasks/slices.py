@@ -25,10 +25,9 @@ plan it completes is still the step's) and go with the step's keys.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import numpy as np
 
@@ -39,11 +38,12 @@ from engine.jobinfo import JobInfo, job_info_or_reason
 from engine.optim import STATE_SLOTS
 from engine.step import ShardResult, StepMetrics, TrainState
 from engine.step import apply_step as engine_apply_step
-from engine.tree import Node, choose
+from engine.tree import choose
 from hotstate import keys
 from hotstate.bodies import Piece, fetch_pieces
 from hotstate.gradstore import GradBlobError, Ref, read_ref, stored_nodes, unpack
 from hotstate.recent import RECENT
+from hotstate.sliceplan import SlicePlan
 from hotstate.trainstate import StateBlob
 from hotstate.version import bump_version
 from scheduler.celery_app import app
@@ -59,25 +59,6 @@ from scheduler.tasks.recovery import (
 )
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class SlicePlan:
-    nonce: str  # what state t+1's slices are stored under
-    cover: tuple[Node, ...]  # the results every slice adds
-
-    def encode(self) -> bytes:
-        return json.dumps({"nonce": self.nonce, "cover": [list(n) for n in self.cover]}).encode()
-
-    @classmethod
-    def decode(cls, data: bytes | None) -> SlicePlan | None:
-        if data is None:
-            return None
-        try:
-            raw = json.loads(data)
-            return cls(str(raw["nonce"]), tuple((int(lo), int(hi)) for lo, hi in raw["cover"]))
-        except (ValueError, KeyError, TypeError):
-            return None
 
 
 @app.task(name="scheduler.apply_slice", acks_late=True, reject_on_worker_lost=True)
@@ -178,6 +159,7 @@ def run_apply_slice(ctx: SchedulerContext, job_id: str, step: int, index: int) -
     ctx.blobs.set(keys.state_slice(job.id, step + 1, plan.nonce, index), blob.data)
     RECENT.remember(slice_name(job.id, index), new_state, plan.nonce)
     ctx.blobs.set(done, b"1")
+    bump_version(ctx.blobs)  # phones waiting for this slice of step + 1 take it now
     return _commit(ctx, job, info, plan, metrics)
 
 

@@ -298,7 +298,7 @@ def test_weights_are_the_message_apply_step_made_or_encoded_from_the_stored_stat
         blobs.set(state_key(ctx, job_id, 1), ctx.blobs.get(state_key(ctx, job_id, 1)))
     RECENT.remember(job_id, state, nonce)  # as if another process had applied it: no message
     other = StepProtocol(ctx.session_factory, blobs, ctx.settings.data_dir, ctx.clock)
-    assert bytes(other.weights(dev, job_id, 1)) == made
+    assert bytes(other.weights(dev, job_id, 1)[0]) == made
     blobs.delete(state_key(ctx, job_id, 1))  # gone (Redis restarted): 503, retry shortly
     with pytest.raises(StateMissing):
         StepProtocol(ctx.session_factory, blobs, ctx.settings.data_dir, ctx.clock).weights(
@@ -325,7 +325,7 @@ def test_concurrent_first_weight_requests_encode_once(app_client: TestClient,
     monkeypatch.setattr(protocol, "encode_weights", slow_encode)
     fresh = StepProtocol(ctx.session_factory, ctx.blobs, ctx.settings.data_dir, ctx.clock)
     with ThreadPoolExecutor(6) as pool:
-        bodies = list(pool.map(lambda _: fresh.weights(dev, job_id, 0), range(6)))
+        bodies = list(pool.map(lambda _: fresh.weights(dev, job_id, 0)[0], range(6)))
     assert len(set(bodies)) == 1 and len(calls) == 1
 
 

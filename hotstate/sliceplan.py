@@ -1,0 +1,35 @@
+"""A sliced step's plan in the hot state (scheduler.tasks.slices writes it, the API reads it to
+serve a slice of the next step's weights as soon as it is applied)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from engine.tree import Node
+from hotstate import keys
+from hotstate.blobs import BlobStore
+
+
+@dataclass(frozen=True)
+class SlicePlan:
+    nonce: str  # what state t+1's slices are stored under
+    cover: tuple[Node, ...]  # the results every slice adds
+
+    def encode(self) -> bytes:
+        return json.dumps({"nonce": self.nonce, "cover": [list(n) for n in self.cover]}).encode()
+
+    @classmethod
+    def decode(cls, data: bytes | None) -> SlicePlan | None:
+        if data is None:
+            return None
+        try:
+            raw = json.loads(data)
+            return cls(str(raw["nonce"]), tuple((int(lo), int(hi)) for lo, hi in raw["cover"]))
+        except (ValueError, KeyError, TypeError):
+            return None
+
+
+def read_plan(blobs: BlobStore, job_id: str, step: int, nonce: str | None) -> SlicePlan | None:
+    """The plan of applying `step` to the state named `nonce`, if one was made."""
+    return SlicePlan.decode(blobs.get(keys.slice_plan(job_id, step, nonce)))
