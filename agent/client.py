@@ -188,6 +188,18 @@ class Client:
         return self._send("GET", path, base_url=self._bulk_base(bulk_url),
                           max_bytes=MAX_ARRAYS_BYTES).body
 
+    def weights_slice(self, job_id: str, step: int, part: int, bulk_url: str | None = None,
+                      wait_s: float = 0.0) -> tuple[bytes, str | None]:
+        """Slice `part`'s weights message of a sliced job and the state it is (its nonce);
+        `wait_s`: wait that long for a slice of the next step to be applied (the API port)."""
+        path = f"/v1/jobs/{_q(job_id)}/weights?step={int(step)}&slice={int(part)}"
+        if wait_s:
+            path += f"&wait={wait_s:g}"
+        resp = self._send("GET", path, base_url=self._bulk_base(bulk_url),
+                          max_bytes=MAX_ARRAYS_BYTES, timeout_s=self.timeout_s + wait_s)
+        state = {k.lower(): v for k, v in resp.headers.items()}.get("x-phalanx-state")
+        return resp.body, state
+
     def shard_data(self, job_id: str, shard: int, start: int = 0) -> tuple[bytes, int | None]:
         """A chunk of the shard's samples from `start` on, as stored (the phone normalizes
         them: engine.stored.normalize), and the shard's sample count; None from a server

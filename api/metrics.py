@@ -67,6 +67,10 @@ SHARD_RESULTS = Counter("phalanx_shard_results", "Shards whose results devices u
                         "partial counts each shard it adds): accepted (the first of its shard "
                         "and step) or duplicate (dropped: first wins)",
                         ["outcome"], registry=REQUESTS)
+SLICES_SERVED = Counter("phalanx_weights_slices_served", "A sliced job's weights slices served: "
+                        "`ahead` once applied and before their step commits (the phone fetches "
+                        "them while the other slices are applied), `committed` after",
+                        ["when"], registry=REQUESTS)
 UPLOADED_RESULTS = Counter("phalanx_uploaded_results", "Results in devices' uploads: a shard's "
                            "own, or a partial adding the several shards a phone holds "
                            "(engine.tree; one upload instead of one per shard)",

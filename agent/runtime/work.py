@@ -28,6 +28,7 @@ from agent.runtime.executor import Diverged
 from agent.runtime.guard import Limits
 from agent.runtime.ledger import UploadLedger
 from agent.runtime.monitor import Monitor
+from agent.runtime.slices import SliceFetcher
 from agent.runtime.state import AgentState
 from engine.tree import next_blocks
 from wire.assignment import Assignment
@@ -54,6 +55,7 @@ class WorkLoop:
         self._job: str | None = None
         self._throttle_seen = 0
         self._use_bulk = True  # until the bulk port proves unreachable
+        self.slices = SliceFetcher(client)  # a sliced job's weights (agent.runtime.slices)
 
     def run(self, stop: threading.Event) -> None:
         while not stop.is_set() and self.state.fatal is None:
@@ -72,6 +74,7 @@ class WorkLoop:
                 log.error("work loop: %s", exc)
             if wait:
                 stop.wait(wait)
+        self.slices.close()
         self.execution.close()
 
     def once(self, stop: threading.Event) -> float:
@@ -93,6 +96,7 @@ class WorkLoop:
 
     def _work_on(self, a: Assignment, stop: threading.Event) -> float:
         job, step = a.job_id, a.step
+        self.slices.stop_ahead()  # what it fetched is taken below if it is of this state
         if job != self._job:
             self.cache.keep_only(job)
             self._job, self._per_shard_s, self._pass_s = job, None, None
@@ -124,6 +128,8 @@ class WorkLoop:
                 return 0.0  # the step moved on: poll again at once
         self._pass_s = time.monotonic() - began
         self.steps_done += 1
+        if a.slices and not stop.is_set():
+            self.slices.fetch_ahead(a)  # the next step's slices, each once it is applied
         return 0.0
 
     def _chunk_size(self) -> int:
@@ -135,8 +141,12 @@ class WorkLoop:
         return max(1, int(CHUNK_TARGET_S / self._per_shard_s))
 
     def _request(self, a: Assignment, job: str, step: int, shards: list[int]) -> dict[str, Any]:
-        weights = self.cache.weights(job, step, lambda: self._bulk(
-            a, lambda url: self.client.weights(job, step, url)))
+        if a.slices:  # a sliced job: one message a slice, side by side (and some ahead)
+            weights = self.cache.weights(job, step, lambda: self.slices.whole(
+                a, lambda call: self._bulk(a, call)))
+        else:
+            weights = self.cache.weights(job, step, lambda: self._bulk(
+                a, lambda url: self.client.weights(job, step, url)))
         paths = {str(k): str(self.cache.shard(
                      job, k, lambda start, k=k: self.client.shard_data(job, k, start)))
                  for k in shards}

@@ -17,7 +17,7 @@ from starlette.datastructures import URL
 from api.app_state import AppState
 from api.deps import check_device, principal_for
 from api.errors import ApiError
-from api.metrics import SHARD_RESULTS, UPLOADED_RESULTS
+from api.metrics import SHARD_RESULTS, SLICES_SERVED, UPLOADED_RESULTS
 from api.schemas.common import parse_query
 from api.schemas.work import WorkOut
 from api.steps.protocol import NotYetApplied, StateMissing
@@ -68,10 +68,12 @@ def serve_weights(state: AppState, device_id: str, job_id: str, step: int,
     """The weights message of step `step` (`part`: one slice's) and its headers; blocking.
     Refusals are `ApiError`s (one mapping to HTTP per transport: api.error_responses)."""
     try:
-        payload, nonce = state.step_protocol.weights(device_id, job_id, step, part)
+        payload, nonce, ahead = state.step_protocol.weights(device_id, job_id, step, part)
     except StateMissing:
         state.scheduler_hooks.job_changed(job_id)  # restore now, not at the next beat
         raise
+    if part is not None:
+        SLICES_SERVED.labels("ahead" if ahead else "committed").inc()
     return payload, {**WEIGHTS_HEADERS, **({STATE_HEADER: nonce} if nonce else {})}
 
 

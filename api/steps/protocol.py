@@ -254,9 +254,9 @@ class StepProtocol:
 
     # -- GET /v1/jobs/{id}/weights?step=t[&slice=k] --------------------------------------------
     def weights(self, device_id: str, job_id: str, step: int,
-                part: int | None = None) -> tuple[bytes | memoryview, str | None]:
-        """The weights message of step `step` and the name of the state it is (the nonce the
-        assignment names, `X-Phalanx-State`). `part`: slice `part`'s message alone (a sliced
+                part: int | None = None) -> tuple[bytes | memoryview, str | None, bool]:
+        """The weights message of step `step`, the name of the state it is (the nonce the
+        assignment names, `X-Phalanx-State`) and whether it is served ahead of its commit. `part`: slice `part`'s message alone (a sliced
         job: engine.slices), served as soon as that slice of the step is applied, before the
         step commits (a phone fetches the next step's slices while the others are applied;
         it uses them only if the state it is assigned is the one they name)."""
@@ -273,7 +273,7 @@ class StepProtocol:
         key = (job_id, step, job.state_nonce)
         cached = self._weights.get(key)
         if cached is not None:
-            return cached, job.state_nonce
+            return cached, job.state_nonce, False
         # every agent asks for the new weights at once: encode them once, not once per agent
         with self._encoding:
             cached = self._weights.get(key)
@@ -281,9 +281,9 @@ class StepProtocol:
                 # made by this process's apply (scheduler.local_apply), else from the state
                 cached = RECENT.weights(job_id, step, job.state_nonce) or self._encode(job, step)
                 self._weights.put(key, cached)
-            return cached, job.state_nonce
+            return cached, job.state_nonce, False
 
-    def _slice_weights(self, job: JobRow, step: int, part: int) -> tuple[bytes, str]:
+    def _slice_weights(self, job: JobRow, step: int, part: int) -> tuple[bytes, str, bool]:
         bounds = self.info(job).slices
         if not 0 <= part < len(bounds):
             raise BadSlice(f"slice {part} does not exist: job {job.id} has {len(bounds)} "
@@ -308,7 +308,7 @@ class StepProtocol:
                 raise StateMissing(f"weights of step {step} are being restored; retry shortly")
             cached = encode_weights(job.id, step, *arrays, part=bounds[part])
             self._slices.put(key, cached)
-        return cached, nonce
+        return cached, nonce, job.step == step - 1
 
     def _encode(self, job: JobRow, step: int) -> bytes:
         """The weights message from the state in the blob store: when another process applied

@@ -303,3 +303,11 @@ def test_a_sliced_job_is_applied_across_the_workers_and_matches_the_reference_bi
     assert job["metrics"]["params_sha256"] == reference(spec, tmp_path)["params_sha256"]
     applied_by = [w.log().count("scheduler.apply_slice") for w in cluster.workers]
     assert all(n > 0 for n in applied_by), applied_by  # both workers applied slices
+    # the phones fetched each slice as its own message, many of them ahead of their step's
+    # commit (while the other slices were applied: issue 21 item 4)
+    with cluster.client() as client:
+        text = client.get("/metrics").text
+    served = {k: float(v) for k, v in re.findall(
+        r'^phalanx_weights_slices_served_total\{when="(\w+)"\} (\S+)$', text, re.M)}
+    assert served.get("ahead", 0) > 0, served
+    assert sum(served.values()) >= 2 * 4 * job["step"], served  # 2 phones x 4 slices a step

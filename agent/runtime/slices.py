@@ -1,0 +1,87 @@
+"""A sliced job's weights on the phone (engine.slices): each slice is its own message, fetched
+side by side (a replica serves each; several connections fill a phone's link better than one),
+and the next step's slices are fetched ahead, each as soon as the server has applied it, while
+the others are still being applied (issue 21 item 4).
+
+A slice fetched ahead names the state it belongs to (the server's `X-Phalanx-State`); it is used
+only when the step's assignment names that same state. A plan the server abandoned (a lost
+upload made it plan the step again) names another state, so its slices are fetched again.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from agent.client import Client, ClientError
+from wire.assignment import Assignment
+from wire.messages import join_weights
+
+log = logging.getLogger(__name__)
+
+AHEAD_WAIT_S = 10.0  # one ask for a slice of the next step waits this long for its apply
+AHEAD_ASKS = 3  # then gives up: the assignment of the next step fetches what is missing
+FETCHERS = 4  # slices fetched at once
+
+
+class SliceFetcher:
+    def __init__(self, client: Client) -> None:
+        self.client = client
+        self._lock = threading.Lock()
+        self._ahead: dict[tuple[str, int, int], tuple[str | None, bytes]] = {}
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._pool = ThreadPoolExecutor(FETCHERS, thread_name_prefix="slices")
+        self.fetched_ahead = 0  # slices used from what was fetched ahead (for tests, metrics)
+
+    def whole(self, a: Assignment, bulk: Any) -> bytes:
+        """The step's whole weights message: its slices joined, those fetched ahead for the
+        assigned state taken as they are, the others fetched now side by side through
+        `bulk(call)` (the bulk port the assignment names, else the API port)."""
+        job, step = a.job_id, a.step
+        with self._lock:
+            ready = {k: body for (j, t, k), (state, body) in self._ahead.items()
+                     if j == job and t == step and state == a.state and state is not None}
+            self._ahead = {key: v for key, v in self._ahead.items() if key[1] > step}
+        missing = [k for k in range(len(a.slices)) if k not in ready]
+        got = self._pool.map(lambda k: bulk(lambda url, k=k: self.client.weights_slice(
+            job, step, k, url)), missing)
+        for k, (body, _) in zip(missing, got):
+            ready[k] = body
+        self.fetched_ahead += len(a.slices) - len(missing)
+        return join_weights(job, step, [ready[k] for k in range(len(a.slices))])
+
+    def fetch_ahead(self, a: Assignment) -> None:
+        """Start fetching step a.step + 1's slices, each once applied (one thread, in order:
+        a phone waits on one request at a time)."""
+        self.stop_ahead()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._ahead_loop, name="slices-ahead",
+                                        args=(a.job_id, a.step + 1, len(a.slices), self._stop),
+                                        daemon=True)
+        self._thread.start()
+
+    def _ahead_loop(self, job: str, step: int, slices: int, stop: threading.Event) -> None:
+        for k in range(slices):
+            for _ in range(AHEAD_ASKS):
+                if stop.is_set():
+                    return
+                try:
+                    body, state = self.client.weights_slice(job, step, k, wait_s=AHEAD_WAIT_S)
+                except ClientError as exc:  # not applied within the wait, or the job moved on
+                    log.debug("slice %d of %s step %d not fetched ahead: %s", k, job, step, exc)
+                    continue
+                with self._lock:
+                    self._ahead[(job, step, k)] = (state, body)
+                break
+            else:
+                return  # the step is slow to apply or gone: the assignment fetches the rest
+
+    def stop_ahead(self) -> None:
+        self._stop.set()
+
+    def close(self) -> None:
+        self.stop_ahead()
+        self._pool.shutdown(wait=False, cancel_futures=True)
