@@ -140,11 +140,13 @@ def enroll(url: str, n: int) -> list[tuple[str, str]]:
 def agent_thread(url: str, device: str, secret: str, stop: Any, log: Any,
                  pre_add: bool) -> None:
     from agent.client import Client, ClientError
+    from agent.runtime.slices import SliceFetcher
 
     c = Client(url, secret, timeout_s=300)  # the phone's own HTTP client (stdlib)
+    slices = SliceFetcher(c)  # the real agent's, for a sliced job (issue 21 items 2 and 4)
     while not stop.is_set():
         try:
-            one_step(c, device, log, pre_add)
+            one_step(c, device, log, pre_add, slices)
         except ClientError:
             if stop.is_set():
                 return  # the server is going away at the end of the run
@@ -154,7 +156,7 @@ def agent_thread(url: str, device: str, secret: str, stop: Any, log: Any,
 _GRAD = np.zeros(N_PARAMS, np.float32)
 
 
-def one_step(c: Any, device: str, log: Any, pre_add: bool) -> None:
+def one_step(c: Any, device: str, log: Any, pre_add: bool, slices: Any) -> None:
     """One step of a simulated phone: weights down, one zero result per shard it holds up
     (pre-added up the reduction tree, as the real agent does, when `pre_add` and the server
     takes partials; issue 21 item 1), counting the bytes it uploads."""
@@ -167,8 +169,12 @@ def one_step(c: Any, device: str, log: Any, pre_add: bool) -> None:
         return
     got_work = time.time()
     job, step = a.job_id, a.step
+    slices.stop_ahead()
     try:
-        c.weights(job, step, bulk_url=a.bulk_url)
+        if a.slices:  # one message a slice, side by side, those fetched ahead taken
+            slices.whole(a, lambda call: call(a.bulk_url))
+        else:
+            c.weights(job, step, bulk_url=a.bulk_url)
     except Conflict:
         return
     got_weights = time.time()
@@ -182,6 +188,8 @@ def one_step(c: Any, device: str, log: Any, pre_add: bool) -> None:
     local = time.perf_counter() - t0
     upload_start = time.time()
     c.upload_gradients(job, step, body, bulk_url=a.bulk_url)
+    if a.slices:
+        slices.fetch_ahead(a)  # step + 1's slices, each once applied
     log.put((step, local, (got_work, got_weights, upload_start, time.time()),
              sum(len(part) for part in body)))
 

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from engine.step import ShardResult
+from wire.assignment import Assignment
 from wire.messages import (
     MAGIC,
     WireError,
@@ -17,6 +18,7 @@ from wire.messages import (
     decode_weights,
     encode_results,
     encode_weights,
+    join_weights,
 )
 
 RNG = np.random.default_rng(0)
@@ -237,3 +239,32 @@ def test_an_assignment_reads_back_what_the_server_sends_and_names_what_differs()
                             ([], "must be a JSON object")):
         with pytest.raises(WireError, match=problem):
             Assignment.from_json(broken)
+
+
+def test_a_sliced_jobs_weights_join_into_the_whole_message_and_bad_sets_are_refused():
+    rng = np.random.default_rng(5)
+    params, buffers = rng.standard_normal(100).astype(np.float32), np.ones(6, np.float32)
+    bounds = [(0, 30), (30, 31), (31, 100)]
+    parts = [encode_weights("j", 4, params[lo:hi], buffers if lo == 0 else buffers[:0],
+                            part=(lo, hi)) for lo, hi in bounds]
+    assert join_weights("j", 4, parts) == encode_weights("j", 4, params, buffers)
+    with pytest.raises(WireError, match="does not follow"):
+        join_weights("j", 4, [parts[0], parts[2]])  # a slice missing
+    with pytest.raises(WireError, match="does not follow"):
+        join_weights("j", 4, [parts[1], parts[0], parts[2]])  # out of order
+    with pytest.raises(WireError, match="say which slice"):
+        join_weights("j", 4, [encode_weights("j", 4, params, buffers)])
+    with pytest.raises(WireError, match="step"):
+        join_weights("j", 5, parts)  # another step's slices
+
+
+def test_an_assignment_reads_slices_and_state_and_refuses_bad_ones():
+    base = {"job_id": "j", "step": 1, "shards": [0], "spec": {}, "n_params": 3, "n_buffers": 0,
+            "n_stats": 0, "total_steps": 2, "n_train": 8, "input_shape": [1, 2, 2],
+            "num_classes": 2}
+    old = Assignment.from_json(base)  # an older server: one weights message
+    assert old.slices == [] and old.state is None
+    a = Assignment.from_json({**base, "slices": [[0, 2], [2, 3]], "state": "ab12"})
+    assert a.slices == [[0, 2], [2, 3]] and a.state == "ab12"
+    with pytest.raises(WireError, match="slices"):
+        Assignment.from_json({**base, "slices": [[0, "2"]]})

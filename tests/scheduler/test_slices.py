@@ -10,7 +10,9 @@ import numpy as np
 import pytest
 from sqlalchemy import func, select
 
+from api.steps.protocol import BadSlice, NotYetApplied, StaleStep, StepProtocol
 from api.store.models import StepMetric
+from engine.jobinfo import job_info
 from hotstate import keys
 from hotstate.blobs import MemoryBlobStore, RedisBlobStore
 from phalanx.train_local import run_reference
@@ -20,6 +22,7 @@ from scheduler.tasks.steps import run_apply_step
 from tests.engine.test_layerspec import EVERY_LAYER
 from tests.scheduler.helpers import (
     add_devices,
+    assignments,
     job,
     make_ctx,
     stored_state,
@@ -27,6 +30,7 @@ from tests.scheduler.helpers import (
     tiny_spec,
     upload_all,
 )
+from wire.messages import join_weights
 
 
 def _ctx(request: pytest.FixtureRequest, db_url: str, tmp_path: Path, **tuning):
@@ -177,3 +181,36 @@ def test_lost_hot_state_is_restored_in_slices_from_the_checkpoint(ctx) -> None:
     again = stored_state(ctx, job_id, 4)
     assert np.array_equal(again.params, whole.params)
     assert np.array_equal(again.opt_state, whole.opt_state)
+
+
+def test_a_slice_of_the_next_step_is_served_once_applied_and_names_its_state(sending_ctx,
+                                                                           monkeypatch) -> None:
+    ctx = sending_ctx
+    job_id = start(ctx, tiny_spec(slices=3))
+    proto = StepProtocol(ctx.session_factory, ctx.blobs, ctx.settings.data_dir, ctx.clock)
+    device = assignments(ctx, job_id)[0][1]
+    assert proto.work(device).slices == [list(b) for b in job_info(
+        job_id, job(ctx, job_id).spec, ctx.settings.data_dir).slices]
+    monkeypatch.setattr(sliced, "send_slice", lambda *task: None)
+    upload_all(ctx, job_id, 0)
+    run_apply_step(ctx, job_id, 0)  # slice 0 of step 1 stored; 1 and 2 not yet
+    nonce0 = job(ctx, job_id).state_nonce
+    plan = sliced.SlicePlan.decode(ctx.blobs.get(keys.slice_plan(job_id, 0, nonce0)))
+    early, state, ahead = proto.weights(device, job_id, 1, part=0)
+    assert state == plan.nonce and ahead  # served before step 1 commits, naming its state
+    with pytest.raises(NotYetApplied, match="slice 1 of step 1 is not applied yet"):
+        proto.weights(device, job_id, 1, part=1)
+    with pytest.raises(BadSlice, match="has 3 slice"):
+        proto.weights(device, job_id, 1, part=3)
+    with pytest.raises(StaleStep):
+        proto.weights(device, job_id, 2, part=0)  # two steps ahead: not planned
+    for index in (1, 2):
+        sliced.run_apply_slice(ctx, job_id, 0, index)
+    row = job(ctx, job_id)
+    assert row.step == 1 and row.state_nonce == plan.nonce  # the state it named committed
+    assert proto.work(device).state == plan.nonce
+    parts = [proto.weights(device, job_id, 1, part=k) for k in range(3)]
+    assert bytes(parts[0][0]) == bytes(early) and not any(p[2] for p in parts)
+    whole, state, _ = proto.weights(device, job_id, 1)
+    assert join_weights(job_id, 1, [p[0] for p in parts]) == bytes(whole)
+    assert state == plan.nonce
