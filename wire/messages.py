@@ -71,25 +71,32 @@ def encode_weights(job_id: str, step: int, params: np.ndarray, buffers: np.ndarr
     return _pack(header, [_f32(params), _f32(buffers)])
 
 
-def join_weights(job_id: str, step: int, parts: list[bytes | memoryview]) -> bytes:
-    """The whole weights message of a sliced job from its slices' messages, in order: each
-    checked as any message is, and together they must cover the vector once, from 0."""
-    params, buffers, expect = [], None, 0
+def join_weights(job_id: str, step: int, parts: list[bytes | memoryview]) -> list[memoryview]:
+    """The whole weights message of a sliced job from its slices' messages, in order, as
+    consecutive byte views (for a writer: `b"".join` of them is the message `encode_weights`
+    makes of the joined arrays). Each slice's checksum, job, step and sizes are checked, and
+    together they must cover the vector once from 0; the values are not decoded here (whoever
+    reads the whole message checks them), so joining costs a checksum pass, not a copy."""
+    views, buffers, expect = [], None, 0
     for data in parts:
-        header, _ = _unpack(data, "weights", job_id, step)
+        header, payload = _unpack(data, "weights", job_id, step)
         span = header.get("slice")
         if not (isinstance(span, list) and len(span) == 2 and all(_is_int(v) for v in span)):
             raise WireError("a slice's weights message must say which slice it is")
         if span[0] != expect or span[1] <= span[0]:
             raise WireError(f"slice [{span[0]}, {span[1]}) does not follow [.., {expect})")
-        _, p, b = decode_weights(data, expect_job=job_id, expect_step=step,
-                                 n_params=span[1] - span[0])
-        params.append(p)
-        buffers = b if buffers is None else buffers
+        n, b = span[1] - span[0], _count(header, "n_buffers", None)
+        if _count(header, "n_params", n) != n or len(payload) != 4 * (n + b):
+            raise WireError(f"slice [{span[0]}, {span[1]}): payload of the wrong size")
+        if header.get("dtype") != "float32":
+            raise WireError(f"weights dtype must be float32, got {header.get('dtype')!r}")
+        views.append(payload[: 4 * n])
+        buffers = payload[4 * n :] if buffers is None else buffers
         expect = span[1]
-    if not params or buffers is None:
+    if buffers is None:
         raise WireError("no slices")
-    return encode_weights(job_id, step, np.concatenate(params), buffers)
+    header = _weights_header(job_id, step, expect, len(buffers) // 4)
+    return _pack_parts(header, [*views, buffers])
 
 
 def _weights_header(job_id: str, step: int, n_params: int, n_buffers: int) -> dict[str, Any]:

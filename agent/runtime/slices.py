@@ -36,9 +36,9 @@ class SliceFetcher:
         self._pool = ThreadPoolExecutor(FETCHERS, thread_name_prefix="slices")
         self.fetched_ahead = 0  # slices used from what was fetched ahead (for tests, metrics)
 
-    def whole(self, a: Assignment, bulk: Any) -> bytes:
-        """The step's whole weights message: its slices joined, those fetched ahead for the
-        assigned state taken as they are, the others fetched now side by side through
+    def whole(self, a: Assignment, bulk: Any) -> list[memoryview]:
+        """The step's whole weights message, in parts: its slices joined, those fetched ahead
+        for the assigned state taken as they are, the others fetched now side by side through
         `bulk(call)` (the bulk port the assignment names, else the API port)."""
         job, step = a.job_id, a.step
         with self._lock:

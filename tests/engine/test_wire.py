@@ -247,7 +247,7 @@ def test_a_sliced_jobs_weights_join_into_the_whole_message_and_bad_sets_are_refu
     bounds = [(0, 30), (30, 31), (31, 100)]
     parts = [encode_weights("j", 4, params[lo:hi], buffers if lo == 0 else buffers[:0],
                             part=(lo, hi)) for lo, hi in bounds]
-    assert join_weights("j", 4, parts) == encode_weights("j", 4, params, buffers)
+    assert b"".join(join_weights("j", 4, parts)) == encode_weights("j", 4, params, buffers)
     with pytest.raises(WireError, match="does not follow"):
         join_weights("j", 4, [parts[0], parts[2]])  # a slice missing
     with pytest.raises(WireError, match="does not follow"):

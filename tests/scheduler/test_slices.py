@@ -212,5 +212,5 @@ def test_a_slice_of_the_next_step_is_served_once_applied_and_names_its_state(sen
     parts = [proto.weights(device, job_id, 1, part=k) for k in range(3)]
     assert bytes(parts[0][0]) == bytes(early) and not any(p[2] for p in parts)
     whole, state, _ = proto.weights(device, job_id, 1)
-    assert join_weights(job_id, 1, [p[0] for p in parts]) == bytes(whole)
+    assert b"".join(join_weights(job_id, 1, [p[0] for p in parts])) == bytes(whole)
     assert state == plan.nonce
