@@ -41,6 +41,7 @@ class AppState:
     blobs: BlobStore
     step_protocol: StepProtocol
     version_watch: VersionWatch
+    slices_watch: VersionWatch  # slices applied (keys.SLICES_VERSION): wakes waits for them
     scheduler_hooks: SchedulerHooks
     heartbeat_rate: DeviceRate
     bulk_listener: BulkEndpoint | None = None  # set while the bulk port serves

@@ -39,6 +39,7 @@ from api.steps.peer_listener import PeerListener, advertised_host
 from api.steps.protocol import StepProtocol
 from api.store.db import make_engine, make_session_factory
 from api.store.models import utcnow
+from hotstate import keys
 from hotstate.blobs import blob_store_for
 from hotstate.version import VersionWatch
 from scheduler import celery_app, context
@@ -119,6 +120,8 @@ def _build_state(app: FastAPI, settings: Settings, clock: Callable[[], dt.dateti
         blobs=blobs,
         step_protocol=StepProtocol(factory, blobs, settings.data_dir, clock),
         version_watch=VersionWatch.for_store(blobs, ctx.tuning.long_poll_interval_s),
+        slices_watch=VersionWatch.for_store(blobs, ctx.tuning.long_poll_interval_s,
+                                            keys.SLICES_VERSION),
         scheduler_hooks=SchedulerHooks(ctx),
         heartbeat_rate=DeviceRate(settings.heartbeat_rate_per_minute, settings.heartbeat_burst,
                                   lambda: clock().timestamp()),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import uuid
 
 VERSION = "sched:version"  # bumped on any step or assignment change: wakes long polls
+SLICES_VERSION = "sched:slices-version"  # bumped when a slice of a step is applied
 PLACEMENT_LOCK = "sched:lock:placement"
 RECONCILE_ASKED = "sched:reconcile:asked"  # dedups API hooks' reconcile requests
 TELEMETRY_PRUNED = "sched:telemetry:pruned"  # set for PRUNE_EVERY_S after a prune: one per window

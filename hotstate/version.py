@@ -19,14 +19,17 @@ from hotstate.blobs import BlobStore, MemoryBlobStore
 _WATCHERS: weakref.WeakSet[VersionWatch] = weakref.WeakSet()
 
 
-def bump_version(blobs: BlobStore) -> None:
-    blobs.set(keys.VERSION, f"{time.time_ns()}-{uuid.uuid4().hex[:8]}".encode())
+def bump_version(blobs: BlobStore, key: str = keys.VERSION) -> None:
+    """`key`: keys.VERSION (work polls), or keys.SLICES_VERSION (phones waiting for a slice of
+    the next step: a slice applied wakes them, not every work poll)."""
+    blobs.set(key, f"{time.time_ns()}-{uuid.uuid4().hex[:8]}".encode())
     for watcher in list(_WATCHERS):
-        watcher.poke()
+        if watcher.key == key:
+            watcher.poke()
 
 
-def current_version(blobs: BlobStore) -> bytes:
-    return blobs.get(keys.VERSION) or b""
+def current_version(blobs: BlobStore, key: str = keys.VERSION) -> bytes:
+    return blobs.get(key) or b""
 
 
 # How often a watcher reads an in-process store's key: every bump there pokes the watcher
@@ -39,14 +42,15 @@ class VersionWatch:
     """An asyncio watcher of the version key for one API process (one event loop)."""
 
     @classmethod
-    def for_store(cls, blobs: BlobStore, interval_s: float) -> VersionWatch:
+    def for_store(cls, blobs: BlobStore, interval_s: float, key: str = keys.VERSION) -> VersionWatch:
         """Polling every `interval_s` for a shared store (Redis: bumps come from workers in
         other processes); rarely for a store of this process, whose bumps all poke."""
         local = isinstance(blobs, MemoryBlobStore)
-        return cls(blobs, max(interval_s, LOCAL_POLL_S) if local else interval_s)
+        return cls(blobs, max(interval_s, LOCAL_POLL_S) if local else interval_s, key)
 
-    def __init__(self, blobs: BlobStore, interval_s: float = 0.005) -> None:
-        self.blobs, self.interval_s = blobs, interval_s
+    def __init__(self, blobs: BlobStore, interval_s: float = 0.005,
+                 key: str = keys.VERSION) -> None:
+        self.blobs, self.interval_s, self.key = blobs, interval_s, key
         self._waiters = 0
         self._changed: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
@@ -92,7 +96,7 @@ class VersionWatch:
 
     def _ensure_running(self) -> None:
         if self._task is None or self._task.done():
-            self._seen = current_version(self.blobs)
+            self._seen = current_version(self.blobs, self.key)
             self._changed = asyncio.Event()
             self._loop = asyncio.get_running_loop()
             self._task = self._loop.create_task(self._run())
@@ -112,7 +116,7 @@ class VersionWatch:
     def _check(self) -> bool:
         """Wake the waiters if the key moved; False when it could not be read."""
         try:
-            value = current_version(self.blobs)
+            value = current_version(self.blobs, self.key)
         except Exception:  # noqa: BLE001
             return False
         if value != self._seen:

@@ -81,17 +81,17 @@ async def wait_for_weights(state: AppState, device_id: str, job_id: str, step: i
                            part: int | None, wait: float
                            ) -> tuple[bytes | memoryview, dict[str, str]]:
     """`serve_weights`, waiting up to `wait` s for a slice of the next step to be applied
-    (each slice applied moves the version key, which wakes this as it wakes work polls)."""
+    (each slice applied moves the slices' version key, and a commit the version key)."""
     deadline = time.monotonic() + min(wait, state.settings.work_long_poll_max_s)
     while True:
-        since = state.version_watch.snapshot()
+        since = state.slices_watch.snapshot()
         try:
             return await run_in_threadpool(serve_weights, state, device_id, job_id, step, part)
         except NotYetApplied:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise
-            await state.version_watch.wait_change(since, remaining)
+            await state.slices_watch.wait_change(since, remaining)
 
 
 def accept_upload(state: AppState, device_id: str, job_id: str, step: int,

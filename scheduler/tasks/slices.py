@@ -159,7 +159,7 @@ def run_apply_slice(ctx: SchedulerContext, job_id: str, step: int, index: int) -
     ctx.blobs.set(keys.state_slice(job.id, step + 1, plan.nonce, index), blob.data)
     RECENT.remember(slice_name(job.id, index), new_state, plan.nonce)
     ctx.blobs.set(done, b"1")
-    bump_version(ctx.blobs)  # phones waiting for this slice of step + 1 take it now
+    bump_version(ctx.blobs, keys.SLICES_VERSION)  # phones waiting for this slice take it now
     return _commit(ctx, job, info, plan, metrics)
 
 
