@@ -175,6 +175,7 @@ class StepProtocol:
             session_factory, blobs, data_dir, clock)
         self._weights = LRU(8)
         self._slices = LRU(SLICE_CACHE_BYTES, weigh=len)
+        self._slice_locks = LRU(256)
         self._encoding = threading.Lock()
         self._shards = LRU(SHARD_CACHE_BYTES, weigh=lambda chunk: len(chunk.body))
         self._holdings: Holdings | None = None
@@ -302,13 +303,27 @@ class StepProtocol:
         key = (job.id, step, nonce, part)
         cached = self._slices.get(key)
         if cached is None:
-            arrays = read_weights(self.blobs, keys.state_slice(job.id, step, nonce, part),
-                                  expect_step=step)
-            if arrays is None:
-                raise StateMissing(f"weights of step {step} are being restored; retry shortly")
-            cached = encode_weights(job.id, step, *arrays, part=bounds[part])
-            self._slices.put(key, cached)
+            # every phone asks for each slice at once: one read and encoding per slice, while
+            # the other slices are read side by side
+            with self._slice_lock(key):
+                cached = self._slices.get(key)
+                if cached is None:
+                    arrays = read_weights(self.blobs, keys.state_slice(job.id, step, nonce, part),
+                                          expect_step=step)
+                    if arrays is None:
+                        raise StateMissing(f"weights of step {step} are being restored; "
+                                           f"retry shortly")
+                    cached = encode_weights(job.id, step, *arrays, part=bounds[part])
+                    self._slices.put(key, cached)
         return cached, nonce, job.step == step - 1
+
+    def _slice_lock(self, key: tuple[Any, ...]) -> threading.Lock:
+        with self._encoding:
+            lock = self._slice_locks.get(key)
+            if lock is None:
+                lock = threading.Lock()
+                self._slice_locks.put(key, lock)
+            return lock
 
     def _encode(self, job: JobRow, step: int) -> bytes:
         """The weights message from the state in the blob store: when another process applied
