@@ -47,9 +47,10 @@ def slice_plan(job_id: str, step: int, nonce: str | None) -> str:
     return f"job:{job_id}:slices:{step}:{nonce}"
 
 
-def slice_done(job_id: str, step: int, nonce: str | None, index: int) -> str:
-    """Set once slice `index` of the plan's step + 1 is stored."""
-    return f"{slice_plan(job_id, step, nonce)}:done:{index}"
+def slice_done(job_id: str, step: int, plan_nonce: str, index: int) -> str:
+    """Set once slice `index` of the plan naming `plan_nonce` (the state step + 1 is stored
+    under) is stored: a plan made again after a lost result counts its own slices only."""
+    return f"job:{job_id}:slices:{step}:done:{plan_nonce}:{index}"
 
 
 def slice_claim(job_id: str, step: int, index: int) -> str:

@@ -295,7 +295,7 @@ class StepProtocol:
         if job.step == step - 1:  # being applied: this slice may be already
             plan = read_plan(self.blobs, job.id, job.step, job.state_nonce)
             if plan is None or not self.blobs.exists(
-                    keys.slice_done(job.id, job.step, job.state_nonce, part)):
+                    keys.slice_done(job.id, job.step, plan.nonce, part)):
                 raise NotYetApplied(f"slice {part} of step {step} is not applied yet")
             nonce = plan.nonce
         if nonce is None:

@@ -88,7 +88,7 @@ def run_sliced_step(ctx: SchedulerContext, job: Job, info: JobInfo) -> str:
     if plan is None:
         return Outcome.INCOMPLETE
     todo = [i for i in range(len(info.slices))
-            if not ctx.blobs.exists(keys.slice_done(job.id, step, job.state_nonce, i))]
+            if not ctx.blobs.exists(keys.slice_done(job.id, step, plan.nonce, i))]
     if not todo:  # every slice stored, the commit not (its task died): commit now
         return _commit(ctx, job, info, plan, None)
     if ctx.tuning.slices_inline:
@@ -138,7 +138,7 @@ def run_apply_slice(ctx: SchedulerContext, job_id: str, step: int, index: int) -
     plan = _plan(ctx, job, info, create=False)
     if plan is None:
         return Outcome.INCOMPLETE  # replanned after a lost result: the new plan's tasks apply it
-    done = keys.slice_done(job.id, step, job.state_nonce, index)
+    done = keys.slice_done(job.id, step, plan.nonce, index)
     if ctx.blobs.exists(done):
         return _commit(ctx, job, info, plan, None)
     state = load_slice(ctx, job.id, step, job.state_nonce, index)
@@ -158,6 +158,8 @@ def run_apply_slice(ctx: SchedulerContext, job_id: str, step: int, index: int) -
                                            part=part)
     ctx.blobs.set(keys.state_slice(job.id, step + 1, plan.nonce, index), blob.data)
     RECENT.remember(slice_name(job.id, index), new_state, plan.nonce)
+    if ctx.tuning.apply_pause_s:
+        time.sleep(ctx.tuning.apply_pause_s)  # tests: widen the crash window on purpose
     ctx.blobs.set(done, b"1")
     bump_version(ctx.blobs, keys.SLICES_VERSION)  # phones waiting for this slice take it now
     return _commit(ctx, job, info, plan, metrics)
@@ -227,7 +229,7 @@ def _commit(ctx: SchedulerContext, job: Job, info: JobInfo, plan: SlicePlan,
             metrics: StepMetrics | None) -> str:
     """Commit the step if every slice of the plan is stored and the plan is still the step's."""
     step, slices = job.step, len(info.slices)
-    if not all(ctx.blobs.exists(keys.slice_done(job.id, step, job.state_nonce, i))
+    if not all(ctx.blobs.exists(keys.slice_done(job.id, step, plan.nonce, i))
                for i in range(slices)):
         return Outcome.APPLIED  # this slice is; the last one to finish commits
     if _plan(ctx, job, info, create=False) != plan:

@@ -311,3 +311,43 @@ def test_a_sliced_job_is_applied_across_the_workers_and_matches_the_reference_bi
         r'^phalanx_weights_slices_served_total\{when="(\w+)"\} (\S+)$', text, re.M)}
     assert served.get("ahead", 0) > 0, served
     assert sum(served.values()) >= 2 * 4 * job["step"], served  # 2 phones x 4 slices a step
+
+
+def test_a_worker_killed_mid_slice_loses_nothing_and_the_slice_is_applied_again(
+        tmp_path: Path, pg_url: str, redis_url: str) -> None:
+    """A sliced job (4 slices) on two workers; the one that pauses inside each slice it
+    applies (its slice stored, not yet marked done) is SIGKILLed there. Its slice is applied
+    again (the step's claim expires, reconcile sends the slices not done) and the job ends on
+    the reference's weights, one row of metrics a step."""
+    c = Cluster(tmp_path, pg_url, ADMIN, redis_url=redis_url,
+                server_env={"PHALANX_APPLY_ON_REPLICA": "false",
+                            "PHALANX_SCHED_APPLY_CLAIM_TTL_S": "3"})
+    try:
+        c.start_server()
+        doomed = c.start_worker({"PHALANX_SCHED_APPLY_PAUSE_S": "3.0"}, beat=False)
+        c.start_worker()  # the beat (reconcile) lives here
+        for i in range(2):
+            c.start_agent(f"phone-{i}")
+        spec = digits_spec(epochs=2, min_devices=2, slices=4)
+        job_id = c.submit(spec)
+        r = redis.Redis.from_url(redis_url)
+        c.wait_job(job_id, lambda j: j["step"] >= 2, "step 2")
+
+        def slice_in_window() -> int | None:
+            step = c.job(job_id)["step"]
+            stored = r.keys(f"job:{job_id}:state:{step + 1}:*:s*")
+            done = r.keys(f"job:{job_id}:slices:{step}:*:done:*")
+            return step if len(stored) > len(done) else None
+
+        stuck_at = wait_for("a slice stored and not yet marked done", slice_in_window, every=0.05)
+        doomed.kill()
+        assert c.job(job_id)["step"] == stuck_at  # that step cannot commit without the slice
+        job = c.wait_done(job_id)
+        assert_matches_reference(job, spec, tmp_path)
+        assert job["metrics"]["params_sha256"] == reference(spec, tmp_path)["params_sha256"]
+        with c.client() as http:
+            rows = http.get(f"/v1/jobs/{job_id}/metrics", params={"limit": 1000}).json()["items"]
+        steps = [row["step"] for row in rows]
+        assert steps == sorted(set(steps)) and len(steps) == job["total_steps"]
+    finally:
+        c.stop()

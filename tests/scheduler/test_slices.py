@@ -101,7 +101,8 @@ def test_slices_go_to_the_workers_and_a_lost_one_is_applied_again_alone(sending_
     assert run_apply_step(ctx, job_id, 0) == "applied"
     assert sorted(sent) == [(job_id, 0, 1), (job_id, 0, 2)] and job(ctx, job_id).step == 0
     nonce0 = job(ctx, job_id).state_nonce
-    assert ctx.blobs.exists(keys.slice_done(job_id, 0, nonce0, 0))
+    plan = sliced.SlicePlan.decode(ctx.blobs.get(keys.slice_plan(job_id, 0, nonce0)))
+    assert ctx.blobs.exists(keys.slice_done(job_id, 0, plan.nonce, 0))
     # a worker applies slice 1; slice 2's task is lost (its worker died before running it)
     assert sliced.run_apply_slice(ctx, job_id, 0, 1) == "applied"
     assert job(ctx, job_id).step == 0
@@ -160,7 +161,6 @@ def test_a_lost_result_replans_the_step_under_a_new_nonce(sending_ctx, monkeypat
     assert job(ctx, job_id).step == 0  # never a step with a result missing
     upload_all(ctx, job_id, 0, shards=[2])  # the device uploads it again
     monkeypatch.setattr(ctx.tuning, "slices_inline", True)
-    ctx.blobs.delete(*ctx.blobs.keys(f"job:{job_id}:slices:0:"))  # done marks of the old plan
     assert run_apply_step(ctx, job_id, 0) == "applied"
     row = job(ctx, job_id)
     assert row.step == 1 and row.state_nonce != first.nonce  # the new plan's slices
