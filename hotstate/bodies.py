@@ -219,12 +219,16 @@ def _fetch_from(address: str, wanted: list[tuple[Piece, str]]
             conn.request("GET", path)
             resp = conn.getresponse()
             if resp.getheader(PEER_HEADER) != address:  # not the replica the key names
+                log.warning("%s answered as %r: not the replica its key names", address,
+                            resp.getheader(PEER_HEADER))
                 return None
             if resp.status != 200:
                 resp.read()
                 got[piece] = None
                 continue
             length = int(resp.getheader("Content-Length", "0"))
+            if length == 0:  # (an empty range): read to the end, or the connection is stuck
+                resp.read()
             buf = new_buffer(length)
             read = 0
             while read < length:
@@ -234,7 +238,8 @@ def _fetch_from(address: str, wanted: list[tuple[Piece, str]]
                 read += n
             got[piece] = buf
         return got
-    except (OSError, http.client.HTTPException, ValueError):
+    except (OSError, http.client.HTTPException, ValueError) as exc:
+        log.warning("peer fetch from %s failed: %r", address, exc)
         return None
     finally:
         conn.close()

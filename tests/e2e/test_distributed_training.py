@@ -303,6 +303,8 @@ def test_a_sliced_job_is_applied_across_the_workers_and_matches_the_reference_bi
     assert job["metrics"]["params_sha256"] == reference(spec, tmp_path)["params_sha256"]
     applied_by = [w.log().count("scheduler.apply_slice") for w in cluster.workers]
     assert all(n > 0 for n in applied_by), applied_by  # both workers applied slices
+    # every slice read its ranges of the uploads from the replica: none was lost and redone
+    assert not [w for w in cluster.workers if "replanned" in w.log()]
     # the phones fetched each slice as its own message, many of them ahead of their step's
     # commit (while the other slices were applied: issue 21 item 4)
     with cluster.client() as client:
