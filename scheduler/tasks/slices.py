@@ -190,7 +190,7 @@ def _slice_results(ctx: SchedulerContext, job: Job, info: JobInfo, plan: SlicePl
     for ref in refs:
         if ref is not None:
             wanted.append((ref.body_key, (ref.grad_offset + 4 * lo, ref.grad_offset + 4 * hi)))
-            if lo == 0:
+            if lo == 0 and n_stats:
                 wanted.append((ref.body_key, (ref.stats_offset, ref.stats_offset + 4 * n_stats)))
     pieces = fetch_pieces(ctx.blobs, wanted)
     no_stats = np.zeros(n_stats, np.float32)
@@ -208,12 +208,12 @@ def _slice_results(ctx: SchedulerContext, job: Job, info: JobInfo, plan: SlicePl
             continue
         grad = pieces.get((ref.body_key, (ref.grad_offset + 4 * lo, ref.grad_offset + 4 * hi)))
         stats = pieces.get((ref.body_key, (ref.stats_offset, ref.stats_offset + 4 * n_stats))) \
-            if lo == 0 else no_stats
+            if lo == 0 and n_stats else no_stats
         if grad is None or stats is None:
             broken.append(name)
             continue
         results.append(ShardResult(a, np.frombuffer(grad, "<f4"), ref.loss_sum, ref.correct,
-                                   ref.count, np.frombuffer(stats, "<f4") if lo == 0 else stats,
+                                   ref.count, np.frombuffer(stats, "<f4") if stats is not no_stats else stats,
                                    b - a))
     if broken:
         log.warning("step %d of %s: %d result(s) of its plan are gone; replanned once uploaded "
