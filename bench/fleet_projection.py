@@ -176,8 +176,10 @@ def model_facts(arch: str) -> tuple[float, float]:
 
 DESIGNS = {  # what a phone uploads a step (U, in vectors of M bytes) and the slices applied
     "today (k results)": lambda k: (float(k), 1),
-    "pre-reduced (21.1)": lambda k: (2.0 if k > 1 else 1.0, 1),  # one float64 partial
-    "pre-reduced + bf16 + 8 slices": lambda k: (1.0 if k > 1 else 0.5, 8),
+    # one partial a phone, in the upload precision (engine.precision.node_precision: float32,
+    # or bfloat16 for a bfloat16 job: half the bytes), the shards an aligned block of the tree
+    "pre-reduced (21.1)": lambda k: (1.0, 1),
+    "pre-reduced + bf16 + 8 slices": lambda k: (0.5, 8),
 }
 
 
@@ -255,7 +257,7 @@ def main() -> None:
     print(f"{'model':13} {'design':31} {'replicas':>8} {'10 GbE':>16} {'25 GbE':>16}")
     for arch in ("mobilenet_v1", "resnet50"):
         for design in DESIGNS:
-            for replicas in (1, 2, 4):
+            for replicas in (1, 2, 4, 6, 8):
                 cells = []
                 for link in (10, 25):
                     p = project(c, arch, 138, replicas, link, design, args.micro_batch)
@@ -264,20 +266,22 @@ def main() -> None:
     fleet = [8, 16, 32, 64, 138, 276]
     if args.svg:
         series = {}
-        for design in DESIGNS:
-            for replicas in (1, 4):
-                series[f"{design}, {replicas} replica(s)"] = [
-                    (n, project(c, "resnet50", n, replicas, 25, design, args.micro_batch)["efficiency"])
-                    for n in fleet]
+        best = list(DESIGNS)[-1]
+        for design, replicas in [(d, r) for d in DESIGNS for r in (1, 4)] + [(best, 8)]:
+            series[f"{design}, {replicas} replica(s)"] = [
+                (n, project(c, "resnet50", n, replicas, 25, design, args.micro_batch)["efficiency"])
+                for n in fleet]
         svg_chart(series, args.svg, f"resnet50 224x224, 4 shards x {args.micro_batch} per phone, "
                                     "25 GbE replicas: scaling efficiency")
         print(f"\nwrote {args.svg}")
-    print("\nresnet50, 25 GbE, 4 replicas: where a step goes (s)")
-    for n in fleet:
-        p = project(c, "resnet50", n, 4, 25, "pre-reduced + bf16 + 8 slices", args.micro_batch)
-        print(f"{n:>4} phones: " + ", ".join(f"{k} {v:.2f}" for k, v in p.items()
-                                             if k not in ("step", "efficiency"))
-              + f"; step {p['step']:.2f}, efficiency {p['efficiency']:.0%}")
+    for replicas in (4, 8):
+        print(f"\nresnet50, 25 GbE, {replicas} replicas: where a step goes (s)")
+        for n in fleet:
+            p = project(c, "resnet50", n, replicas, 25, "pre-reduced + bf16 + 8 slices",
+                        args.micro_batch)
+            print(f"{n:>4} phones: " + ", ".join(f"{k} {v:.2f}" for k, v in p.items()
+                                                 if k not in ("step", "efficiency"))
+                  + f"; step {p['step']:.2f}, efficiency {p['efficiency']:.0%}")
 
 
 if __name__ == "__main__":
