@@ -1,10 +1,15 @@
 """What a job's upload precision costs the model: the digits cnn (DESIGN.md's spec) trained by
 the reference trainer with float32, bfloat16 and float16 uploads, five seeds each (the
-run-to-run spread is the yardstick). `python bench/upload_precision_accuracy.py`; the table is
-in docs/benchmarks.md."""
+run-to-run spread is the yardstick). `python bench/upload_precision_accuracy.py [--job
+synthetic224] [--seeds 5]`; the tables are in docs/benchmarks.md.
+
+`synthetic224`: mobilenet_v1 (width 0.25) at 3x224x224 on a learnable synthetic set (each class
+a smooth pattern under noise, engine.data), the size of input the seed papers train on, small
+enough to train a few epochs on 2 cores."""
 
 from __future__ import annotations
 
+import argparse
 from typing import Any
 
 from phalanx.train_local import run_reference
@@ -15,7 +20,13 @@ SPEC: dict[str, Any] = {
     "optimizer": {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.0001, "warmup_epochs": 2,
                   "schedule": "cosine"},
 }
-SEEDS = range(5)
+SPEC_224: dict[str, Any] = {
+    "name": "synthetic-224", "model": {"arch": "mobilenet_v1", "width": 0.25},
+    "dataset": "synthetic:3x224x224:10:512", "global_batch_size": 64, "shards": 8, "epochs": 3,
+    "optimizer": {"lr": 0.05, "momentum": 0.9, "weight_decay": 0.0001, "warmup_epochs": 1,
+                  "schedule": "cosine"},
+}
+JOBS = {"digits": SPEC, "synthetic224": SPEC_224}
 
 
 def mean(rows: list[dict[str, Any]], key: str) -> float:
@@ -23,10 +34,16 @@ def mean(rows: list[dict[str, Any]], key: str) -> float:
 
 
 def main() -> None:
-    print("| upload precision | mean final train loss | mean val loss | mean val accuracy (range over 5 seeds) |")
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--job", choices=sorted(JOBS), default="digits")
+    parser.add_argument("--seeds", type=int, default=5)
+    args = parser.parse_args()
+    spec, seeds = JOBS[args.job], range(args.seeds)
+    print(f"| upload precision | mean final train loss | mean val loss | mean val accuracy "
+          f"(range over {args.seeds} seeds) |")
     for precision in ("float32", "bfloat16", "float16"):
-        rows = [run_reference(dict(SPEC, seed=s, upload_precision=precision), None,
-                              progress=False) for s in SEEDS]
+        rows = [run_reference(dict(spec, seed=s, upload_precision=precision), None,
+                              progress=False) for s in seeds]
         accuracies = [100 * float(r["val_accuracy"]) for r in rows]
         print(f"| {precision} | {mean(rows, 'train_loss'):.4f} | {mean(rows, 'val_loss'):.4f} | "
               f"{sum(accuracies) / len(accuracies):.2f}% ({min(accuracies):.2f}-"
