@@ -27,6 +27,14 @@ class BlobStore(Protocol):
 
     def exists(self, key: str) -> bool: ...
 
+    def count_existing(self, keys: list[str]) -> int:
+        """How many of `keys` exist (one round trip)."""
+        ...
+
+    def delete_if_equal(self, key: str, value: bytes) -> bool:
+        """Delete `key` only if it still holds `value` (atomic); whether it did."""
+        ...
+
     def get_many(self, keys: list[str]) -> list[bytes | None]: ...
 
     def get_range(self, key: str, start: int, length: int) -> bytes | memoryview:
@@ -95,6 +103,18 @@ class MemoryBlobStore:
         with self._lock:
             return self._live(key) is not None
 
+    def count_existing(self, keys: list[str]) -> int:
+        with self._lock:
+            return sum(self._live(k) is not None for k in keys)
+
+    def delete_if_equal(self, key: str, value: bytes) -> bool:
+        with self._lock:
+            held = self._live(key)
+            if held is None or bytes(held) != bytes(value):
+                return False
+            self._data.pop(key, None)
+            return True
+
     def flush(self) -> None:
         """Lose every key (tests: what a Redis restart without persistence does)."""
         with self._lock:
@@ -116,6 +136,10 @@ class RedisBlobStore:
         extra = {"connection_class": _big_value_connection()} if url.startswith("redis://") else {}
         self._redis = redis.Redis.from_url(url, socket_timeout=30, health_check_interval=30,
                                            **extra)
+        # compare-and-delete: a slow task must not delete what another wrote meanwhile
+        self._delete_if_equal = self._redis.register_script(
+            "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) "
+            "end return 0")
 
     def get(self, key: str) -> bytes | None:
         return self._redis.get(key)
@@ -147,6 +171,12 @@ class RedisBlobStore:
 
     def exists(self, key: str) -> bool:
         return bool(self._redis.exists(key))
+
+    def count_existing(self, keys: list[str]) -> int:
+        return int(self._redis.exists(*keys)) if keys else 0
+
+    def delete_if_equal(self, key: str, value: bytes) -> bool:
+        return bool(self._delete_if_equal(keys=[key], args=[value]))
 
     def flush(self) -> None:
         self._redis.flushdb()

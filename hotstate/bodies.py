@@ -173,12 +173,13 @@ def fetch_pieces(blobs: BlobStore, pieces: Iterable[Piece]) -> dict[Piece, bytes
     that cannot be had whole is None."""
     out: dict[Piece, bytes | memoryview | None] = {}
     remote: dict[str, list[tuple[Piece, str]]] = defaultdict(list)
+    whole_in_store: list[Piece] = []
     for piece in pieces:
         key, span = piece
         parsed = parse_peer_key(key)
         if parsed is None:
             if span is None:
-                out[piece] = blobs.get(key)
+                whole_in_store.append(piece)  # read together below (MGET)
             else:
                 data = blobs.get_range(key, span[0], span[1] - span[0])
                 out[piece] = data if len(data) == span[1] - span[0] else None
@@ -189,6 +190,8 @@ def fetch_pieces(blobs: BlobStore, pieces: Iterable[Piece]) -> dict[Piece, bytes
         else:
             query = f"?range={span[0]}-{span[1]}" if span is not None else ""
             remote[parsed[0]].append((piece, f"/bodies/{parsed[1]}{query}"))
+    if whole_in_store:
+        out.update(zip(whole_in_store, blobs.get_many([key for key, _ in whole_in_store])))
     if remote:
         with ThreadPoolExecutor(max_workers=min(8, len(remote))) as pool:
             for address, got in zip(remote, pool.map(_fetch_from, remote, remote.values())):

@@ -33,8 +33,8 @@ def state_slice(job_id: str, step: int, nonce: str | None, index: int) -> str:
 
 
 def state_keys(job_id: str, step: int, nonce: str | None, slices: int) -> list[str]:
-    """Every key the state of `step` is stored under: one, or one per slice. They are written
-    before a row names the nonce and dropped together, so the first stands for all."""
+    """Every key the state of `step` is stored under: one, or one per slice (written by
+    separate tasks: hotstate.trainstate.state_stored checks them all)."""
     if slices == 1:
         return [state(job_id, step, nonce)]
     return [state_slice(job_id, step, nonce, i) for i in range(slices)]

@@ -47,3 +47,6 @@ class RecentStates:
 
 
 RECENT = RecentStates()
+# a sliced job's slices this process applied (under "<job>#s<k>": scheduler.tasks.recovery),
+# apart, so a job of many slices does not push other jobs' states out of RECENT
+RECENT_SLICES = RecentStates(jobs=64)

@@ -13,6 +13,7 @@ import struct
 import numpy as np
 
 from engine.step import TrainState
+from hotstate import keys
 from hotstate.blobs import BlobStore
 from wire.messages import new_buffer
 
@@ -93,3 +94,11 @@ def decode_state(data: bytes, expect_step: int | None = None) -> TrainState:
     buffers = flat[(1 + slots) * n_params :]
     # read-only views of the blob: apply_step builds new arrays, never writes in place
     return TrainState(int(step), params, opt_state, buffers)
+
+
+def state_stored(blobs: BlobStore, job_id: str, step: int, nonce: str | None,
+                 slices: int) -> bool:
+    """Whether every key the state of `step` is stored under exists (a sliced state's slices
+    are written by separate tasks: one can be lost alone)."""
+    names = keys.state_keys(job_id, step, nonce, slices)
+    return blobs.count_existing(names) == len(names)

@@ -15,7 +15,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from agent.client import Client, ClientError
+from agent.client import Client, ClientError, Conflict
 from wire.assignment import Assignment
 from wire.messages import join_weights
 
@@ -44,11 +44,14 @@ class SliceFetcher:
         with self._lock:
             ready = {k: body for (j, t, k), (state, body) in self._ahead.items()
                      if j == job and t == step and state == a.state and state is not None}
-            self._ahead = {key: v for key, v in self._ahead.items() if key[1] > step}
+            self._ahead = {}  # what was fetched ahead is for this step or no more use
         missing = [k for k in range(len(a.slices)) if k not in ready]
         got = self._pool.map(lambda k: bulk(lambda url, k=k: self.client.weights_slice(
             job, step, k, url)), missing)
-        for k, (body, _) in zip(missing, got):
+        for k, (body, state) in zip(missing, got):
+            if a.state is not None and state != a.state:  # restored meanwhile: ask again
+                raise Conflict(409, f"slice {k} of {job} step {step} is of state {state}, "
+                               f"the assignment of {a.state}", "weights")
             ready[k] = body
         self.fetched_ahead += len(a.slices) - len(missing)
         return join_weights(job, step, [ready[k] for k in range(len(a.slices))])
@@ -74,6 +77,8 @@ class SliceFetcher:
                     log.debug("slice %d of %s step %d not fetched ahead: %s", k, job, step, exc)
                     continue
                 with self._lock:
+                    if stop.is_set():
+                        return  # the step's assignment came meanwhile: it fetches its own
                     self._ahead[(job, step, k)] = (state, body)
                 break
             else:

@@ -81,7 +81,8 @@ async def wait_for_weights(state: AppState, device_id: str, job_id: str, step: i
                            part: int | None, wait: float
                            ) -> tuple[bytes | memoryview, dict[str, str]]:
     """`serve_weights`, waiting up to `wait` s for a slice of the next step to be applied
-    (each slice applied moves the slices' version key, and a commit the version key)."""
+    (each slice applied moves the slices' version key, and so does a sliced step's commit,
+    after the version key: the rows this process reads are the new ones by then)."""
     deadline = time.monotonic() + min(wait, state.settings.work_long_poll_max_s)
     while True:
         since = state.slices_watch.snapshot()

@@ -40,7 +40,7 @@ from hotstate.bodies import drop_body, keep_body
 from hotstate.gradstore import offset_in, pack_ref, pack_result, uploaded_shards
 from hotstate.recent import RECENT
 from hotstate.sliceplan import read_plan
-from hotstate.trainstate import read_weights
+from hotstate.trainstate import read_weights, state_stored
 from hotstate.version import current_version
 from wire.assignment import Assignment
 from wire.messages import WireError, decode_results, encode_weights
@@ -106,9 +106,9 @@ SHARD_CHUNK_BYTES = 16 << 20
 SHARD_CACHE_BYTES = 16 << 20
 SHARD_CACHED_MAX_BYTES = 1 << 20
 SHARD_BUILDS = threading.BoundedSemaphore(2)
-# slices' weights messages kept (every phone asks for each): about a step of 8 jobs of 25 M
-# parameters, bounded in bytes since a job may have up to 64 slices
-SLICE_CACHE_BYTES = 1 << 30
+# slices' weights messages kept (every phone asks for each): a job's current and next step
+# (older ones are dropped), bounded in bytes across jobs
+SLICE_CACHE_BYTES = 512 << 20
 
 
 class LRU:
@@ -126,6 +126,12 @@ class LRU:
                 self._data.move_to_end(key)
                 return self._data[key]
         return None
+
+    def drop(self, which: Callable[[Any], bool]) -> None:
+        """Forget every key `which` says."""
+        with self._lock:
+            for key in [k for k in self._data if which(k)]:
+                self._used -= self.weigh(self._data.pop(key))
 
     def put(self, key: Any, value: Any) -> None:
         weight = self.weigh(value)
@@ -175,7 +181,8 @@ class StepProtocol:
             session_factory, blobs, data_dir, clock)
         self._weights = LRU(8)
         self._slices = LRU(SLICE_CACHE_BYTES, weigh=len)
-        self._slice_locks = LRU(256)
+        self._slice_locks = LRU(1024)
+        self._slice_locks_lock = threading.Lock()
         self._encoding = threading.Lock()
         self._shards = LRU(SHARD_CACHE_BYTES, weigh=lambda chunk: len(chunk.body))
         self._holdings: Holdings | None = None
@@ -242,8 +249,7 @@ class StepProtocol:
         if job is None or job.state != JobState.RUNNING:
             return None
         info = self.info(job)  # (one lookup: it serialises the spec to find the cached info)
-        if not self.blobs.exists(keys.state_keys(job.id, job.step, job.state_nonce,
-                                                 len(info.slices))[0]):
+        if not state_stored(self.blobs, job.id, job.step, job.state_nonce, len(info.slices)):
             return None  # being restored; reconcile wakes us when the weights are back
         todo = sorted(held - uploaded_shards(self.blobs, job.id, job.step))
         if not todo:
@@ -286,9 +292,11 @@ class StepProtocol:
 
     def _slice_weights(self, job: JobRow, step: int, part: int) -> tuple[bytes, str, bool]:
         bounds = self.info(job).slices
+        if len(bounds) == 1:
+            raise BadSlice(f"job {job.id} is not sliced: ask for its weights without `slice`")
         if not 0 <= part < len(bounds):
             raise BadSlice(f"slice {part} does not exist: job {job.id} has {len(bounds)} "
-                           f"slice(s), 0..{len(bounds) - 1}")
+                           f"slices, 0..{len(bounds) - 1}")
         if job.state != JobState.RUNNING and job.step == step - 1:
             raise StaleStep(f"job is {job.state}: step {step} will not be applied")
         nonce = job.state_nonce if job.step == step else None
@@ -314,11 +322,14 @@ class StepProtocol:
                         raise StateMissing(f"weights of step {step} are being restored; "
                                            f"retry shortly")
                     cached = encode_weights(job.id, step, *arrays, part=bounds[part])
+                    # a job's slices of older steps are asked for no more: only this step's
+                    # and the next are kept (a model's worth, twice, a job)
+                    self._slices.drop(lambda k: k[0] == job.id and k[1] < step - 1)
                     self._slices.put(key, cached)
         return cached, nonce, job.step == step - 1
 
     def _slice_lock(self, key: tuple[Any, ...]) -> threading.Lock:
-        with self._encoding:
+        with self._slice_locks_lock:  # not the whole message's lock: no wait behind its encode
             lock = self._slice_locks.get(key)
             if lock is None:
                 lock = threading.Lock()

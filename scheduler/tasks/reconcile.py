@@ -30,6 +30,7 @@ from api.store.retention import prune_job_history
 from api.store.state_names import JobState
 from engine.jobinfo import job_info_or_reason
 from hotstate import keys, locks
+from hotstate.trainstate import state_stored
 from hotstate.version import bump_version
 from scheduler import store_ops
 from scheduler.celery_app import app
@@ -145,8 +146,8 @@ def run_reconcile_job(ctx: SchedulerContext, job_id: str) -> str:
     info, why = job_info_or_reason(job.id, job.spec, ctx.settings.data_dir)
     if info is None:
         return fail(ctx, job, why or "cannot run this spec")
-    # never read 25 MB: a state's (first) key stands for it (hotstate.keys.state_keys)
-    if not ctx.blobs.exists(keys.state_keys(job.id, job.step, job.state_nonce, len(info.slices))[0]):
+    # never read 25 MB: whether the state's keys exist
+    if not state_stored(ctx.blobs, job.id, job.step, job.state_nonce, len(info.slices)):
         state = ensure_state(ctx, job, info)
         if state is None or state.step != job.step:
             return "restored"

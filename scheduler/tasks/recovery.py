@@ -19,7 +19,7 @@ from engine.jobinfo import JobInfo
 from engine.slices import Bounds
 from engine.step import TrainState, cut_state, initial_state, join_states
 from hotstate import keys
-from hotstate.recent import RECENT
+from hotstate.recent import RECENT, RECENT_SLICES
 from hotstate.trainstate import StateError, decode_state, encode_state
 from hotstate.version import bump_version
 from scheduler import store_ops
@@ -47,7 +47,7 @@ def load_slice(ctx: SchedulerContext, job_id: str, step: int, nonce: str | None,
                index: int) -> TrainState | None:
     """Slice `index`'s part of the state of `step` (engine.step.cut_state's)."""
     key = keys.state_slice(job_id, step, nonce, index)
-    recent = RECENT.get(slice_name(job_id, index), step, nonce)
+    recent = RECENT_SLICES.get(slice_name(job_id, index), step, nonce)
     if recent is not None and ctx.blobs.exists(key):
         return recent
     return _decode(ctx.blobs.get(key), step)

@@ -42,9 +42,9 @@ from engine.tree import choose
 from hotstate import keys
 from hotstate.bodies import Piece, fetch_pieces
 from hotstate.gradstore import GradBlobError, Ref, read_ref, stored_nodes, unpack
-from hotstate.recent import RECENT
+from hotstate.recent import RECENT_SLICES
 from hotstate.sliceplan import SlicePlan
-from hotstate.trainstate import StateBlob
+from hotstate.trainstate import StateBlob, state_stored
 from hotstate.version import bump_version
 from scheduler.celery_app import app
 from scheduler.checkpoints import write_checkpoint
@@ -77,7 +77,7 @@ def run_sliced_step(ctx: SchedulerContext, job: Job, info: JobInfo) -> str:
     """Start (or resume) applying a sliced job's current step: plan it, send the slices not
     done to the workers, apply one here."""
     step = job.step
-    if not ctx.blobs.exists(keys.state_keys(job.id, step, job.state_nonce, len(info.slices))[0]):
+    if not state_stored(ctx.blobs, job.id, step, job.state_nonce, len(info.slices)):
         state = ensure_state(ctx, job, info)  # lost hot state: restored, maybe rewound
         if state is None or state.step != step:
             return Outcome.STALE
@@ -87,8 +87,7 @@ def run_sliced_step(ctx: SchedulerContext, job: Job, info: JobInfo) -> str:
     plan = _plan(ctx, job, info, create=True)
     if plan is None:
         return Outcome.INCOMPLETE
-    todo = [i for i in range(len(info.slices))
-            if not ctx.blobs.exists(keys.slice_done(job.id, step, plan.nonce, i))]
+    todo = _not_done(ctx, job, info, plan)
     if not todo:  # every slice stored, the commit not (its task died): commit now
         return _commit(ctx, job, info, plan, None)
     if ctx.tuning.slices_inline:
@@ -103,6 +102,20 @@ def run_sliced_step(ctx: SchedulerContext, job: Job, info: JobInfo) -> str:
 
 def send_slice(job_id: str, step: int, index: int) -> None:
     apply_slice.apply_async((job_id, step, index), queue="steps")
+
+
+def _not_done(ctx: SchedulerContext, job: Job, info: JobInfo, plan: SlicePlan) -> list[int]:
+    """The plan's slices to apply: not marked done, or marked done with their stored state
+    gone since (a key lost alone: its mark goes, and the slice is applied again)."""
+    todo = []
+    for i in range(len(info.slices)):
+        done = keys.slice_done(job.id, job.step, plan.nonce, i)
+        if not ctx.blobs.exists(done):
+            todo.append(i)
+        elif not ctx.blobs.exists(keys.state_slice(job.id, job.step + 1, plan.nonce, i)):
+            ctx.blobs.delete(done)
+            todo.append(i)
+    return todo
 
 
 def _job(ctx: SchedulerContext, job_id: str) -> Job | None:
@@ -143,7 +156,9 @@ def run_apply_slice(ctx: SchedulerContext, job_id: str, step: int, index: int) -
         return _commit(ctx, job, info, plan, None)
     state = load_slice(ctx, job.id, step, job.state_nonce, index)
     if state is None:
-        ensure_state(ctx, job, info)  # restores every slice (and rewinds) when the state is lost
+        now = _job(ctx, job.id)  # a late task: the step may be committed (its keys dropped)
+        if now is not None and (now.step, now.state_nonce) == (step, job.state_nonce):
+            ensure_state(ctx, now, info)  # lost: restores every slice (and rewinds)
         return Outcome.STALE
     part = info.slices[index]
     results = _slice_results(ctx, job, info, plan, part)
@@ -157,7 +172,7 @@ def run_apply_slice(ctx: SchedulerContext, job_id: str, step: int, index: int) -
                                            out=(blob.params, blob.opt_state, blob.buffers),
                                            part=part)
     ctx.blobs.set(keys.state_slice(job.id, step + 1, plan.nonce, index), blob.data)
-    RECENT.remember(slice_name(job.id, index), new_state, plan.nonce)
+    RECENT_SLICES.remember(slice_name(job.id, index), new_state, plan.nonce)
     if ctx.tuning.apply_pause_s:
         time.sleep(ctx.tuning.apply_pause_s)  # tests: widen the crash window on purpose
     ctx.blobs.set(done, b"1")
@@ -218,9 +233,17 @@ def _slice_results(ctx: SchedulerContext, job: Job, info: JobInfo, plan: SlicePl
     if broken:
         log.warning("step %d of %s: %d result(s) of its plan are gone; replanned once uploaded "
                     "again", job.step, job.id, len(broken))
-        claims = [keys.slice_claim(job.id, job.step, i) for i in range(len(info.slices))]
-        ctx.blobs.delete(*broken, keys.slice_plan(job.id, job.step, job.state_nonce),
-                         keys.apply_claim(job.id, job.step), *claims)
+        # only what this task read: a slower task of the same plan must not delete a result
+        # uploaded again meanwhile, nor the plan made after it
+        read = dict(zip(names, stored))
+        for name in broken:
+            data = read.get(name)
+            if data is not None:
+                ctx.blobs.delete_if_equal(name, bytes(data))
+        if ctx.blobs.delete_if_equal(keys.slice_plan(job.id, job.step, job.state_nonce),
+                                     plan.encode()):
+            claims = [keys.slice_claim(job.id, job.step, i) for i in range(len(info.slices))]
+            ctx.blobs.delete(keys.apply_claim(job.id, job.step), *claims)
         return None
     return results
 
@@ -229,16 +252,18 @@ def _commit(ctx: SchedulerContext, job: Job, info: JobInfo, plan: SlicePlan,
             metrics: StepMetrics | None) -> str:
     """Commit the step if every slice of the plan is stored and the plan is still the step's."""
     step, slices = job.step, len(info.slices)
-    if not all(ctx.blobs.exists(keys.slice_done(job.id, step, plan.nonce, i))
-               for i in range(slices)):
+    marks = [keys.slice_done(job.id, step, plan.nonce, i) for i in range(slices)]
+    if ctx.blobs.count_existing(marks) < slices:
         return Outcome.APPLIED  # this slice is; the last one to finish commits
+    if not state_stored(ctx.blobs, job.id, step + 1, plan.nonce, slices):
+        return Outcome.INCOMPLETE  # a slice's state lost after its mark: reapplied (_not_done)
     if _plan(ctx, job, info, create=False) != plan:
         return Outcome.STALE  # replanned meanwhile: the new plan's slices commit
     final = step + 1 >= info.total_steps
     due = final or (step + 1) % checkpoint_every(ctx, job) == 0
     whole = load_state(ctx, job.id, step + 1, plan.nonce, info.slices) if due else None
     if due and whole is None:
-        return Outcome.INCOMPLETE  # a slice's state went missing: reconcile restores
+        return Outcome.INCOMPLETE  # a slice's state lost meanwhile: applied again (_not_done)
     if metrics is None:  # a commit resumed after its task died: the step's metrics again
         metrics = _metrics(ctx, job, info, plan)
         if metrics is None:
@@ -258,6 +283,8 @@ def _commit(ctx: SchedulerContext, job: Job, info: JobInfo, plan: SlicePlan,
         return Outcome.STALE
     drop_step_keys(ctx, job.id, keep_state=step + 1)
     bump_version(ctx.blobs)
+    # then phones waiting for a slice of step + 1 look again (their API reads the new rows)
+    bump_version(ctx.blobs, keys.SLICES_VERSION)
     return Outcome.APPLIED
 
 

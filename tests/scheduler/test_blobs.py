@@ -54,6 +54,17 @@ def test_first_set_if_absent_wins(store: BlobStore) -> None:
     assert store.get("g") == b"first"
 
 
+def test_existing_keys_are_counted_and_deleted_only_while_they_hold_what_was_read(
+        store: BlobStore) -> None:
+    store.set("a", b"1")
+    store.set("b", b"2")
+    assert store.count_existing(["a", "b", "c"]) == 2 and store.count_existing([]) == 0
+    assert not store.delete_if_equal("a", b"other")  # rewritten meanwhile: kept
+    assert store.get("a") == b"1"
+    assert store.delete_if_equal("a", b"1") and store.get("a") is None
+    assert not store.delete_if_equal("gone", b"1")
+
+
 def test_keys_by_prefix_even_with_glob_characters(store: BlobStore) -> None:
     for key in ("job:a:grad:1:0", "job:a:grad:1:1", "job:a:grad:10:0", "job:b:grad:1:0", "job:[x]:1"):
         store.set(key, b"x")

@@ -36,7 +36,7 @@ from tests.scheduler.helpers import (
     tiny_spec,
 )
 from tests.support.env import ADMIN_TOKEN as ADMIN
-from wire.messages import decode_results, decode_weights, encode_results
+from wire.messages import decode_results, decode_weights, encode_results, join_weights
 
 
 @pytest.fixture
@@ -446,3 +446,28 @@ def test_a_phone_gets_an_uploaded_shard_in_chunks_as_stored_and_reads_the_same_s
     assert asked == list(range(0, n, 5)) and n > 5
     with np.load(path) as stored:
         assert stored["x"].dtype == np.uint8
+
+
+def test_a_sliced_jobs_weights_come_a_slice_at_a_time_naming_their_state(
+        app_client: TestClient) -> None:
+    job_id, [(dev, hdr), _] = running_job(app_client, slices=3)
+    a = app_client.get(f"/v1/devices/{dev}/work", params={"wait": 0}, headers=hdr).json()[
+        "assignment"]
+    assert len(a["slices"]) == 3 and a["state"]
+    url = f"/v1/jobs/{job_id}/weights"
+    parts = [app_client.get(url, params={"step": 0, "slice": k}, headers=hdr) for k in range(3)]
+    assert all(p.status_code == 200 and p.headers["x-phalanx-state"] == a["state"]
+               for p in parts)
+    whole = app_client.get(url, params={"step": 0}, headers=hdr)
+    assert b"".join(join_weights(job_id, 0, [p.content for p in parts])) == whole.content
+    missing = app_client.get(url, params={"step": 0, "slice": 3}, headers=hdr)
+    assert missing.status_code == 422 and "has 3 slices" in missing.text
+    # the next step's slice before it is applied: 409 at once, or after `wait`
+    early = app_client.get(url, params={"step": 1, "slice": 0, "wait": 0.2}, headers=hdr)
+    assert early.status_code == 409 and "not applied yet" in early.text
+
+
+def test_a_job_without_slices_refuses_a_slice(app_client: TestClient) -> None:
+    job_id, [(dev, hdr), _] = running_job(app_client)
+    r = app_client.get(f"/v1/jobs/{job_id}/weights", params={"step": 0, "slice": 0}, headers=hdr)
+    assert r.status_code == 422 and "not sliced" in r.text

@@ -214,3 +214,55 @@ def test_a_slice_of_the_next_step_is_served_once_applied_and_names_its_state(sen
     whole, state, _ = proto.weights(device, job_id, 1)
     assert b"".join(join_weights(job_id, 1, [p[0] for p in parts])) == bytes(whole)
     assert state == plan.nonce
+
+
+def test_a_slice_state_lost_alone_is_applied_again_and_never_committed_half(sending_ctx,
+                                                                           monkeypatch) -> None:
+    ctx = sending_ctx
+    spec = tiny_spec(slices=3)
+    job_id = start(ctx, spec)
+    monkeypatch.setattr(sliced, "send_slice", lambda *task: None)
+    upload_all(ctx, job_id, 0)
+    run_apply_step(ctx, job_id, 0)  # slice 0
+    assert sliced.run_apply_slice(ctx, job_id, 0, 1) == "applied"
+    plan = sliced.SlicePlan.decode(ctx.blobs.get(keys.slice_plan(
+        job_id, 0, job(ctx, job_id).state_nonce)))
+    ctx.blobs.delete(keys.state_slice(job_id, 1, plan.nonce, 1))  # slice 1's state lost alone
+    assert sliced.run_apply_slice(ctx, job_id, 0, 2) == "incomplete"  # every mark, not every key
+    assert job(ctx, job_id).step == 0  # never a step with a slice missing
+    assert run_apply_step(ctx, job_id, 0) == "applied"  # reconcile's resend: slice 1 again
+    assert job(ctx, job_id).step == 1
+    # a committed state that loses one slice is restored, not served half: phones get no work
+    # until reconcile brings it back from the checkpoint (or the seeded init) in whole
+    row = job(ctx, job_id)
+    ctx.blobs.delete(keys.state_slice(job_id, 1, row.state_nonce, 2))
+    proto = StepProtocol(ctx.session_factory, ctx.blobs, ctx.settings.data_dir, ctx.clock)
+    assert proto.work(assignments(ctx, job_id)[0][1]) is None
+    assert run_reconcile_job(ctx, job_id) == "restored"
+    assert job(ctx, job_id).step == 0 and len(slice_keys(ctx, job_id, 0)) == 3
+    monkeypatch.setattr(ctx.tuning, "slices_inline", True)
+    run_to(ctx, job_id, job(ctx, job_id).total_steps)
+    assert job(ctx, job_id).metrics["params_sha256"] == run_reference(
+        spec, None, progress=False)["params_sha256"]
+
+
+def test_a_late_task_of_an_abandoned_plan_deletes_neither_the_new_plan_nor_its_results(
+        sending_ctx, monkeypatch) -> None:
+    ctx = sending_ctx
+    job_id = start(ctx, tiny_spec(slices=2))
+    monkeypatch.setattr(sliced, "send_slice", lambda *task: None)
+    upload_all(ctx, job_id, 0)
+    run_apply_step(ctx, job_id, 0)
+    row = job(ctx, job_id)
+    old = sliced.SlicePlan.decode(ctx.blobs.get(keys.slice_plan(job_id, 0, row.state_nonce)))
+    ctx.blobs.delete(keys.grad(job_id, 0, 3))  # shard 3 lost: the plan goes
+    assert sliced.run_apply_slice(ctx, job_id, 0, 1) == "incomplete"
+    upload_all(ctx, job_id, 0, shards=[3])  # uploaded again; the step is planned afresh
+    run_apply_step(ctx, job_id, 0)
+    new = ctx.blobs.get(keys.slice_plan(job_id, 0, row.state_nonce))
+    assert new is not None and sliced.SlicePlan.decode(new) != old
+    # a task still holding the old plan now fails to fetch a body (a replica timed out)
+    monkeypatch.setattr(sliced, "fetch_pieces", lambda blobs, pieces: dict.fromkeys(pieces))
+    info = job_info(job_id, row.spec, ctx.settings.data_dir)
+    assert sliced._slice_results(ctx, row, info, old, info.slices[1]) is None
+    assert ctx.blobs.get(keys.slice_plan(job_id, 0, row.state_nonce)) == new  # kept
