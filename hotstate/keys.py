@@ -53,9 +53,10 @@ def slice_done(job_id: str, step: int, plan_nonce: str, index: int) -> str:
     return f"job:{job_id}:slices:{step}:done:{plan_nonce}:{index}"
 
 
-def slice_claim(job_id: str, step: int, index: int) -> str:
-    """Set when slice `index` of `step` is sent to a worker; expires so a lost one is resent."""
-    return f"{apply_claim(job_id, step)}:s{index}"
+def slice_claim(job_id: str, step: int, plan_nonce: str, index: int) -> str:
+    """Set when slice `index` of the plan naming `plan_nonce` is sent to a worker; expires so a
+    lost one is resent (a plan made again sends its own at once)."""
+    return f"{apply_claim(job_id, step)}:{plan_nonce}:s{index}"
 
 
 def new_nonce() -> str:

@@ -94,7 +94,7 @@ def run_sliced_step(ctx: SchedulerContext, job: Job, info: JobInfo) -> str:
         outcomes = [run_apply_slice(ctx, job.id, step, index) for index in todo]
         return outcomes[-1]
     for index in todo[1:]:
-        if ctx.blobs.set_if_absent(keys.slice_claim(job.id, step, index), b"1",
+        if ctx.blobs.set_if_absent(keys.slice_claim(job.id, step, plan.nonce, index), b"1",
                                    ttl=ctx.tuning.apply_claim_ttl_s):
             send_slice(job.id, step, index)
     return run_apply_slice(ctx, job.id, step, todo[0])
@@ -242,7 +242,8 @@ def _slice_results(ctx: SchedulerContext, job: Job, info: JobInfo, plan: SlicePl
                 ctx.blobs.delete_if_equal(name, bytes(data))
         if ctx.blobs.delete_if_equal(keys.slice_plan(job.id, job.step, job.state_nonce),
                                      plan.encode()):
-            claims = [keys.slice_claim(job.id, job.step, i) for i in range(len(info.slices))]
+            claims = [keys.slice_claim(job.id, job.step, plan.nonce, i)
+                      for i in range(len(info.slices))]
             ctx.blobs.delete(keys.apply_claim(job.id, job.step), *claims)
         return None
     return results

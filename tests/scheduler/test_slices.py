@@ -111,7 +111,7 @@ def test_slices_go_to_the_workers_and_a_lost_one_is_applied_again_alone(sending_
     real = sliced.run_apply_slice
     monkeypatch.setattr(sliced, "run_apply_slice",
                         lambda c, j, t, i: applied.append(i) or real(c, j, t, i))
-    ctx.blobs.delete(keys.slice_claim(job_id, 0, 2))
+    ctx.blobs.delete(keys.slice_claim(job_id, 0, plan.nonce, 2))
     sent.clear()
     assert run_apply_step(ctx, job_id, 0) == "applied"
     assert applied == [2] and sent == []  # the one slice left, applied here: it commits
