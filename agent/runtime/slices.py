@@ -31,8 +31,11 @@ class SliceFetcher:
         self.client = client
         self._lock = threading.Lock()
         self._ahead: dict[tuple[str, int, int], tuple[str | None, bytes]] = {}
-        self._thread: threading.Thread | None = None
-        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None  # the ahead fetcher, started on first use
+        self._wake = threading.Condition()
+        self._wanted: tuple[str, int, int, int] | None = None  # (job, step, slices, generation)
+        self._generation = 0  # moved by every stop: a fetch of an older one is dropped
+        self._closed = False
         self._pool = ThreadPoolExecutor(FETCHERS, thread_name_prefix="slices")
         self.fetched_ahead = 0  # slices used from what was fetched ahead (for tests, metrics)
 
@@ -57,27 +60,40 @@ class SliceFetcher:
         return join_weights(job, step, [ready[k] for k in range(len(a.slices))])
 
     def fetch_ahead(self, a: Assignment) -> None:
-        """Start fetching step a.step + 1's slices, each once applied (one thread, in order:
-        a phone waits on one request at a time)."""
-        self.stop_ahead()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._ahead_loop, name="slices-ahead",
-                                        args=(a.job_id, a.step + 1, len(a.slices), self._stop),
-                                        daemon=True)
-        self._thread.start()
+        """Start fetching step a.step + 1's slices, each once applied: in order, by one thread
+        kept for it (a phone waits on one request at a time, over one kept connection)."""
+        with self._wake:
+            self._generation += 1
+            self._wanted = (a.job_id, a.step + 1, len(a.slices), self._generation)
+            self._wake.notify()
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._ahead_worker, name="slices-ahead",
+                                                daemon=True)
+                self._thread.start()
 
-    def _ahead_loop(self, job: str, step: int, slices: int, stop: threading.Event) -> None:
+    def _ahead_worker(self) -> None:
+        while True:
+            with self._wake:
+                while self._wanted is None and not self._closed:
+                    self._wake.wait()
+                if self._closed:
+                    return
+                wanted, self._wanted = self._wanted, None
+            assert wanted is not None
+            self._ahead_loop(*wanted)
+
+    def _ahead_loop(self, job: str, step: int, slices: int, generation: int) -> None:
         for k in range(slices):
             for _ in range(AHEAD_ASKS):
-                if stop.is_set():
-                    return
+                if generation != self._generation:
+                    return  # stopped: the step's assignment came, or another step is wanted
                 try:
                     body, state = self.client.weights_slice(job, step, k, wait_s=AHEAD_WAIT_S)
                 except ClientError as exc:  # not applied within the wait, or the job moved on
                     log.debug("slice %d of %s step %d not fetched ahead: %s", k, job, step, exc)
                     continue
                 with self._lock:
-                    if stop.is_set():
+                    if generation != self._generation:
                         return  # the step's assignment came meanwhile: it fetches its own
                     self._ahead[(job, step, k)] = (state, body)
                 break
@@ -85,8 +101,14 @@ class SliceFetcher:
                 return  # the step is slow to apply or gone: the assignment fetches the rest
 
     def stop_ahead(self) -> None:
-        self._stop.set()
+        with self._wake:
+            with self._lock:
+                self._generation += 1
+            self._wanted = None
 
     def close(self) -> None:
-        self.stop_ahead()
+        with self._wake:
+            self._closed = True
+            self._generation += 1
+            self._wake.notify()
         self._pool.shutdown(wait=False, cancel_futures=True)
