@@ -201,6 +201,9 @@ def plan_view(answer: dict[str, Any]) -> Table:
             ("bytes per step", f"{si(plan.get('bytes_per_step'), 'B')} "
                                f"({dash(plan.get('devices_counted'))} devices)"),
             ("eligible devices now", dash(placement.get("eligible")))]
+    if (plan.get("slices") or 1) > 1:  # the vector applied in slices (engine.slices)
+        rows.insert(-1, ("slices", f"{plan['slices']} (the largest "
+                                   f"{plan.get('largest_slice_parameters', 0):,} parameters)"))
     for reason, count in (placement.get("reasons") or {}).items():
         rows.append((f"  not: {reason}", str(count)))
     for row in rows:

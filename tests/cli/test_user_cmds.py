@@ -209,6 +209,15 @@ def test_a_dry_run_prints_the_plan_and_submits_nothing(cli: Cli, tmp_path: Path)
     assert "model.layers[1] dense 10 650" in text  # the layer table (-o wide)
     plan = cli.json("jobs", "submit", "-f", str(path), "--dry-run")["plan"]
     assert plan["flops_per_sample"] == 3 * (64 + 2 * 64 * 10)  # flatten + the dense layer
+    assert "slices" not in text and plan["slices"] == 1
+    sliced = write_spec(tmp_path, {**SMALL_JOB, "slices": 2}, "sliced.yaml")
+    text = " ".join(re.sub(r"[^\x00-\x7f]", " ", cli(
+        "jobs", "submit", "-f", str(sliced), "--dry-run").stdout).split())
+    assert "slices 2 (the largest 640 parameters)" in text  # the kernel; the bias is the other
+    too_many = cli("jobs", "submit", "-f", str(write_spec(tmp_path, {
+        **SMALL_JOB, "slices": 3}, "many.yaml")), "--dry-run")
+    assert too_many.exit_code != 0 and "exceeds this model's 2 parameter tensors" in (
+        too_many.output + too_many.stderr)
     assert len(cli.json("jobs", "ls")) == before
 
 
