@@ -353,3 +353,20 @@ def test_a_worker_killed_mid_slice_loses_nothing_and_the_slice_is_applied_again(
         assert steps == sorted(set(steps)) and len(steps) == job["total_steps"]
     finally:
         c.stop()
+
+
+def test_a_sliced_job_in_embedded_mode_matches_the_reference_bit_for_bit(
+        tmp_path: Path, sqlite_url: str) -> None:
+    """`phalanx server` alone (in-process worker threads and memory broker): a job in 3 slices
+    is applied by the server's own workers, and two real agents fetch its slices."""
+    c = Cluster(tmp_path, sqlite_url, ADMIN)
+    try:
+        c.start_server()
+        for i in range(2):
+            c.start_agent(f"phone-{i}")
+        spec = digits_spec(epochs=2, min_devices=2, slices=3)
+        job = c.wait_done(c.submit(spec))
+        assert_matches_reference(job, spec, tmp_path)
+        assert job["metrics"]["params_sha256"] == reference(spec, tmp_path)["params_sha256"]
+    finally:
+        c.stop()
