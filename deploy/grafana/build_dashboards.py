@@ -166,6 +166,13 @@ def fleet() -> dict:
                  "{{task}}")], "s"), 12, 8),
         (panel("timeseries", "Queue depth", [prom("max by (queue) (phalanx_queue_depth)",
                                                   "{{queue}}")]), 12, 8),
+        # the data plane: partials are one upload for several shards (pre-added on the phone);
+        # a sliced job's slices served ahead of their step's commit overlap the apply
+        (panel("timeseries", "Data plane: uploads and weights slices", [
+            prom(f"sum by (kind) (rate(phalanx_uploaded_results_total[{rate}]))",
+                 "upload: {{kind}}"),
+            prom(f"sum by (when) (rate(phalanx_weights_slices_served_total[{rate}]))",
+                 "slice served {{when}}", ref="B")], "ops"), 12, 8),
     ])
 
 

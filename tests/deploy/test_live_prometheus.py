@@ -71,7 +71,8 @@ def observed(tmp_path_factory: pytest.TempPathFactory,
             rack.start()
             finished = cluster.submit(spec("observed-short", epochs=1))
             cluster.wait_done(finished, timeout=180)
-            running = cluster.submit(spec("observed-long", epochs=500))
+            # sliced: its phones fetch the weights a slice at a time (the data plane panel)
+            running = cluster.submit({**spec("observed-long", epochs=500), "slices": 2})
             cluster.wait_job(running, lambda j: j["state"] == "Running" and j["step"] >= 3,
                              "the long job to run a few steps", timeout=120)
             # enough scrapes that every rate() window holds several samples of each series
