@@ -198,7 +198,7 @@ def svg_chart(series: dict[str, list[tuple[int, float]]], path: Path, title: str
     w, h, left, bottom, legend = 900, 360, 50, 40, 260  # the legend right of the plot
     xs = [x for pts in series.values() for x, _ in pts]
     x0, x1 = min(xs), max(xs)
-    colors = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b"]
+    colors = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2"]
 
     def px(x: float, y: float) -> tuple[float, float]:
         return (left + (x - x0) / (x1 - x0) * (w - left - legend - 20),

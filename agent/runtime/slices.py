@@ -80,7 +80,10 @@ class SliceFetcher:
                     return
                 wanted, self._wanted = self._wanted, None
             assert wanted is not None
-            self._ahead_loop(*wanted)
+            try:
+                self._ahead_loop(*wanted)
+            except Exception:  # noqa: BLE001 - the thread is kept: it must outlive one failure
+                log.exception("fetching slices of %s step %d ahead failed", wanted[0], wanted[1])
 
     def _ahead_loop(self, job: str, step: int, slices: int, generation: int) -> None:
         for k in range(slices):

@@ -78,6 +78,9 @@ def run_sliced_step(ctx: SchedulerContext, job: Job, info: JobInfo) -> str:
     done to the workers, apply one here."""
     step = job.step
     if not state_stored(ctx.blobs, job.id, step, job.state_nonce, len(info.slices)):
+        now = _job(ctx, job.id)  # committed meanwhile (its keys dropped): nothing to restore
+        if now is None or (now.step, now.state_nonce) != (step, job.state_nonce):
+            return Outcome.STALE
         state = ensure_state(ctx, job, info)  # lost hot state: restored, maybe rewound
         if state is None or state.step != step:
             return Outcome.STALE

@@ -338,7 +338,7 @@ def test_a_worker_killed_mid_slice_loses_nothing_and_the_slice_is_applied_again(
         def slice_in_window() -> int | None:
             step = c.job(job_id)["step"]
             stored = r.keys(f"job:{job_id}:state:{step + 1}:*:s*")
-            done = r.keys(f"job:{job_id}:slices:{step}:*:done:*")
+            done = r.keys(f"job:{job_id}:slices:{step}:done:*")
             return step if len(stored) > len(done) else None
 
         stuck_at = wait_for("a slice stored and not yet marked done", slice_in_window, every=0.05)
