@@ -25,9 +25,10 @@ plan it completes is still the step's) and go with the step's keys.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 
 import numpy as np
 
@@ -178,7 +179,7 @@ def run_apply_slice(ctx: SchedulerContext, job_id: str, step: int, index: int) -
     RECENT_SLICES.remember(slice_name(job.id, index), new_state, plan.nonce)
     if ctx.tuning.apply_pause_s:
         time.sleep(ctx.tuning.apply_pause_s)  # tests: widen the crash window on purpose
-    ctx.blobs.set(done, b"1")
+    ctx.blobs.set(done, json.dumps(asdict(metrics)).encode())  # the step's, for its commit
     bump_version(ctx.blobs, keys.SLICES_VERSION)  # phones waiting for this slice take it now
     return _commit(ctx, job, info, plan, metrics)
 
@@ -268,8 +269,8 @@ def _commit(ctx: SchedulerContext, job: Job, info: JobInfo, plan: SlicePlan,
     whole = load_state(ctx, job.id, step + 1, plan.nonce, info.slices) if due else None
     if due and whole is None:
         return Outcome.INCOMPLETE  # a slice's state lost meanwhile: applied again (_not_done)
-    if metrics is None:  # a commit resumed after its task died: the step's metrics again
-        metrics = _metrics(ctx, job, info, plan)
+    if metrics is None:  # a commit resumed after its task died: its marks hold the metrics
+        metrics = _marked_metrics(ctx.blobs.get_many(marks))
         if metrics is None:
             return Outcome.INCOMPLETE
     new_state = whole or TrainState(step + 1, np.zeros(0, np.float32), np.zeros(0, np.float32),
@@ -292,13 +293,14 @@ def _commit(ctx: SchedulerContext, job: Job, info: JobInfo, plan: SlicePlan,
     return Outcome.APPLIED
 
 
-def _metrics(ctx: SchedulerContext, job: Job, info: JobInfo, plan: SlicePlan) -> StepMetrics | None:
-    """The step's metrics from the plan's results (the same in every slice): the smallest
-    slice applied again to a scratch state, stored nowhere."""
-    index = min(range(len(info.slices)), key=lambda i: info.slices[i][1] - info.slices[i][0])
-    state = load_slice(ctx, job.id, job.step, job.state_nonce, index)
-    results = _slice_results(ctx, job, info, plan, info.slices[index])
-    if state is None or results is None:
-        return None
-    return engine_apply_step(info.model, info.spec, state, results,
-                             part=info.slices[index])[1]
+def _marked_metrics(marks: list[bytes | None]) -> StepMetrics | None:
+    """The step's metrics as a slice's done mark holds them (every slice's are the same: the
+    plan's results' losses and counts, added up the tree)."""
+    for data in marks:
+        if data is None:
+            continue
+        try:
+            return StepMetrics(**json.loads(data))
+        except (ValueError, TypeError):
+            continue
+    return None

@@ -266,3 +266,27 @@ def test_a_late_task_of_an_abandoned_plan_deletes_neither_the_new_plan_nor_its_r
     info = job_info(job_id, row.spec, ctx.settings.data_dir)
     assert sliced._slice_results(ctx, row, info, old, info.slices[1]) is None
     assert ctx.blobs.get(keys.slice_plan(job_id, 0, row.state_nonce)) == new  # kept
+
+
+def test_a_commit_whose_task_died_is_made_by_the_next_run_from_the_marks(sending_ctx,
+                                                                        monkeypatch) -> None:
+    ctx = sending_ctx
+    job_id = start(ctx, tiny_spec(slices=2))
+    monkeypatch.setattr(sliced, "send_slice", lambda *task: None)
+    upload_all(ctx, job_id, 0)
+    run_apply_step(ctx, job_id, 0)  # slice 0
+    real = sliced.commit_step
+
+    def dies(*args, **kwargs):
+        raise RuntimeError("worker lost mid-commit")
+
+    monkeypatch.setattr(sliced, "commit_step", dies)
+    with pytest.raises(RuntimeError):
+        sliced.run_apply_slice(ctx, job_id, 0, 1)  # the last slice: stored, marked, commit dies
+    monkeypatch.setattr(sliced, "commit_step", real)
+    ctx.blobs.delete(*ctx.blobs.keys(f"job:{job_id}:grad:0:"))  # the results may be gone too
+    assert run_apply_step(ctx, job_id, 0) == "applied"  # reconcile's resend: commits
+    assert job(ctx, job_id).step == 1
+    with ctx.session_factory() as s:
+        row = s.scalars(select(StepMetric).where(StepMetric.job_id == job_id)).one()
+        assert row.step == 0 and row.samples == 16 and np.isfinite(row.train_loss)
