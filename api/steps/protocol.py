@@ -181,9 +181,8 @@ class StepProtocol:
             session_factory, blobs, data_dir, clock)
         self._weights = LRU(8)
         self._slices = LRU(SLICE_CACHE_BYTES, weigh=len)
-        self._slice_locks = LRU(1024)
-        self._slice_locks_lock = threading.Lock()
-        self._encoding = threading.Lock()
+        self._locks = LRU(1024)  # one a message being made (StepProtocol._once)
+        self._locks_lock = threading.Lock()
         self._shards = LRU(SHARD_CACHE_BYTES, weigh=lambda chunk: len(chunk.body))
         self._holdings: Holdings | None = None
         self._reading = threading.Lock()
@@ -263,10 +262,11 @@ class StepProtocol:
     def weights(self, device_id: str, job_id: str, step: int,
                 part: int | None = None) -> tuple[bytes | memoryview, str | None, bool]:
         """The weights message of step `step`, the name of the state it is (the nonce the
-        assignment names, `X-Phalanx-State`) and whether it is served ahead of its commit. `part`: slice `part`'s message alone (a sliced
-        job: engine.slices), served as soon as that slice of the step is applied, before the
-        step commits (a phone fetches the next step's slices while the others are applied;
-        it uses them only if the state it is assigned is the one they name)."""
+        assignment names, `X-Phalanx-State`) and whether it is served ahead of its commit.
+        `part`: slice `part`'s message alone (a sliced job: engine.slices), served as soon as
+        that slice of the step is applied, before the step commits (a phone fetches the next
+        step's slices while the others are applied; it uses them only if the state it is
+        assigned is the one they name)."""
         job, held = self._job_and_held(device_id, job_id)
         if job is None:
             raise NotThere(f"job {job_id} not found")
@@ -276,19 +276,11 @@ class StepProtocol:
             return self._slice_weights(job, step, part)
         if job.step != step:
             raise StaleStep(f"job is at step {job.step}, not {step}")
-        # the state the row names: a step reached again after a rewind is another state
-        key = (job_id, step, job.state_nonce)
-        cached = self._weights.get(key)
-        if cached is not None:
-            return cached, job.state_nonce, False
-        # every agent asks for the new weights at once: encode them once, not once per agent
-        with self._encoding:
-            cached = self._weights.get(key)
-            if cached is None:
-                # made by this process's apply (scheduler.local_apply), else from the state
-                cached = RECENT.weights(job_id, step, job.state_nonce) or self._encode(job, step)
-                self._weights.put(key, cached)
-            return cached, job.state_nonce, False
+        # the state the row names: a step reached again after a rewind is another state;
+        # made by this process's apply (scheduler.local_apply), else from the state
+        message = self._once(self._weights, (job_id, step, job.state_nonce), lambda: (
+            RECENT.weights(job_id, step, job.state_nonce) or self._encode(job, step)))
+        return message, job.state_nonce, False
 
     def _slice_weights(self, job: JobRow, step: int, part: int) -> tuple[bytes, str, bool]:
         bounds = self.info(job).slices
@@ -308,33 +300,38 @@ class StepProtocol:
             nonce = plan.nonce
         if nonce is None:
             raise StaleStep(f"job is at step {job.step}, not {step}")
-        key = (job.id, step, nonce, part)
-        cached = self._slices.get(key)
-        if cached is None:
-            # every phone asks for each slice at once: one read and encoding per slice, while
-            # the other slices are read side by side
-            with self._slice_lock(key):
-                cached = self._slices.get(key)
-                if cached is None:
-                    arrays = read_weights(self.blobs, keys.state_slice(job.id, step, nonce, part),
-                                          expect_step=step)
-                    if arrays is None:
-                        raise StateMissing(f"weights of step {step} are being restored; "
-                                           f"retry shortly")
-                    cached = encode_weights(job.id, step, *arrays, part=bounds[part])
-                    # a job's slices of older steps are asked for no more: only this step's
-                    # and the next are kept (a model's worth, twice, a job)
-                    self._slices.drop(lambda k: k[0] == job.id and k[1] < step - 1)
-                    self._slices.put(key, cached)
-        return cached, nonce, job.step == step - 1
 
-    def _slice_lock(self, key: tuple[Any, ...]) -> threading.Lock:
-        with self._slice_locks_lock:  # not the whole message's lock: no wait behind its encode
-            lock = self._slice_locks.get(key)
+        def make() -> bytes:
+            arrays = read_weights(self.blobs, keys.state_slice(job.id, step, nonce, part),
+                                  expect_step=step)
+            if arrays is None:
+                raise StateMissing(f"weights of step {step} are being restored; retry shortly")
+            # a job's slices of older steps are asked for no more: only this step's and the
+            # next are kept (a model's worth, twice, a job)
+            self._slices.drop(lambda k: k[0] == job.id and k[1] < step - 1)
+            return encode_weights(job.id, step, *arrays, part=bounds[part])
+
+        message = self._once(self._slices, (job.id, step, nonce, part), make)
+        return message, nonce, job.step == step - 1
+
+    def _once(self, cache: LRU, key: tuple[Any, ...], make: Callable[[], Any]) -> Any:
+        """`cache[key]`, made once: every phone asks for a step's weights at once, and each
+        message is read and encoded once per process (a lock per key: other messages are
+        made side by side)."""
+        found = cache.get(key)
+        if found is not None:
+            return found
+        with self._locks_lock:
+            lock = self._locks.get(key)
             if lock is None:
                 lock = threading.Lock()
-                self._slice_locks.put(key, lock)
-            return lock
+                self._locks.put(key, lock)
+        with lock:
+            found = cache.get(key)
+            if found is None:
+                found = make()
+                cache.put(key, found)
+            return found
 
     def _encode(self, job: JobRow, step: int) -> bytes:
         """The weights message from the state in the blob store: when another process applied
