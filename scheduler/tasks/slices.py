@@ -193,64 +193,68 @@ def _slice_results(ctx: SchedulerContext, job: Job, info: JobInfo, plan: SlicePl
     once those shards are uploaded again)."""
     lo, hi = part
     n_params, n_stats = info.model.n_params, info.model.n_stats
+    stats_here = n_stats if lo == 0 else 0
     names = [keys.grad(job.id, job.step, a, b - a) for a, b in plan.cover]
     stored = ctx.blobs.get_many(names)
-    refs: list[Ref | None] = []
+    # each result: a whole one (stored in the blob store itself), or where its slice's
+    # pieces sit in the upload it references
+    held: list[tuple[tuple[int, int], str, ShardResult | tuple[Ref, Piece, Piece | None]]] = []
     broken = []
-    for name, data in zip(names, stored):
+    for node, name, data in zip(plan.cover, names, stored):
         try:
             if data is None:
                 raise GradBlobError("gone")
-            refs.append(read_ref(data, n_params, n_stats))
+            ref = read_ref(data, n_params, n_stats)
+            held.append((node, name, unpack(data, n_params, n_stats) if ref is None
+                         else (ref, *_pieces(ref, part, stats_here))))
         except GradBlobError:
-            refs.append(None)
             broken.append(name)
-    wanted: list[Piece] = []
-    for ref in refs:
-        if ref is not None:
-            wanted.append((ref.body_key, (ref.grad_offset + 4 * lo, ref.grad_offset + 4 * hi)))
-            if lo == 0 and n_stats:
-                wanted.append((ref.body_key, (ref.stats_offset, ref.stats_offset + 4 * n_stats)))
-    pieces = fetch_pieces(ctx.blobs, wanted)
-    no_stats = np.zeros(n_stats, np.float32)
+    pieces = fetch_pieces(ctx.blobs, [p for _, _, h in held if isinstance(h, tuple)
+                                      for p in h[1:] if p is not None])
     results = []
-    for (a, b), name, data, ref in zip(plan.cover, names, stored, refs):
-        if name in broken or data is None:
+    no_stats = np.zeros(n_stats, np.float32)
+    for (a, b), name, h in held:
+        if isinstance(h, ShardResult):
+            results.append(replace(h, shard=a, span=b - a, grad_sum=h.grad_sum[lo:hi]))
             continue
-        if ref is None:  # a whole result, stored in the blob store itself
-            try:
-                r = unpack(data, n_params, n_stats)
-            except GradBlobError:
-                broken.append(name)
-                continue
-            results.append(replace(r, shard=a, span=b - a, grad_sum=r.grad_sum[lo:hi]))
-            continue
-        grad = pieces.get((ref.body_key, (ref.grad_offset + 4 * lo, ref.grad_offset + 4 * hi)))
-        stats = pieces.get((ref.body_key, (ref.stats_offset, ref.stats_offset + 4 * n_stats))) \
-            if lo == 0 and n_stats else no_stats
+        ref, grad_piece, stats_piece = h
+        grad = pieces.get(grad_piece)
+        stats = pieces.get(stats_piece) if stats_piece else no_stats
         if grad is None or stats is None:
             broken.append(name)
             continue
         results.append(ShardResult(a, np.frombuffer(grad, "<f4"), ref.loss_sum, ref.correct,
-                                   ref.count, np.frombuffer(stats, "<f4") if stats is not no_stats else stats,
-                                   b - a))
+                                   ref.count, np.frombuffer(stats, "<f4"), b - a))
     if broken:
-        log.warning("step %d of %s: %d result(s) of its plan are gone; replanned once uploaded "
-                    "again", job.step, job.id, len(broken))
-        # only what this task read: a slower task of the same plan must not delete a result
-        # uploaded again meanwhile, nor the plan made after it
-        read = dict(zip(names, stored))
-        for name in broken:
-            data = read.get(name)
-            if data is not None:
-                ctx.blobs.delete_if_equal(name, bytes(data))
-        if ctx.blobs.delete_if_equal(keys.slice_plan(job.id, job.step, job.state_nonce),
-                                     plan.encode()):
-            claims = [keys.slice_claim(job.id, job.step, plan.nonce, i)
-                      for i in range(len(info.slices))]
-            ctx.blobs.delete(keys.apply_claim(job.id, job.step), *claims)
+        _forget_plan(ctx, job, info, plan, {n: d for n, d in zip(names, stored) if n in broken})
         return None
     return results
+
+
+def _pieces(ref: Ref, part: tuple[int, int], n_stats: int) -> tuple[Piece, Piece | None]:
+    """Where a slice's gradient range and (n_stats > 0) the batch statistics sit in a body."""
+    grad = (ref.body_key, (ref.grad_offset + 4 * part[0], ref.grad_offset + 4 * part[1]))
+    stats = (ref.body_key, (ref.stats_offset, ref.stats_offset + 4 * n_stats)) if n_stats \
+        else None
+    return grad, stats
+
+
+def _forget_plan(ctx: SchedulerContext, job: Job, info: JobInfo, plan: SlicePlan,
+                 broken: dict[str, bytes | memoryview | None]) -> None:
+    """The plan's broken results (as read) and the plan itself go: their devices upload
+    those shards again and the step is planned afresh. Only what this task read is deleted:
+    a slower task of the same plan must not delete a result uploaded again meanwhile, nor
+    the plan made after it."""
+    log.warning("step %d of %s: %d result(s) of its plan are gone; replanned once uploaded "
+                "again", job.step, job.id, len(broken))
+    for name, data in broken.items():
+        if data is not None:
+            ctx.blobs.delete_if_equal(name, bytes(data))
+    if ctx.blobs.delete_if_equal(keys.slice_plan(job.id, job.step, job.state_nonce),
+                                 plan.encode()):
+        claims = [keys.slice_claim(job.id, job.step, plan.nonce, i)
+                  for i in range(len(info.slices))]
+        ctx.blobs.delete(keys.apply_claim(job.id, job.step), *claims)
 
 
 def _commit(ctx: SchedulerContext, job: Job, info: JobInfo, plan: SlicePlan,
