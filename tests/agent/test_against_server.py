@@ -55,6 +55,20 @@ def wait_finished(server: LiveServer, job_id: str, agent_log: Path) -> dict[str,
                     on_fail=lambda: agent_log.read_text() + server.log()[-3000:])
 
 
+def submit_on_upload(server: LiveServer, device_id: str, spec: dict[str, Any], npz: bytes,
+                     agent_log: Path) -> str:
+    """Once the phone is Ready: `npz` uploaded as the spec's dataset, the job submitted."""
+    wait_for("Ready", lambda: device(server, device_id)["state"] == "Ready",
+             on_fail=agent_log.read_text)
+    with server.client() as c:
+        up = c.post("/v1/datasets", data={"name": spec["dataset"]},
+                    files={"file": ("data.npz", npz, "application/octet-stream")})
+        assert up.status_code == 201, up.text
+        job = c.post("/v1/jobs", json=spec)
+        assert job.status_code == 201, job.text
+        return job.json()["id"]
+
+
 def test_enroll_heartbeat_kill_restart(server: LiveServer, tmp_path: Path, cool_phone: Path) -> None:
     home = tmp_path / "phone"
     device_id = enroll(server, home, cool_phone, "rack=a")
@@ -146,23 +160,8 @@ def test_a_real_job_trains_on_the_agent(server: LiveServer, tmp_path: Path, cool
             "global_batch_size": 96, "shards": 4, "epochs": 1, "seed": 0,
             "placement": {"min_devices": 1, "max_devices": 1}}  # 5 steps
     try:
-        wait_for("Ready", lambda: device(server, device_id)["state"] == "Ready",
-                 on_fail=log.read_text)
-        with server.client() as c:
-            up = c.post("/v1/datasets", data={"name": spec["dataset"]},
-                        files={"file": ("imgs.npz", buf.getvalue(), "application/octet-stream")})
-            assert up.status_code == 201, up.text
-            job = c.post("/v1/jobs", json=spec)
-            assert job.status_code == 201, job.text
-            job_id = job.json()["id"]
-
-        def job_state() -> dict[str, Any]:
-            with server.client() as c:
-                return c.get(f"/v1/jobs/{job_id}").json()
-
-        done = wait_for("the job to succeed", lambda: (
-            (j := job_state())["state"] in ("Succeeded", "Failed") and j), timeout=120,
-            on_fail=lambda: log.read_text() + server.log()[-3000:])
+        job_id = submit_on_upload(server, device_id, spec, buf.getvalue(), log)
+        done = wait_finished(server, job_id, log)
         assert done["state"] == "Succeeded", done
         assert done["step"] == done["total_steps"] > 0
         ref = run_reference(spec, None, progress=False, data_dir=server.env["PHALANX_DATA_DIR"])
@@ -203,13 +202,7 @@ def test_a_job_that_diverges_fails_with_the_reason_instead_of_retrying(
             "global_batch_size": 96, "shards": 4, "epochs": 1, "seed": 0,
             "upload_precision": "float16", "placement": {"min_devices": 1, "max_devices": 1}}
     try:
-        wait_for("Ready", lambda: device(server, device_id)["state"] == "Ready",
-                 on_fail=log.read_text)
-        with server.client() as c:
-            up = c.post("/v1/datasets", data={"name": spec["dataset"]},
-                        files={"file": ("huge.npz", buf.getvalue(), "application/octet-stream")})
-            assert up.status_code == 201, up.text
-            job_id = c.post("/v1/jobs", json=spec).json()["id"]
+        job_id = submit_on_upload(server, device_id, spec, buf.getvalue(), log)
         done = wait_finished(server, job_id, log)
         assert done["state"] == "Failed" and done["step"] == 0, done
         assert done["reason"].startswith("diverged at step 0: shard "), done["reason"]

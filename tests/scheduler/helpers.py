@@ -20,11 +20,12 @@ from engine.jobinfo import job_info
 from engine.runner import shard_gradient
 from engine.sampler import shard_indices
 from hotstate import keys
-from hotstate.blobs import BlobStore, MemoryBlobStore
+from hotstate.blobs import BlobStore, MemoryBlobStore, RedisBlobStore
 from scheduler import context
 from scheduler.context import SchedulerContext, Tuning
 from scheduler.tasks.reconcile import run_reconcile, run_reconcile_job
 from scheduler.tasks.recovery import load_state
+from scheduler.tasks.steps import run_apply_step
 from tests.support.env import ADMIN_TOKEN
 from wire.messages import decode_results, encode_results
 
@@ -65,6 +66,30 @@ def make_ctx(db_url: str, tmp_path: Path, clock: Clock | None = None,
     factory = make_session_factory(make_engine(db_url))
     return SchedulerContext(settings, factory, blobs or MemoryBlobStore(), clock or Clock(),
                             Tuning(**tuning))
+
+
+def store_param_ctx(request: Any, db_url: str, tmp_path: Path, **tuning: Any) -> SchedulerContext:
+    """A context on the blob store a test is parametrized with ("memory" or "redis")."""
+    blobs = (RedisBlobStore(request.getfixturevalue("redis_url"))
+             if request.param == "redis" else MemoryBlobStore())
+    return make_ctx(db_url, tmp_path, blobs=blobs, **tuning)
+
+
+def start_job(ctx: SchedulerContext, spec: dict[str, Any] | None = None, devices: int = 2) -> str:
+    """A job placed on `devices` new devices, its step 0 state written."""
+    add_devices(ctx, devices)
+    job_id = submit(ctx, spec or tiny_spec())
+    run_reconcile(ctx)
+    assert run_reconcile_job(ctx, job_id) == "ok"  # writes step 0's seeded state
+    return job_id
+
+
+def run_to(ctx: SchedulerContext, job_id: str, step: int) -> None:
+    """Every shard uploaded and the step applied, until the job is at `step`."""
+    while job(ctx, job_id).step < step:
+        t = job(ctx, job_id).step
+        upload_all(ctx, job_id, t)
+        assert run_apply_step(ctx, job_id, t) == "applied"
 
 
 def add_devices(ctx: SchedulerContext, n: int, prefix: str = "dev", **fields: Any) -> list[str]:

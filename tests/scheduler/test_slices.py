@@ -14,56 +14,34 @@ from api.steps.protocol import BadSlice, NotYetApplied, StaleStep, StepProtocol
 from api.store.models import StepMetric
 from engine.jobinfo import job_info
 from hotstate import keys
-from hotstate.blobs import MemoryBlobStore, RedisBlobStore
 from phalanx.train_local import run_reference
 from scheduler.tasks import slices as sliced
-from scheduler.tasks.reconcile import run_reconcile, run_reconcile_job
+from scheduler.tasks.reconcile import run_reconcile_job
 from scheduler.tasks.steps import run_apply_step
 from tests.engine.test_layerspec import EVERY_LAYER
 from tests.scheduler.helpers import (
-    add_devices,
     assignments,
     job,
-    make_ctx,
+    run_to,
+    start_job,
+    store_param_ctx,
     stored_state,
-    submit,
     tiny_spec,
     upload_all,
 )
 from wire.messages import join_weights
 
 
-def _ctx(request: pytest.FixtureRequest, db_url: str, tmp_path: Path, **tuning):
-    blobs = (RedisBlobStore(request.getfixturevalue("redis_url"))
-             if request.param == "redis" else MemoryBlobStore())
-    return make_ctx(db_url, tmp_path, blobs=blobs, **tuning)
-
-
 @pytest.fixture(params=["memory", "redis"])
 def ctx(request: pytest.FixtureRequest, db_url: str, tmp_path: Path):
     """Every slice applied by the task that starts the step, one after another."""
-    return _ctx(request, db_url, tmp_path, slices_inline=True)
+    return store_param_ctx(request, db_url, tmp_path, slices_inline=True)
 
 
 @pytest.fixture(params=["memory", "redis"])
 def sending_ctx(request: pytest.FixtureRequest, db_url: str, tmp_path: Path):
     """Slices sent to the workers, as deployed (the test plays the workers)."""
-    return _ctx(request, db_url, tmp_path)
-
-
-def start(ctx, spec) -> str:
-    add_devices(ctx, 2)
-    job_id = submit(ctx, spec)
-    run_reconcile(ctx)
-    assert run_reconcile_job(ctx, job_id) == "ok"  # writes step 0's seeded state, in slices
-    return job_id
-
-
-def run_to(ctx, job_id: str, step: int) -> None:
-    while job(ctx, job_id).step < step:
-        t = job(ctx, job_id).step
-        upload_all(ctx, job_id, t)
-        assert run_apply_step(ctx, job_id, t) == "applied"
+    return store_param_ctx(request, db_url, tmp_path)
 
 
 def slice_keys(ctx, job_id: str, step: int) -> list[str]:
@@ -79,7 +57,7 @@ def slice_keys(ctx, job_id: str, step: int) -> list[str]:
 ], ids=["sgd", "own-layer-graph", "lars", "adamw-bfloat16"])
 def test_a_sliced_run_is_the_reference_bit_for_bit(ctx, change) -> None:
     spec = {**tiny_spec(), **change}
-    job_id = start(ctx, spec)
+    job_id = start_job(ctx, spec)
     assert len(slice_keys(ctx, job_id, 0)) == spec["slices"]  # the state lives in slices
     run_to(ctx, job_id, job(ctx, job_id).total_steps)
     done = job(ctx, job_id)
@@ -93,7 +71,7 @@ def test_slices_go_to_the_workers_and_a_lost_one_is_applied_again_alone(sending_
                                                                        monkeypatch) -> None:
     ctx = sending_ctx
     spec = tiny_spec(slices=3)
-    job_id = start(ctx, spec)
+    job_id = start_job(ctx, spec)
     sent: list[tuple[str, int, int]] = []
     monkeypatch.setattr(sliced, "send_slice", lambda *task: sent.append(task))
     upload_all(ctx, job_id, 0)
@@ -133,7 +111,7 @@ def test_slices_go_to_the_workers_and_a_lost_one_is_applied_again_alone(sending_
 
 def test_a_step_whose_slices_finish_together_commits_once(sending_ctx, monkeypatch) -> None:
     ctx = sending_ctx
-    job_id = start(ctx, tiny_spec(slices=2))
+    job_id = start_job(ctx, tiny_spec(slices=2))
     monkeypatch.setattr(sliced, "send_slice", lambda *task: None)
     upload_all(ctx, job_id, 0)
     run_apply_step(ctx, job_id, 0)  # slice 0 stored
@@ -149,7 +127,7 @@ def test_a_step_whose_slices_finish_together_commits_once(sending_ctx, monkeypat
 def test_a_lost_result_replans_the_step_under_a_new_nonce(sending_ctx, monkeypatch) -> None:
     ctx = sending_ctx
     spec = tiny_spec(slices=2)
-    job_id = start(ctx, spec)
+    job_id = start_job(ctx, spec)
     monkeypatch.setattr(sliced, "send_slice", lambda *task: None)
     upload_all(ctx, job_id, 0)
     run_apply_step(ctx, job_id, 0)  # slice 0 stored under the first plan
@@ -171,7 +149,7 @@ def test_a_lost_result_replans_the_step_under_a_new_nonce(sending_ctx, monkeypat
 
 def test_lost_hot_state_is_restored_in_slices_from_the_checkpoint(ctx) -> None:
     spec = tiny_spec(slices=3)
-    job_id = start(ctx, spec)
+    job_id = start_job(ctx, spec)
     run_to(ctx, job_id, 4)  # checkpoint_every 3: a checkpoint of step 3
     whole = stored_state(ctx, job_id, 4)
     ctx.blobs.flush()
@@ -186,7 +164,7 @@ def test_lost_hot_state_is_restored_in_slices_from_the_checkpoint(ctx) -> None:
 def test_a_slice_of_the_next_step_is_served_once_applied_and_names_its_state(sending_ctx,
                                                                            monkeypatch) -> None:
     ctx = sending_ctx
-    job_id = start(ctx, tiny_spec(slices=3))
+    job_id = start_job(ctx, tiny_spec(slices=3))
     proto = StepProtocol(ctx.session_factory, ctx.blobs, ctx.settings.data_dir, ctx.clock)
     device = assignments(ctx, job_id)[0][1]
     assert proto.work(device).slices == [list(b) for b in job_info(
@@ -220,7 +198,7 @@ def test_a_slice_state_lost_alone_is_applied_again_and_never_committed_half(send
                                                                            monkeypatch) -> None:
     ctx = sending_ctx
     spec = tiny_spec(slices=3)
-    job_id = start(ctx, spec)
+    job_id = start_job(ctx, spec)
     monkeypatch.setattr(sliced, "send_slice", lambda *task: None)
     upload_all(ctx, job_id, 0)
     run_apply_step(ctx, job_id, 0)  # slice 0
@@ -249,7 +227,7 @@ def test_a_slice_state_lost_alone_is_applied_again_and_never_committed_half(send
 def test_a_late_task_of_an_abandoned_plan_deletes_neither_the_new_plan_nor_its_results(
         sending_ctx, monkeypatch) -> None:
     ctx = sending_ctx
-    job_id = start(ctx, tiny_spec(slices=2))
+    job_id = start_job(ctx, tiny_spec(slices=2))
     monkeypatch.setattr(sliced, "send_slice", lambda *task: None)
     upload_all(ctx, job_id, 0)
     run_apply_step(ctx, job_id, 0)
@@ -271,7 +249,7 @@ def test_a_late_task_of_an_abandoned_plan_deletes_neither_the_new_plan_nor_its_r
 def test_a_commit_whose_task_died_is_made_by_the_next_run_from_the_marks(sending_ctx,
                                                                         monkeypatch) -> None:
     ctx = sending_ctx
-    job_id = start(ctx, tiny_spec(slices=2))
+    job_id = start_job(ctx, tiny_spec(slices=2))
     monkeypatch.setattr(sliced, "send_slice", lambda *task: None)
     upload_all(ctx, job_id, 0)
     run_apply_step(ctx, job_id, 0)  # slice 0

@@ -18,7 +18,6 @@ from engine.jobinfo import job_info
 from engine.step import apply_step as engine_apply_step
 from engine.step import initial_state
 from hotstate import keys
-from hotstate.blobs import MemoryBlobStore, RedisBlobStore
 from hotstate.recent import RECENT
 from hotstate.trainstate import decode_state
 from phalanx.train_local import run_reference
@@ -32,10 +31,12 @@ from tests.scheduler.helpers import (
     assignments,
     event_reasons,
     job,
-    make_ctx,
+    run_to,
     set_device,
     shard_result_blobs,
+    start_job,
     state_key,
+    store_param_ctx,
     stored_state,
     submit,
     tiny_spec,
@@ -47,24 +48,7 @@ from wire.messages import decode_results, encode_results
 @pytest.fixture(params=["memory", "redis"])
 def ctx(request: pytest.FixtureRequest, db_url: str, tmp_path: Path):
     """Every task test on both hot-state stores (in-process and Redis) and both databases."""
-    blobs = (RedisBlobStore(request.getfixturevalue("redis_url"))
-             if request.param == "redis" else MemoryBlobStore())
-    return make_ctx(db_url, tmp_path, blobs=blobs)
-
-
-def start(ctx, spec=None, devices: int = 2) -> str:
-    add_devices(ctx, devices)
-    job_id = submit(ctx, spec or tiny_spec())
-    run_reconcile(ctx)
-    assert run_reconcile_job(ctx, job_id) == "ok"  # writes step 0's seeded state
-    return job_id
-
-
-def run_to(ctx, job_id: str, step: int) -> None:
-    while job(ctx, job_id).step < step:
-        t = job(ctx, job_id).step
-        upload_all(ctx, job_id, t)
-        assert run_apply_step(ctx, job_id, t) == "applied"
+    return store_param_ctx(request, db_url, tmp_path)
 
 
 def test_placement_twice_equals_once(ctx) -> None:
@@ -85,7 +69,7 @@ def test_tasks_for_a_vanished_job_return_quietly(ctx) -> None:
 
 
 def test_apply_step_twice_equals_once(ctx) -> None:
-    job_id = start(ctx)
+    job_id = start_job(ctx)
     upload_all(ctx, job_id, 0)
     state0 = stored_state(ctx, job_id, 0)
     results = [r for b in shard_result_blobs(ctx, job_id, 0).values() for r in decode_results(b)]
@@ -107,7 +91,7 @@ class Crash(Exception):
 
 
 def test_a_crash_between_state_write_and_commit_is_recomputed(ctx, monkeypatch) -> None:
-    job_id = start(ctx)
+    job_id = start_job(ctx)
     upload_all(ctx, job_id, 0)
 
     def crash(*args, **kwargs):
@@ -130,7 +114,7 @@ def test_an_applier_that_loses_the_commit_is_never_read_whatever_it_wrote(ctx, m
     with other bytes (another phone, another backend); a second applier computes from the new
     result and commits first. The slow one writes its state after that commit and loses its
     own: the job reads the winner's state, and the loser's is gone."""
-    job_id = start(ctx)
+    job_id = start_job(ctx)
     blobs = shard_result_blobs(ctx, job_id, 0)
     upload_all(ctx, job_id, 0, blobs=blobs)
     computed: dict[str, np.ndarray] = {}
@@ -176,7 +160,7 @@ def test_an_applier_that_loses_the_commit_is_never_read_whatever_it_wrote(ctx, m
 ], ids=["sgd", "own-layer-graph", "adamw", "lars+label-smoothing+augment", "bfloat16-uploads"])
 def test_a_whole_run_matches_the_reference_trainer(ctx, tmp_path: Path, change) -> None:
     spec = {**tiny_spec(), **change}
-    job_id = start(ctx, spec)
+    job_id = start_job(ctx, spec)
     run_to(ctx, job_id, job(ctx, job_id).total_steps)
     done = job(ctx, job_id)
     assert done.state == "Succeeded" and assignments(ctx, job_id) == []
@@ -187,7 +171,7 @@ def test_a_whole_run_matches_the_reference_trainer(ctx, tmp_path: Path, change) 
 
 
 def test_lost_hot_state_resumes_from_the_last_checkpoint(ctx) -> None:
-    job_id = start(ctx)
+    job_id = start_job(ctx)
     run_to(ctx, job_id, 5)  # checkpoint_every 3: a checkpoint of step 3
     before = decode_state(ctx.blobs.get(state_key(ctx, job_id, 5)))
     ctx.blobs.flush()
@@ -204,7 +188,7 @@ def test_lost_hot_state_resumes_from_the_last_checkpoint(ctx) -> None:
 def test_hot_state_lost_at_a_checkpointed_step_is_restored_in_place_and_recorded(ctx) -> None:
     """Lost right at a step that has its checkpoint: nothing to rewind, but the loss and the
     restore are still an event (an operator must see that Redis lost the job's state)."""
-    job_id = start(ctx)  # its step 0 state is written, not restored: no event
+    job_id = start_job(ctx)  # its step 0 state is written, not restored: no event
     assert "StateRestored" not in event_reasons(ctx, job_id)
     run_to(ctx, job_id, 3)  # checkpoint_every 3: the checkpoint is of the current step
     before = decode_state(ctx.blobs.get(state_key(ctx, job_id, 3)))
@@ -226,7 +210,7 @@ def events(ctx, job_id: str) -> list:
 
 
 def test_lost_hot_state_without_a_checkpoint_restarts_from_the_seeded_init(ctx) -> None:
-    job_id = start(ctx, tiny_spec(checkpoint_every=1000))
+    job_id = start_job(ctx, tiny_spec(checkpoint_every=1000))
     run_to(ctx, job_id, 2)
     ctx.blobs.flush()
     run_reconcile_job(ctx, job_id)
@@ -236,7 +220,7 @@ def test_lost_hot_state_without_a_checkpoint_restarts_from_the_seeded_init(ctx) 
 
 
 def test_cancel_releases_assignments_twice_equals_once(ctx) -> None:
-    job_id = start(ctx)
+    job_id = start_job(ctx)
     with transaction(ctx.session_factory) as s:
         s.get(Job, job_id).state = "Cancelled"
     assert run_reconcile_job(ctx, job_id) == "released:4"
@@ -245,7 +229,7 @@ def test_cancel_releases_assignments_twice_equals_once(ctx) -> None:
 
 
 def test_a_notready_device_loses_its_shards_at_once(ctx) -> None:
-    job_id = start(ctx, devices=3)
+    job_id = start_job(ctx, devices=3)
     set_device(ctx, "dev-01", state="NotReady")
     run_reconcile(ctx)
     held = {d for _, d, _ in assignments(ctx, job_id)}
@@ -256,7 +240,7 @@ def test_a_notready_device_loses_its_shards_at_once(ctx) -> None:
 
 
 def test_below_min_devices_the_job_waits_at_its_step(ctx) -> None:
-    job_id = start(ctx, tiny_spec(placement={"min_devices": 2}), devices=2)
+    job_id = start_job(ctx, tiny_spec(placement={"min_devices": 2}), devices=2)
     run_to(ctx, job_id, 2)
     set_device(ctx, "dev-00", pause_reason="thermal")
     run_reconcile(ctx)
@@ -269,7 +253,7 @@ def test_below_min_devices_the_job_waits_at_its_step(ctx) -> None:
 
 
 def test_a_higher_priority_gang_preempts_at_its_step(ctx) -> None:
-    low = start(ctx, tiny_spec(placement={"min_devices": 2}), devices=2)
+    low = start_job(ctx, tiny_spec(placement={"min_devices": 2}), devices=2)
     run_to(ctx, low, 1)
     high = submit(ctx, tiny_spec(name="high", priority=10, placement={"min_devices": 2}))
     run_reconcile(ctx)
@@ -306,7 +290,7 @@ def devices_of(ctx, job_id: str) -> set[str]:
 
 
 def test_a_preempted_jobs_accepted_results_count_when_it_resumes(ctx) -> None:
-    low = start(ctx, tiny_spec(placement={"min_devices": 2}), devices=2)
+    low = start_job(ctx, tiny_spec(placement={"min_devices": 2}), devices=2)
     run_to(ctx, low, 1)
     early = shard_result_blobs(ctx, low, 1)
     upload_all(ctx, low, 1, shards=(0, 1), blobs=early)  # accepted before the preemption
@@ -326,7 +310,7 @@ def test_a_preempted_jobs_accepted_results_count_when_it_resumes(ctx) -> None:
 
 def test_a_late_device_gets_backups_once(ctx) -> None:
     clock: Clock = ctx.clock
-    job_id = start(ctx, devices=2)
+    job_id = start_job(ctx, devices=2)
     shards_of_00 = [s for s, d, _ in assignments(ctx, job_id) if d == "dev-00"]
     blobs = shard_result_blobs(ctx, job_id, 0)
     upload_all(ctx, job_id, 0, shards=[k for k in range(4) if k not in shards_of_00], blobs=blobs)
@@ -347,7 +331,7 @@ def test_a_late_device_gets_backups_once(ctx) -> None:
 
 
 def test_a_new_device_joins_at_the_next_step_boundary(ctx) -> None:
-    job_id = start(ctx, tiny_spec(placement={"max_devices": 4}), devices=2)
+    job_id = start_job(ctx, tiny_spec(placement={"max_devices": 4}), devices=2)
     add_devices(ctx, 2, prefix="new")
     run_reconcile(ctx)
     assert {d for _, d, _ in assignments(ctx, job_id)} == {"dev-00", "dev-01"}
@@ -432,7 +416,7 @@ def test_a_job_whose_model_cannot_be_allocated_or_placed_fails_alone(ctx) -> Non
 def test_a_persistent_straggler_gets_fewer_shards_at_the_boundary(ctx) -> None:
     from scheduler.tasks.stragglers import remember_late
 
-    job_id = start(ctx, devices=2)
+    job_id = start_job(ctx, devices=2)
     before = [s for s, d, _ in assignments(ctx, job_id) if d == "dev-00"]
     remember_late(ctx, job_id, "dev-00", 0)
     run_to(ctx, job_id, 1)
@@ -500,7 +484,7 @@ def test_reconcile_keeps_the_newest_events_and_step_metrics_of_each_job(ctx) -> 
 def test_the_next_step_reads_the_state_this_process_wrote_but_only_while_it_is_stored(ctx) -> None:
     """apply_step keeps the state it wrote; the next apply_step uses it instead of reading (and
     decoding) the blob again, and falls back to the blob store's answer once the key is gone."""
-    job_id = start(ctx)
+    job_id = start_job(ctx)
     upload_all(ctx, job_id, 0)
     assert run_apply_step(ctx, job_id, 0) == "applied"
     nonce = job(ctx, job_id).state_nonce
@@ -518,7 +502,7 @@ def test_a_result_whose_upload_body_was_lost_is_recomputed_not_applied(ctx) -> N
     """Shard keys point into the stored upload; if that body is gone (evicted, lost with a
     Redis restart), apply_step must not apply a partial step: it drops the orphaned shard
     keys so their devices upload again, and applies once they have."""
-    job_id = start(ctx)
+    job_id = start_job(ctx)
     upload_all(ctx, job_id, 0)
     bodies = ctx.blobs.keys(f"job:{job_id}:body:0:")
     assert bodies
@@ -553,7 +537,7 @@ def test_a_full_disk_skips_a_checkpoint_with_a_warning_and_waits_for_the_final_o
 
     monkeypatch.setattr(checkpoints, "uuid", SimpleNamespace(uuid4=lambda: SimpleNamespace(hex="full")))
 
-    job_id = start(ctx, tiny_spec(checkpoint_every=2))
+    job_id = start_job(ctx, tiny_spec(checkpoint_every=2))
     info = job_info(job_id, job(ctx, job_id).spec, ctx.settings.data_dir)
     total = info.total_steps
     run_to(ctx, job_id, 1)
@@ -589,7 +573,7 @@ def test_only_the_newest_checkpoints_are_kept_and_a_restore_still_finds_one(ctx)
     from scheduler.checkpoints import checkpoint_path
 
     ctx.settings = ctx.settings.model_copy(update={"checkpoints_kept": 2})
-    job_id = start(ctx, tiny_spec(checkpoint_every=1))
+    job_id = start_job(ctx, tiny_spec(checkpoint_every=1))
     run_to(ctx, job_id, 4)
     with ctx.session_factory() as s:
         rows = sorted(r.step for r in s.query(Checkpoint).filter_by(job_id=job_id))
