@@ -247,12 +247,15 @@ class StepProtocol:
         job, held = view.jobs.get(job_id), view.held[job_id]
         if job is None or job.state != JobState.RUNNING:
             return None
-        info = self.info(job)  # (one lookup: it serialises the spec to find the cached info)
-        if not state_stored(self.blobs, job.id, job.step, job.state_nonce, len(info.slices)):
+        # the spec's slice count (validated at submit) names the state's keys; the job's info
+        # (a lookup that serialises the spec) only for a poll that gets work
+        if not state_stored(self.blobs, job.id, job.step, job.state_nonce,
+                            int(job.spec.get("slices") or 1)):
             return None  # being restored; reconcile wakes us when the weights are back
         todo = sorted(held - uploaded_shards(self.blobs, job.id, job.step))
         if not todo:
             return None
+        info = self.info(job)
         slices = [list(b) for b in info.slices] if len(info.slices) > 1 else []
         return Assignment(job_id=job.id, step=job.step, shards=todo, spec=job.spec,
                           pre_reduce=can_pre_add(info.spec.upload_precision),
