@@ -40,6 +40,8 @@ PEER_PREFIX = "peer:"
 PEER_DOWN_TTL_S = 60.0  # how long replicas store bodies in Redis after a peer fetch failed
 PEER_HEADER = "X-Phalanx-Peer"  # every peer-port answer names its replica
 FETCH_TIMEOUT_S = 10.0  # well below the apply claim (15 s): a stuck peer must not double an apply
+FETCH_ATTEMPTS = 2  # a refused or reset connection is tried once more before the replica is down
+FETCH_RETRY_PAUSE_S = 0.2
 
 
 def peer_key(address: str, body_id: str) -> str:
@@ -213,10 +215,35 @@ def _cut(body: memoryview | None, span: Range) -> memoryview | None:
 def _fetch_from(address: str, wanted: list[tuple[Piece, str]]
                 ) -> dict[Piece, memoryview | None] | None:
     """The pieces one replica holds, over one kept-alive connection; None when it cannot be
-    reached (refused, reset, silent past the timeout)."""
+    reached (refused, reset, silent past the timeout).
+
+    A connection refused or reset is tried once more, for the pieces not yet read, before the
+    replica counts as down: marking it down deletes every result it holds (their shards are
+    recomputed), and a sliced step makes P fetches of each replica, so one blip would otherwise
+    cost P times more often. A timeout is not retried: two would outlast the apply claim."""
+    got: dict[Piece, memoryview | None] = {}
+    for attempt in range(FETCH_ATTEMPTS):
+        try:
+            if not _fetch_into(got, address, [w for w in wanted if w[0] not in got]):
+                return None  # some other service answers there: retrying will not change it
+            return got
+        except TimeoutError as exc:
+            log.warning("peer fetch from %s timed out: %r", address, exc)
+            return None
+        except (OSError, http.client.HTTPException, ValueError) as exc:
+            log.warning("peer fetch from %s failed (attempt %d of %d): %r", address,
+                        attempt + 1, FETCH_ATTEMPTS, exc)
+            if attempt + 1 < FETCH_ATTEMPTS:
+                time.sleep(FETCH_RETRY_PAUSE_S)
+    return None
+
+
+def _fetch_into(got: dict[Piece, memoryview | None], address: str,
+                wanted: list[tuple[Piece, str]]) -> bool:
+    """Read `wanted` from one replica into `got`, piece by piece (what was read before a
+    failure stays read); False when the answer is not from the replica the key names."""
     host, _, port = address.rpartition(":")
     conn = http.client.HTTPConnection(host.strip("[]"), int(port), timeout=FETCH_TIMEOUT_S)
-    got: dict[Piece, memoryview | None] = {}
     try:
         for piece, path in wanted:
             conn.request("GET", path)
@@ -224,7 +251,7 @@ def _fetch_from(address: str, wanted: list[tuple[Piece, str]]
             if resp.getheader(PEER_HEADER) != address:  # not the replica the key names
                 log.warning("%s answered as %r: not the replica its key names", address,
                             resp.getheader(PEER_HEADER))
-                return None
+                return False
             if resp.status != 200:
                 resp.read()
                 got[piece] = None
@@ -240,9 +267,6 @@ def _fetch_from(address: str, wanted: list[tuple[Piece, str]]
                     raise ConnectionError("the replica closed the connection mid-body")
                 read += n
             got[piece] = buf
-        return got
-    except (OSError, http.client.HTTPException, ValueError) as exc:
-        log.warning("peer fetch from %s failed: %r", address, exc)
-        return None
+        return True
     finally:
         conn.close()

@@ -26,6 +26,7 @@ from tests.scheduler.helpers import (
     tiny_spec,
     upload_all,
 )
+from tests.support.proxy import TcpProxy
 
 
 @pytest.fixture
@@ -193,3 +194,28 @@ def test_an_address_that_is_not_the_replica_counts_as_unreachable(
     finally:
         other.shutdown()
         other.server_close()
+
+
+def test_a_blip_on_the_peer_link_is_retried_not_taken_for_a_dead_replica(
+        redis_store: RedisBlobStore, replica: tuple[PeerListener, BodyShelf]) -> None:
+    """A connection reset once (a sliced step makes P fetches of each replica, so blips come P
+    times as often) is tried again: the bodies are read and no result is thrown away. Reset on
+    every try, the replica is marked down as before."""
+    _, shelf = replica
+    proxy = TcpProxy([("127.0.0.1", int(shelf.address.rpartition(":")[2]))])
+    try:
+        shelf.serve_at(f"127.0.0.1:{proxy.port}")  # the address peers reach it at
+        payloads = [np.random.default_rng(i).bytes(200_000) for i in range(2)]
+        refs = [shelf.put("j", 0, p) for p in payloads]
+        proxy.drop_next(1)
+        got = bodies.fetch_pieces(redis_store, [(refs[0], (0, 1000)), (refs[1], None)])
+        assert bytes(got[(refs[0], (0, 1000))]) == payloads[0][:1000]
+        assert bytes(got[(refs[1], None)]) == payloads[1]
+        assert not redis_store.exists(keys.peer_down(shelf.address))
+
+        proxy.drop_next(bodies.FETCH_ATTEMPTS)
+        got = fetch_bodies(redis_store, refs)
+        assert all(got[r] is None for r in refs)
+        assert redis_store.exists(keys.peer_down(shelf.address))
+    finally:
+        proxy.close()

@@ -1,7 +1,8 @@
 """A TCP proxy of the tests' own: a load balancer in front of API replicas (round robin over
 the backends that accept a connection, as a Kubernetes Service spreads new connections over
 ready pods) and a link that can be cut (a network partition: every open connection is reset
-and new ones are refused until it heals)."""
+and new ones are refused until it heals), or that resets the next few connections once their
+request arrives (a blip: a middlebox restart, a conntrack entry dropped)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ class TcpProxy:
         self._open: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._cut = False
+        self._drops = 0
         self.connections = 0  # accepted and forwarded
         self._listener = socket.create_server(("127.0.0.1", self.port))
         threading.Thread(target=self._accept, daemon=True).start()
@@ -44,6 +46,11 @@ class TcpProxy:
         with self._lock:
             self._cut = False
 
+    def drop_next(self, count: int) -> None:
+        """Reset each of the next `count` connections once its first bytes arrive."""
+        with self._lock:
+            self._drops = count
+
     def close(self) -> None:
         self.cut()
         _close(self._listener)
@@ -59,6 +66,11 @@ class TcpProxy:
     def _connect(self, client: socket.socket) -> None:
         with self._lock:
             cut = self._cut
+            drop, self._drops = self._drops > 0, max(0, self._drops - 1)
+        if drop:
+            client.recv(1 << 16)
+            _close(client)
+            return
         upstream = None if cut else self._upstream()
         if upstream is None:
             _close(client)
