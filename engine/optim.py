@@ -121,9 +121,12 @@ def _update_block(block: slice, g: np.ndarray, params: np.ndarray, momentum_buf:
     new_momentum[block] = v
 
 
-# Elements per block of the fused sum + update: the float64 accumulator (256 KB) and the
-# block's temporaries stay in the caches while every shard adds its block.
-FUSED_BLOCK = 1 << 15
+# Elements per block of the fused sum + update: the float64 accumulator (512 KB) and the
+# block's temporaries stay in the caches while every shard adds its block. With the tree's
+# sum made inside the pass, fewer blocks mean less Python holding the GIL between numpy's
+# loops: 8 mobilenet_v1 shards, 2 threads, 2^15 -> 2^16: 12-13 -> 9 ms (the sum made
+# before the pass, one thread: 15-17 ms; docs/benchmarks.md)
+FUSED_BLOCK = 1 << 16
 _POOLS: dict[int, ThreadPoolExecutor] = {}
 _POOLS_LOCK = threading.Lock()
 
@@ -142,19 +145,31 @@ def _pool(workers: int) -> ThreadPoolExecutor:
 SUM_BLOCK = 1 << 15
 
 
-def ordered_sum(arrays: list[np.ndarray], n: int) -> np.ndarray:
+def ordered_sum(arrays: Sequence[np.ndarray] | GradBlocks, n: int) -> np.ndarray:
     """float64 sum of `arrays` added in list order, blocked for the cache. Each element still
     starts at 0.0 and gets arrays[0], arrays[1], ... added in turn: bit for bit the plain loop
     `total += a` for a in arrays."""
+    grads = _blocks(arrays)
     total = np.zeros(n, dtype=np.float64)
     for lo in range(0, n, SUM_BLOCK):
         block = total[lo:lo + SUM_BLOCK]
-        for a in arrays:
-            block += a[lo:lo + SUM_BLOCK]
+        for a in grads(lo, lo + block.size):
+            block += a
     return total
 
 
-def _fused(grads: list[np.ndarray], n: int, update_block: Callable[[slice, np.ndarray], None],
+# The gradient sum a step adds, read a range at a time: the arrays whose [lo, hi) elements are
+# added (in float64, in list order) for that range. engine.step passes the reduction tree's
+# sum made range by range, so the tree's additions share the update's pass and its threads.
+GradBlocks = Callable[[int, int], Sequence[np.ndarray]]
+
+
+def as_blocks(grads: Sequence[np.ndarray]) -> GradBlocks:
+    """Whole gradient vectors read a range at a time."""
+    return lambda lo, hi: [a[lo:hi] for a in grads]
+
+
+def _fused(grads: GradBlocks, n: int, update_block: Callable[[slice, np.ndarray], None],
            workers: int) -> None:
     """Call update_block(block, g) for every block, g the float64 sum of the grads' block added
     in list order; `workers` threads take contiguous ranges (numpy releases the GIL)."""
@@ -163,8 +178,8 @@ def _fused(grads: list[np.ndarray], n: int, update_block: Callable[[slice, np.nd
         for start in range(lo, hi, FUSED_BLOCK):
             block = slice(start, min(start + FUSED_BLOCK, hi))
             g = np.zeros(block.stop - block.start, np.float64)
-            for a in grads:
-                g += a[block]
+            for a in grads(block.start, block.stop):
+                g += a
             update_block(block, g)
 
     blocks = -(-n // FUSED_BLOCK)
@@ -178,7 +193,7 @@ def _fused(grads: list[np.ndarray], n: int, update_block: Callable[[slice, np.nd
         f.result()
 
 
-def sum_and_update(grads: list[np.ndarray], params: np.ndarray, momentum_buf: np.ndarray,
+def sum_and_update(grads: Sequence[np.ndarray] | GradBlocks, params: np.ndarray, momentum_buf: np.ndarray,
                    lr: float, momentum: float, weight_decay: float, nesterov: bool,
                    decay_mask: np.ndarray, grad_divisor: float = 1.0, workers: int = 1,
                    out: tuple[np.ndarray, np.ndarray] | None = None,
@@ -194,19 +209,20 @@ def sum_and_update(grads: list[np.ndarray], params: np.ndarray, momentum_buf: np
     """
     n = params.size
     new_params, new_momentum = out or (np.empty(n, np.float32), np.empty(n, np.float32))
-    _fused(grads, n, lambda block, g: _update_block(
+    _fused(_blocks(grads), n, lambda block, g: _update_block(
         block, g, params, momentum_buf, new_params, new_momentum, lr, momentum, weight_decay,
         nesterov, decay_mask, grad_divisor), workers)
     return new_params, new_momentum
 
 
-def optimizer_step(grads: list[np.ndarray], params: np.ndarray, opt_state: np.ndarray,
+def optimizer_step(grads: Sequence[np.ndarray] | GradBlocks, params: np.ndarray, opt_state: np.ndarray,
                    hp: Hyper, decay_mask: np.ndarray, slots: Sequence[Slot],
                    grad_divisor: float = 1.0, workers: int = 1,
                    out: tuple[np.ndarray, np.ndarray] | None = None,
                    ) -> tuple[np.ndarray, np.ndarray]:
     """The new float32 (params, optimizer state) from the float64 sum of `grads` (added in
-    list order) divided by `grad_divisor`; `slots`: the parameter tensors (LARS scales each)."""
+    list order; vectors, or GradBlocks) divided by `grad_divisor`; `slots`: the parameter
+    tensors (LARS scales each)."""
     n = params.size
     width = len(STATE_SLOTS[hp.kind]) * n
     if opt_state.size != width:
@@ -217,15 +233,19 @@ def optimizer_step(grads: list[np.ndarray], params: np.ndarray, opt_state: np.nd
                               hp.nesterov, decay_mask, grad_divisor, workers, out)
     new_params, new_state = out or (np.empty(n, np.float32), np.empty(width, np.float32))
     if hp.kind == "adamw":
-        _fused(grads, n, lambda block, g: _adamw_block(
+        _fused(_blocks(grads), n, lambda block, g: _adamw_block(
             block, g, params, opt_state, new_params, new_state, hp, decay_mask, grad_divisor),
             workers)
     elif hp.kind == "lars":
-        _lars(grads, params, opt_state, new_params, new_state, hp, decay_mask, slots,
+        _lars(_blocks(grads), params, opt_state, new_params, new_state, hp, decay_mask, slots,
               grad_divisor)
     else:
         raise ValueError(f"unknown optimizer {hp.kind!r}; one of {', '.join(OPTIMIZERS)}")
     return new_params, new_state
+
+
+def _blocks(grads: Sequence[np.ndarray] | GradBlocks) -> GradBlocks:
+    return grads if callable(grads) else as_blocks(grads)
 
 
 def _adamw_block(block: slice, g: np.ndarray, params: np.ndarray, state: np.ndarray,
@@ -247,7 +267,7 @@ def _adamw_block(block: slice, g: np.ndarray, params: np.ndarray, state: np.ndar
     new_state[second] = v
 
 
-def _lars(grads: list[np.ndarray], params: np.ndarray, state: np.ndarray,
+def _lars(grads: GradBlocks, params: np.ndarray, state: np.ndarray,
           new_params: np.ndarray, new_state: np.ndarray, hp: Hyper, decay_mask: np.ndarray,
           slots: Sequence[Slot], grad_divisor: float) -> None:
     """LARS needs each tensor's whole gradient norm before any of it is updated: the sum is

@@ -17,7 +17,7 @@ of a partial of many shards travelling in half the bytes (measured in docs/bench
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -114,19 +114,21 @@ def apply_step(model: Model, spec: TrainSpec, state: TrainState,
     starting at 0 carries the buffers. The slices' states joined are the whole step's."""
     lo, hi = part or (0, model.n_params)
     chosen = _check_results(model, spec, list(results), hi - lo)
-    # the canonical tree: the one summation order every placement (and pre-adding) shares
-    total = reduce_results(chosen, 0, spec.shards, spec.upload_precision)
-    loss, correct, count = total.loss_sum, total.correct, total.count
+    # the canonical tree: the one summation order every placement (and pre-adding) shares;
+    # its gradient is added a range at a time inside the update's pass (and threads)
+    by_node = {r.node: r for r in chosen}
+    loss, correct, count, stats = _tree_scalars(by_node, 0, spec.shards)
+    grad = _tree_grad(by_node, 0, spec.shards, spec.upload_precision)
     hp = Hyper.of(spec, state.step)
     slots = list(model.layout.values()) if part is None else slots_within(
         list(model.layout.values()), lo, hi)
-    params, opt_state = optimizer_step([total.grad_sum], state.params,
+    params, opt_state = optimizer_step(lambda a, b: [grad(a, b)], state.params,
                                        state.opt_state, hp, model.decay_mask[lo:hi], slots,
                                        grad_divisor=count, workers=workers,
                                        out=out[:2] if out else None)
     buffers = state.buffers
     if model.n_buffers and lo == 0:
-        mean_stats = total.stats.astype(np.float64) / spec.shards
+        mean_stats = stats.astype(np.float64) / spec.shards
         buffers = ((1.0 - BN_MOMENTUM) * state.buffers.astype(np.float64)
                    + BN_MOMENTUM * mean_stats).astype(np.float32)
     if out is not None:
@@ -177,23 +179,41 @@ def reduce_results(results: Sequence[ShardResult], lo: int, hi: int,
     by_node = {r.node: r for r in results}
     if (lo, hi) in by_node:
         return by_node[(lo, hi)]
+    grad_of = _tree_grad(by_node, lo, hi, precision)
+    n = next(iter(by_node.values())).grad_sum.size
+    grad = np.empty(n, np.float32)
+    for start in range(0, n, REDUCE_BLOCK):
+        grad[start:start + REDUCE_BLOCK] = grad_of(start, min(start + REDUCE_BLOCK, n))
+    loss, correct, count, stats = _tree_scalars(by_node, lo, hi)
+    return ShardResult(lo, grad, loss, correct, count, stats, hi - lo)
+
+
+def _tree_grad(by_node: dict[tree.Node, ShardResult], lo: int, hi: int,
+               precision: str) -> Callable[[int, int], np.ndarray]:
+    """Elements [a, b) of node [lo, hi)'s gradient, added up the tree from `by_node` (a cover
+    of it): element-wise, so a range at a time gives the whole vector's bits."""
     rounding = node_precision(precision)
 
-    def add(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-        return round_to(np.add(a, b, dtype=np.float32), rounding)
+    def add(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+        return round_to(np.add(x, y, dtype=np.float32), rounding)
 
-    first = next(iter(by_node.values()))
-    grad = np.empty(first.grad_sum.size, np.float32)
-    for start in range(0, grad.size, REDUCE_BLOCK):
-        block = slice(start, start + REDUCE_BLOCK)
-        grad[block] = tree.reduce({n: r.grad_sum[block] for n, r in by_node.items()}, lo, hi, add)
+    def grad(a: int, b: int) -> np.ndarray:
+        return tree.reduce({n: r.grad_sum[a:b] for n, r in by_node.items()}, lo, hi, add)
+
+    return grad
+
+
+def _tree_scalars(by_node: dict[tree.Node, ShardResult], lo: int,
+                  hi: int) -> tuple[float, int, int, np.ndarray]:
+    """Node [lo, hi)'s (loss sum, correct, count, statistics) up the tree: losses in float64,
+    statistics in float32."""
     stats = tree.reduce({n: r.stats for n, r in by_node.items()}, lo, hi,
                         lambda a, b: np.add(a, b, dtype=np.float32))
     loss, correct, count = (tree.reduce({n: value(r) for n, r in by_node.items()}, lo, hi,
                                         operator.add)
                             for value in (lambda r: float(r.loss_sum), lambda r: int(r.correct),
                                           lambda r: int(r.count)))
-    return ShardResult(lo, grad, loss, correct, count, np.asarray(stats, np.float32), hi - lo)
+    return loss, correct, count, np.asarray(stats, np.float32)
 
 
 def pre_reduce(results: Sequence[ShardResult], shards: int, precision: str) -> list[ShardResult]:

@@ -23,7 +23,7 @@ from scheduler.policy.scores import device_speed
 from scheduler.policy.shards import balance_shards, moved_shards
 from scheduler.policy.straggler import demoted_speeds, persistent_stragglers
 from scheduler.policy.types import PlacementRequest
-from scheduler.tasks.stragglers import late_steps_of
+from scheduler.tasks.stragglers import late_steps
 
 
 def at_step_boundary(ctx: SchedulerContext, session: Session, job: Job, info: JobInfo,
@@ -74,7 +74,7 @@ def demote_stragglers(ctx: SchedulerContext, session: Session, job: Job, new_ste
     """Halve the share of a device that needed backups two steps running (kept >= 1 shard)."""
     current = store_ops.primaries(session, job.id)
     holders = sorted(set(current.values()))
-    late = {d: late_steps_of(ctx, job.id, d) for d in holders}
+    late = late_steps(ctx, job.id, holders)
     slow = persistent_stragglers(late, new_step - 1)
     if not slow or len(holders) < 2:
         return []

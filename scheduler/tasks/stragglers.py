@@ -30,7 +30,16 @@ def remember_late(ctx: SchedulerContext, job_id: str, device_id: str, step: int)
 
 
 def late_steps_of(ctx: SchedulerContext, job_id: str, device_id: str) -> list[int]:
-    raw = ctx.blobs.get(keys.late_steps(job_id, device_id))
+    return late_steps(ctx, job_id, [device_id])[device_id]
+
+
+def late_steps(ctx: SchedulerContext, job_id: str, devices: list[str]) -> dict[str, list[int]]:
+    """The steps each device was late for (one round trip for all: every step boundary asks)."""
+    raws = ctx.blobs.get_many([keys.late_steps(job_id, d) for d in devices])
+    return {d: _steps(raw) for d, raw in zip(devices, raws)}
+
+
+def _steps(raw: bytes | None) -> list[int]:
     try:
         return [int(s) for s in json.loads(raw)] if raw else []
     except (ValueError, TypeError):
@@ -38,9 +47,9 @@ def late_steps_of(ctx: SchedulerContext, job_id: str, device_id: str) -> list[in
 
 
 def measured_latencies(ctx: SchedulerContext, job_id: str, devices: list[str]) -> dict[str, float]:
+    raws = ctx.blobs.get_many([keys.latency(job_id, d) for d in devices])
     out = {}
-    for device in devices:
-        raw = ctx.blobs.get(keys.latency(job_id, device))
+    for device, raw in zip(devices, raws):
         if raw:
             try:
                 out[device] = float(raw)

@@ -229,3 +229,43 @@ def test_ordered_sum_is_the_plain_loop_bit_for_bit(n: int) -> None:
         for a in reversed(arrays):
             backwards += a
         assert backwards.tobytes() != plain.tobytes()
+
+
+@pytest.mark.parametrize("optimizer", [
+    {"name": "sgd", "nesterov": True, "weight_decay": 1e-4},
+    {"name": "adamw", "weight_decay": 0.05},
+    {"name": "lars", "weight_decay": 1e-4},
+])
+@pytest.mark.parametrize("precision", ["float32", "bfloat16"])
+def test_the_tree_sum_made_inside_the_update_pass_is_the_sum_made_first(optimizer, precision):
+    """apply_step adds the tree's nodes a range at a time inside the optimizer's pass (and its
+    threads): the new state is the one the whole reduced vector would give, bit for bit, on
+    any number of threads, for a cover mixing a partial and leaves."""
+    from engine.optim import FUSED_BLOCK, Hyper, optimizer_step
+
+    model = build_model("mobilenet_v1", (3, 32, 32), 10, {})
+    assert model.n_params > 3 * FUSED_BLOCK  # several blocks, split unevenly over threads
+    job = {"model": {"arch": "mobilenet_v1"}, "dataset": "synthetic:3x32x32:10:4096",
+           "global_batch_size": 64, "shards": 8, "epochs": 1, "seed": 0,
+           "upload_precision": precision, "optimizer": {"lr": 0.1, **optimizer}}
+    spec = TrainSpec.from_job_spec(job, n_train=4096)
+    rng = np.random.default_rng(7)
+    state = initial_state(model, spec)
+    state = type(state)(3, state.params, rng.standard_normal(state.opt_state.size)
+                        .astype(np.float32) ** 2, state.buffers)  # AdamW's v must be >= 0
+    leaves = [ShardResult(k, round_to((rng.standard_normal(model.n_params)
+                                       * 10.0 ** rng.integers(-4, 4, model.n_params))
+                                      .astype(np.float32), precision),
+                          float(k), k, spec.per_shard_batch,
+                          rng.standard_normal(model.n_stats).astype(np.float32))
+              for k in range(spec.shards)]
+    cover = [*pre_reduce(leaves[:4], spec.shards, precision), *leaves[4:]]
+    total = reduce_results(cover, 0, spec.shards, precision)
+    want_p, want_opt = optimizer_step([total.grad_sum], state.params, state.opt_state,
+                                      Hyper.of(spec, state.step), model.decay_mask,
+                                      list(model.layout.values()), grad_divisor=total.count)
+    for workers in (1, 3):
+        after, metrics = apply_step(model, spec, state, cover, workers=workers)
+        assert after.params.tobytes() == want_p.tobytes()
+        assert after.opt_state.tobytes() == want_opt.tobytes()
+        assert metrics.samples == total.count == spec.global_batch_size
