@@ -337,21 +337,15 @@ def _f32(a: np.ndarray) -> np.ndarray:
 
 
 def all_finite(a: np.ndarray) -> bool:
-    """No NaN or infinity in `a`. A sum of squares (or a sum) is NaN or infinite whenever an
-    element is, so a finite one settles it in one pass with no temporary; only a non-finite
-    one (which finite values can also give, by overflow) needs the element-wise check. The
-    squares go through BLAS's dot for float32 and float64 (2.5x faster than numpy's pairwise
-    sum: 0.2 vs 0.5 ms per 12.9 MB, a check every upload pays); float16 sums (its dot
-    overflows past 256)."""
+    """No NaN or infinity in `a`. A sum is NaN or infinite whenever an element is, so a finite
+    sum settles it in one pass with no temporary; only a non-finite sum (which finite values
+    can also give, by overflow) needs the element-wise check. Not BLAS's dot (2.5x faster
+    alone): its threads spin after each call, and the server's upload threads paid ~25 ms of
+    CPU a step for it (bench/scheduler_coordination.py, docs/benchmarks.md)."""
     with np.errstate(over="ignore", invalid="ignore"):
-        flat = a.reshape(-1)
-        quick = np.dot(flat, flat) if a.dtype in _BLAS_DTYPES else np.add.reduce(flat)
-        if np.isfinite(quick):
+        if np.isfinite(np.add.reduce(a, axis=None)):
             return True
     return bool(np.isfinite(a).all())
-
-
-_BLAS_DTYPES = (np.dtype("<f4"), np.dtype("<f8"))
 
 
 def _finite(a: np.ndarray, what: str) -> np.ndarray:
