@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any, Protocol
 
 import redis
@@ -40,6 +41,16 @@ class BlobStore(Protocol):
     def get_range(self, key: str, start: int, length: int) -> bytes | memoryview:
         """`length` bytes of the value from `start`: fewer when the value is shorter, none
         when the key is missing."""
+        ...
+
+    def publish(self, channel: str) -> None:
+        """Tell every process listening on `channel` that something changed (no payload)."""
+        ...
+
+    def notices(self, channel: str) -> Iterator[None] | None:
+        """One item once listening on `channel` (a notice sent before is not replayed), then
+        one per notice; raises when the connection drops. None: the store lives in this
+        process, and nothing outside it can publish."""
         ...
 
 
@@ -120,6 +131,12 @@ class MemoryBlobStore:
         with self._lock:
             self._data.clear()
 
+    def publish(self, channel: str) -> None:
+        pass  # in-process: hotstate.version pokes its watchers directly
+
+    def notices(self, channel: str) -> Iterator[None] | None:
+        return None
+
 
 def _kept(value: bytes | bytearray | memoryview) -> bytes | memoryview:
     return value if isinstance(value, bytes) else memoryview(value).cast("B").toreadonly()
@@ -154,6 +171,27 @@ class RedisBlobStore:
 
     def get_range(self, key: str, start: int, length: int) -> bytes | memoryview:
         return self._redis.getrange(key, start, start + length - 1) if length > 0 else b""
+
+    def publish(self, channel: str) -> None:
+        self._redis.publish(self._channel(channel), b"")
+
+    def notices(self, channel: str) -> Iterator[None] | None:
+        return self._notices(self._channel(channel))
+
+    def _notices(self, channel: str) -> Iterator[None]:
+        pubsub = self._redis.pubsub()
+        try:
+            pubsub.subscribe(channel)
+            for message in pubsub.listen():  # the subscription's confirmation comes first
+                if message.get("type") in ("subscribe", "message"):
+                    yield None
+        finally:
+            pubsub.close()
+
+    def _channel(self, name: str) -> str:
+        """Channels are server-wide (not per database): named with the database, so stores on
+        other databases of one server (tests, several deployments) do not wake each other."""
+        return f"phalanx:{self._redis.connection_pool.connection_kwargs.get('db', 0)}:{name}"
 
     def set(self, key: str, value: bytes, ttl: float | None = None) -> None:
         self._redis.set(key, value, px=_ms(ttl))

@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
 
 from hotstate.blobs import MemoryBlobStore
 from hotstate.version import VersionWatch, bump_version, current_version
+from tests.support.proxy import TcpProxy
 
 
 def test_a_bump_in_the_same_process_wakes_waiters_without_waiting_for_a_poll() -> None:
@@ -48,3 +54,73 @@ def test_a_watcher_of_an_in_process_store_polls_rarely_and_of_redis_often() -> N
     assert VersionWatch.for_store(MemoryBlobStore(), 0.005).interval_s == LOCAL_POLL_S
     redis_store = RedisBlobStore("redis://127.0.0.1:1/0")  # never contacted here
     assert VersionWatch.for_store(redis_store, 0.005).interval_s == 0.005
+
+
+def _bump_in_another_process(redis_url: str) -> None:
+    """What a worker or another replica does after a step: a real separate process."""
+    code = ("import sys; from hotstate.blobs import RedisBlobStore; "
+            "from hotstate.version import bump_version; bump_version(RedisBlobStore(sys.argv[1]))")
+    subprocess.run([sys.executable, "-c", code, redis_url], check=True, timeout=60,
+                   cwd=Path(__file__).resolve().parents[2])
+
+
+def _wait_for_a_bump(watch: VersionWatch, bump: Callable[[], None],
+                     timeout: float = 30.0) -> tuple[bytes, bytes]:
+    async def wait() -> tuple[bytes, bytes]:
+        since = watch.snapshot()
+        deadline = time.monotonic() + 10
+        while not watch._listening and time.monotonic() < deadline:  # subscribed first
+            await asyncio.sleep(0.02)
+        bumper = threading.Thread(target=bump)
+        bumper.start()
+        seen = await watch.wait_change(since, timeout=timeout)
+        bumper.join()
+        return since, seen
+
+    return asyncio.run(wait())
+
+
+def test_a_bump_in_another_process_wakes_waiters_by_its_notice_not_by_polling(redis_url) -> None:
+    """The watcher's poll is 60 s here (longer than the wait): only the notice the bumping
+    process publishes on Redis can wake the waiter with the new value."""
+    from hotstate.blobs import RedisBlobStore
+
+    blobs = RedisBlobStore(redis_url)
+    watch = VersionWatch(blobs, interval_s=60.0)
+    since, seen = _wait_for_a_bump(watch, lambda: _bump_in_another_process(redis_url))
+    assert seen != since and seen == current_version(blobs)
+
+
+def test_the_watcher_listens_again_after_its_connection_to_redis_drops(redis_url) -> None:
+    """Redis restarting (here: every connection through a proxy reset) ends the subscription;
+    the watcher subscribes again and the next bump's notice wakes a waiter (poll: 60 s)."""
+    from hotstate.blobs import RedisBlobStore
+    from hotstate.version import RESUBSCRIBE_S
+
+    host, _, rest = redis_url.removeprefix("redis://").partition(":")
+    port, _, db = rest.partition("/")
+    proxy = TcpProxy([(host, int(port))])
+    try:
+        watched = RedisBlobStore(proxy.redis_url(int(db)))
+        watch = VersionWatch(watched, interval_s=60.0)
+        since, seen = _wait_for_a_bump(watch, lambda: _bump_in_another_process(redis_url))
+        assert seen != since
+        proxy.cut()
+        deadline = time.monotonic() + 10
+        while watch._listening and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not watch._listening  # the drop was noticed
+        proxy.heal()
+        time.sleep(RESUBSCRIBE_S)
+        since, seen = _wait_for_a_bump(watch, lambda: _bump_in_another_process(redis_url))
+        assert seen != since and seen == current_version(watched)
+    finally:
+        proxy.close()
+
+
+def test_notices_of_stores_on_different_databases_do_not_mix() -> None:
+    """Redis channels are server-wide: each database's bumps go on a channel of its own."""
+    from hotstate.blobs import RedisBlobStore
+
+    one, two = RedisBlobStore("redis://127.0.0.1:1/3"), RedisBlobStore("redis://127.0.0.1:1/4")
+    assert one._channel("sched:version") != two._channel("sched:version")
