@@ -2,6 +2,9 @@
 
     .venv/bin/python bench/scheduler_apply.py [--shards 16] [--repeats 5]
 
+Also printed: the engine's apply_step alone (the tree's sum inside the update's pass) on 1 and
+2 threads, min of the repeats; `--engine-only` times only that, in a fresh process.
+
 Phalanx's path is the real task body (`run_apply_step`): read every shard's upload from the
 blob store, decode and check it (checksum, finite), the engine's apply_step (float64
 accumulation in shard order + SGD), encode and store state t+1, commit the step (SQLite here).
@@ -82,11 +85,41 @@ def time_update(info, n: int) -> float:
     return best
 
 
+def time_engine(shards: int, grads: list[np.ndarray], workers: int, repeats: int) -> float:
+    """The engine's apply_step alone (the tree's sum and the update, no store, no checks), on
+    `workers` threads: min of `repeats`."""
+    from engine.step import apply_step, initial_state
+
+    spec = {"name": "bench", "model": {"arch": "mobilenet_v1"}, "dataset": DATASET,
+            "global_batch_size": 4 * shards, "shards": shards, "epochs": 100, "seed": 0}
+    info = job_info("engine", spec, None)
+    state = initial_state(info.model, info.spec)
+    stats = np.zeros(info.model.n_stats, np.float32)
+    results = [ShardResult(k, g, 1.0, 0, 4, stats) for k, g in enumerate(grads)]
+    best = float("inf")
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        apply_step(info.model, info.spec, state, results, workers=workers)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shards", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--engine-only", action="store_true",
+                        help="time only the engine's apply_step, in this fresh process")
     args = parser.parse_args()
+    if args.engine_only:
+        n = job_info("b", {"name": "b", "model": {"arch": "mobilenet_v1"}, "dataset": DATASET},
+                     None).model.n_params
+        rng = np.random.default_rng(0)
+        grads = [rng.standard_normal(n).astype(np.float32) for _ in range(args.shards)]
+        print("the engine's apply_step alone (tree sum + update): " + ", ".join(
+            f"{time_engine(args.shards, grads, w, args.repeats) * 1000:.1f} ms on {w} thread(s)"
+            for w in (1, 2)))
+        return
     with tempfile.TemporaryDirectory() as tmp:
         ctx = make_context(Path(tmp))
         job_id = start_job(ctx, args.shards)
@@ -110,17 +143,21 @@ def main() -> None:
                 phalanx.append(took)
                 numpy_t.append(time.perf_counter() - t0)
         update_s = time_update(info, n)
+        engine_s = {w: time_engine(args.shards, grads, w, args.repeats) for w in (1, 2)}
     gb = args.shards * n * 4 / 1e9
     # min of repeats: on a shared 2-core machine the minimum is the least disturbed run
     p, q = min(phalanx), min(numpy_t)
     out = {"shards": args.shards, "n_params": n, "gradient_gb": gb,
            "phalanx_s": p, "phalanx_median_s": statistics.median(phalanx), "numpy_s": q,
            "optimizer_update_s": update_s, "phalanx_gb_s": gb / p, "numpy_gb_s": gb / q,
-           "ratio": q / p, "ratio_without_update": q / max(p - update_s, 1e-9)}
+           "ratio": q / p, "ratio_without_update": q / max(p - update_s, 1e-9),
+           "engine_apply_s": {str(w): t for w, t in engine_s.items()}}
     print(f"{args.shards} shards x {n:,} params ({gb * 1000:.0f} MB): apply_step {p * 1000:.0f} ms "
           f"= {gb / p:.2f} GB/s; numpy sum {q * 1000:.0f} ms = {gb / q:.2f} GB/s; "
           f"ratio {out['ratio']:.2f} (of which the SGD update, a fixed cost per step, "
           f"{update_s * 1000:.0f} ms; ratio without it {out['ratio_without_update']:.2f})")
+    print("the engine's apply_step alone (tree sum + update): " + ", ".join(
+        f"{t * 1000:.1f} ms on {w} thread(s)" for w, t in engine_s.items()))
     print(json.dumps(out))
 
 

@@ -124,8 +124,8 @@ def _update_block(block: slice, g: np.ndarray, params: np.ndarray, momentum_buf:
 # Elements per block of the fused sum + update: the float64 accumulator (512 KB) and the
 # block's temporaries stay in the caches while every shard adds its block. With the tree's
 # sum made inside the pass, fewer blocks mean less Python holding the GIL between numpy's
-# loops: 8 mobilenet_v1 shards, 2 threads, 2^15 -> 2^16: 12-13 -> 9 ms (the sum made
-# before the pass, one thread: 15-17 ms; docs/benchmarks.md)
+# loops (the step's apply phase at 8 agents fell from 36-47 to 28-31 ms with this change,
+# docs/benchmarks.md "Session 19")
 FUSED_BLOCK = 1 << 16
 _POOLS: dict[int, ThreadPoolExecutor] = {}
 _POOLS_LOCK = threading.Lock()

@@ -122,25 +122,36 @@ class VersionWatch:
             self._changed = asyncio.Event()
             self._loop = asyncio.get_running_loop()
             self._task = self._loop.create_task(self._run())
-        if self._listener is None and self.blobs.notices(self.key) is not None:
+        listener = self._listener
+        if (listener is None or not listener.is_alive()) and \
+                self.blobs.notices(self.key) is not None:
             self._listener = threading.Thread(target=self._listen, daemon=True,
                                               name=f"notices-{self.key}")
             self._listener.start()
 
     def _listen(self) -> None:
-        """Poke the watcher at every notice of a bump, for the life of the process."""
-        while True:
+        """Poke the watcher at every notice of a bump, until its event loop is closed (the
+        server stopped: a test's app, or a reload)."""
+        while not self._loop_closed():
             try:
                 notices = self.blobs.notices(self.key)
                 if notices is None:
                     return
                 for _ in notices:
                     self._listening = True  # subscribed: the first item, then one a notice
+                    if self._loop_closed():
+                        break  # leaving the loop closes the subscription
                     self.poke()
             except Exception:  # noqa: BLE001 - Redis down: poll meanwhile, then listen again
                 pass
             self._listening = False
-            time.sleep(RESUBSCRIBE_S)
+            if not self._loop_closed():
+                time.sleep(RESUBSCRIBE_S)
+        self._listening = False
+
+    def _loop_closed(self) -> bool:
+        loop = self._loop
+        return loop is not None and loop.is_closed()
 
     async def _run(self) -> None:
         idle_since = time.monotonic()
