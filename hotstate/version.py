@@ -76,6 +76,8 @@ class VersionWatch:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._listening = False  # a live subscription to the key's notices
         self._listener: threading.Thread | None = None
+        # whether other processes publish bumps of the key (Redis): asked once, not per poll
+        self._has_notices = blobs.notices(key) is not None
         _WATCHERS.add(self)
 
     def poke(self) -> None:
@@ -123,8 +125,7 @@ class VersionWatch:
             self._loop = asyncio.get_running_loop()
             self._task = self._loop.create_task(self._run())
         listener = self._listener
-        if (listener is None or not listener.is_alive()) and \
-                self.blobs.notices(self.key) is not None:
+        if self._has_notices and (listener is None or not listener.is_alive()):
             self._listener = threading.Thread(target=self._listen, daemon=True,
                                               name=f"notices-{self.key}")
             self._listener.start()
@@ -134,10 +135,7 @@ class VersionWatch:
         server stopped: a test's app, or a reload)."""
         while not self._loop_closed():
             try:
-                notices = self.blobs.notices(self.key)
-                if notices is None:
-                    return
-                for _ in notices:
+                for _ in self.blobs.notices(self.key) or ():
                     self._listening = True  # subscribed: the first item, then one a notice
                     if self._loop_closed():
                         break  # leaving the loop closes the subscription
