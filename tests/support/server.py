@@ -101,8 +101,13 @@ def start_server(
         env["PHALANX_REDIS_URL"] = redis_url
     env.update(extra_env or {})
     log_path = data_dir / f"server-{port}.log"
+    args = list(args or [])
+    if "--bulk-port" not in args and "PHALANX_BULK_PORT" not in env:
+        # a free one, not the default API port + 1: with tests in parallel another process
+        # may hold that one, and the server then serves the steps on the API port only
+        args += ["--bulk-port", str(free_port())]
     cmd = [python, "-m", "phalanx.cli.main", "server", "--host", "127.0.0.1",
-           "--port", str(port), *(args or [])]
+           "--port", str(port), *args]
     if tls is not None:
         cmd += ["--tls-cert", str(tls[0]), "--tls-key", str(tls[1])]
     with log_path.open("ab") as log:
