@@ -3,6 +3,7 @@
 Android may kill the agent at any instant, so every file it writes goes through
 `atomic_write` (temp file in the same folder, fsync, rename): a reader sees the old file or the
 new one, never half of one. Leftover temp files are ignored and cleaned on the next write.
+A step's weights and results skip the fsync (their CRC-32 catches a file a power cut tore).
 """
 
 from __future__ import annotations
@@ -26,8 +27,13 @@ class ConfigError(Exception):
     """The config is missing or unusable; the message says what to do."""
 
 
-def atomic_write(path: Path, data: bytes | Sequence[memoryview], mode: int = 0o600) -> None:
-    """`data` in one piece, or in parts written one after the other (never joined first)."""
+def atomic_write(path: Path, data: bytes | Sequence[memoryview], mode: int = 0o600,
+                 durable: bool = True) -> None:
+    """`data` in one piece, or in parts written one after the other (never joined first).
+    `durable=False` skips the fsyncs, for files a reader checks or makes again after a crash
+    (a step's weights and results, 10-100 MB a step): the rename still means a reader sees
+    the old file or the whole new one while the phone stays up; after a power cut the file
+    may be absent or short, which its reader notices."""
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
@@ -35,13 +41,16 @@ def atomic_write(path: Path, data: bytes | Sequence[memoryview], mode: int = 0o6
         with os.fdopen(fd, "wb") as fh:
             for part in [data] if isinstance(data, bytes) else data:
                 fh.write(part)
-            fh.flush()
-            os.fsync(fh.fileno())
+            if durable:
+                fh.flush()
+                os.fsync(fh.fileno())
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+    if not durable:
+        return
     with contextlib.suppress(OSError):  # make the rename itself durable
         dfd = os.open(path.parent, os.O_RDONLY)
         try:

@@ -2,6 +2,7 @@
 same step of a job whose phone holds 4 shards (the agent's real worker subprocess, numpy).
 
 Run:  .venv/bin/python bench/phone_cores.py [--reps 5] [--arch resnet18 --width 0.25]
+      [--pre-reduce]   (upload one pre-added partial, as agents do: engine.tree)
 
 Each worker computes the step's 4 shards (the 2-thread one two at a time, side by side, one
 single-threaded BLAS each); reps alternate the two so machine noise hits both alike. Prints the
@@ -29,7 +30,8 @@ from engine.step import initial_state  # noqa: E402
 from wire.messages import encode_weights  # noqa: E402
 
 
-def request(tmp: Path, arch: str, width: float, shards_held: int) -> dict:
+def request(tmp: Path, arch: str, width: float, shards_held: int,
+            pre_reduce: bool = False) -> dict:
     spec = {"name": "cores", "model": {"arch": arch, "width": width},
             "dataset": "synthetic:3x32x32:10:2048", "global_batch_size": 512, "shards": 16,
             "epochs": 1, "seed": 0}
@@ -48,7 +50,8 @@ def request(tmp: Path, arch: str, width: float, shards_held: int) -> dict:
         paths[str(k)] = str(path)
     return {"op": "step", "job_id": "job-bench", "step": 0, "spec": spec,
             "n_train": info.n_train, "input_shape": list(info.input_shape),
-            "num_classes": info.num_classes, "weights_path": str(weights), "shards": paths}
+            "num_classes": info.num_classes, "weights_path": str(weights), "shards": paths,
+            "pre_reduce": pre_reduce}
 
 
 def main() -> None:
@@ -57,10 +60,12 @@ def main() -> None:
     ap.add_argument("--arch", default="resnet18")
     ap.add_argument("--width", type=float, default=0.25)
     ap.add_argument("--shards", type=int, default=4)
+    ap.add_argument("--pre-reduce", action="store_true",
+                    help="upload one pre-added partial, as agents do (engine.tree)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        req = request(tmp, args.arch, args.width, args.shards)
+        req = request(tmp, args.arch, args.width, args.shards, args.pre_reduce)
         workers = {n: ComputeWorker(ExecConfig("numpy", n)) for n in (1, 2)}
         times: dict[int, list[float]] = {1: [], 2: []}
         compute: dict[int, list[float]] = {1: [], 2: []}

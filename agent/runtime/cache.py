@@ -100,7 +100,8 @@ class WorkCache:
 
     def weights(self, job: str, step: int, fetch: Callable[[], bytes]) -> Path:
         path = self.job_dir(job) / f"weights-{int(step)}.bin"
-        got = self._get(path, lambda: atomic_write(path, fetch()),
+        # per step and checked by its CRC when read after a restart: no fsync (12-100 MB a step)
+        got = self._get(path, lambda: atomic_write(path, fetch(), durable=False),
                         lambda p: _valid_weights(p, job, step))
         for old in path.parent.glob("weights-*.bin"):  # weights are per step: keep the current
             if old != path:

@@ -86,3 +86,56 @@ def test_shipped_log_lines_fit_one_request_newest_first_kept() -> None:
     assert kept and kept[-1]["seq"] == 499 and kept == lines[-len(kept):]
     assert len(json.dumps({"lines": kept})) <= 200_000
     assert len(json.dumps({"lines": lines})) > 200_000
+
+
+# -- a step's files skip the fsync; the CRC catches what a power cut tore -------------------
+def _weights_blob(step: int) -> bytes:
+    from wire.messages import encode_weights
+
+    rng = np.random.default_rng(step)
+    return encode_weights("j", step, rng.standard_normal(5000).astype(np.float32),
+                          np.zeros(4, np.float32))
+
+
+def _count_fsyncs(monkeypatch) -> list[int]:
+    synced: list[int] = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real(fd))[1])
+    return synced
+
+
+def test_a_steps_weights_and_result_are_written_without_fsync_the_config_with(
+        tmp_path: Path, monkeypatch) -> None:
+    """Each step writes its weights and its result (10-100 MB) to the phone's flash; an fsync
+    of each cost ~10 ms a step here (bench/phone_cores.py), more on a phone. The config, which
+    nothing can fetch again, is still made durable."""
+    from agent.config import AgentConfig, save
+    from agent.runtime.worker import Engine, handle
+    from tests.agent.step_request import make_request, step_zero
+    from wire.messages import decode_results
+
+    synced = _count_fsyncs(monkeypatch)
+    blob = _weights_blob(3)
+    path = WorkCache(tmp_path / "cache").weights("j", 3, lambda: blob)
+    assert path.read_bytes() == blob
+    req = make_request(step_zero({"model": {"arch": "mlp"}, "dataset": "digits", "shards": 4,
+                                  "global_batch_size": 32, "seed": 0}), tmp_path, 1)
+    reply = handle(Engine("numpy"), {**req, "op": "step"})
+    assert reply["ok"] and [r.shard for r in decode_results(
+        Path(req["out_path"]).read_bytes())] == [1]
+    assert synced == []
+    save(tmp_path / "config.json", AgentConfig(server="https://x", device_id="d",
+                                                   device_token="t"))
+    assert synced, "the config must still be fsynced"
+
+
+def test_a_weights_file_torn_by_a_power_cut_is_fetched_again(tmp_path: Path) -> None:
+    blob = _weights_blob(4)
+    WorkCache(tmp_path).weights("j", 4, lambda: blob)
+    path = WorkCache(tmp_path).job_dir("j") / "weights-4.bin"
+    torn = bytearray(path.read_bytes())
+    torn[len(torn) // 2 : len(torn) // 2 + 4096] = bytes(4096)  # a page never written
+    path.write_bytes(bytes(torn))
+    fetched: list[int] = []
+    again = WorkCache(tmp_path).weights("j", 4, lambda: fetched.append(1) or blob)  # restart
+    assert fetched == [1] and again.read_bytes() == blob

@@ -196,3 +196,39 @@ def test_a_helper_killed_between_steps_is_replaced_and_leaves_no_scratch_files(
     assert second["helper_pids"] and second["helper_pids"] != [helper]
     assert (tmp_path / "a.bin").read_bytes() == (tmp_path / "b.bin").read_bytes()
     assert not list(tmp_path.glob(".helper-*"))
+
+
+def _page_faults(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as fh:  # minflt: the 8th field after the command's ")"
+        return int(fh.read().rsplit(")", 1)[1].split()[7])
+
+
+def test_a_workers_steps_reuse_its_memory_instead_of_faulting_in_fresh_pages(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """glibc gave each shard's large arrays back to the kernel and faulted them in again on
+    the next shard (~500 page faults a step for the digits cnn, 8,400 for a 32x32 one: 25% of
+    its compute, bench/phone_cores.py). The worker and its helpers start with malloc tunables
+    that keep them; an operator's own GLIBC_TUNABLES wins."""
+    job = step_zero(CNN)
+    req = {**make_request(job, tmp_path, 3), "op": "step"}
+    for k in (4, 5, 6):
+        req["shards"][str(k)] = make_request(job, tmp_path, k)["shards"][str(k)]
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    worker = ComputeWorker(ExecConfig("numpy", 2))
+    try:
+        first = worker.request(req)
+        worker.request(req)  # the first steps size the heap
+        pids = [worker.pid, *first["helper_pids"]]
+        before = [_page_faults(pid) for pid in pids]
+        worker.request(req)
+        faults = [_page_faults(pid) - b for pid, b in zip(pids, before)]
+    finally:
+        worker.close()
+    assert len(pids) == 2 and max(faults) < 50, faults
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=1")
+    own = ComputeWorker(ExecConfig("numpy", 1))
+    try:
+        with open(f"/proc/{own.pid}/environ", "rb") as fh:
+            assert b"GLIBC_TUNABLES=glibc.malloc.arena_max=1\0" in fh.read()
+    finally:
+        own.close()
