@@ -6,9 +6,12 @@ restorable from a checkpoint, so losing every key is survivable (see scheduler/t
 
 from __future__ import annotations
 
+import re
+import secrets
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import redis
@@ -144,9 +147,67 @@ def _kept(value: bytes | bytearray | memoryview) -> bytes | memoryview:
 
 MGET_GROUP = 8
 
+# A value bigger than PART_BYTES is stored as parts of at most that size. Redis reads a big
+# argument into a buffer of its own size; jemalloc gives one of 8 MiB or more ("oversize") from
+# an arena that returns it to the kernel at once, so every 25.7 MB state write faulted 6,275
+# fresh zeroed pages into Redis (~15 ms a SET, most of Redis's CPU a step). Parts of 2 MiB reuse
+# memory the previous step freed. The head key holds a small manifest naming the parts.
+PART_BYTES = 2 << 20
+_PARTS_MAGIC = b"\x00phalanx-parts\x00"
+_MANIFEST = re.compile(rb"\x00phalanx-parts\x00([0-9a-f]{16}):([0-9]+):([0-9]+):([0-9]+)\Z")
+_MANIFEST_MAX = 128  # bytes: a manifest is shorter, so GETRANGE of this many tells
+_PART_KEY = re.compile(r":~[0-9a-f]{16}:[0-9]+\Z")
+
+
+def _in_parts(value: bytes | bytearray | memoryview) -> bool:
+    """Whether `value` is stored as parts: a big one, or one that would read as a manifest."""
+    return len(value) > PART_BYTES or bytes(value[:len(_PARTS_MAGIC)]) == _PARTS_MAGIC
+
+
+@dataclass(frozen=True)
+class _Parts:
+    token: str
+    count: int
+    total: int
+    size: int
+
+    @classmethod
+    def of(cls, head: bytes | None) -> _Parts | None:
+        match = _MANIFEST.match(head) if head is not None and len(head) < _MANIFEST_MAX else None
+        if match is None:
+            return None
+        token, count, total, size = match.groups()
+        return cls(token.decode(), int(count), int(total), int(size))
+
+    def manifest(self) -> bytes:
+        return _PARTS_MAGIC + f"{self.token}:{self.count}:{self.total}:{self.size}".encode()
+
+    def keys(self, key: str) -> list[str]:
+        """Named after the head (so a job's step keys are theirs too) and the write's token."""
+        return [f"{key}:~{self.token}:{i}" for i in range(self.count)]
+
+
+# the parts a head names are deleted with it, atomically (ARGV[1]: the magic)
+_DELETE_WITH_PARTS = """
+local deleted = 0
+for _, key in ipairs(KEYS) do
+  local head = redis.call('GETRANGE', key, 0, 127)
+  if string.sub(head, 1, #ARGV[1]) == ARGV[1] then
+    local token, count = string.match(string.sub(head, #ARGV[1] + 1), '^(%x+):(%d+):')
+    if token then
+      for i = 0, tonumber(count) - 1 do redis.call('DEL', key .. ':~' .. token .. ':' .. i) end
+    end
+  end
+  deleted = deleted + redis.call('DEL', key)
+end
+return deleted
+"""
+
 
 class RedisBlobStore:
-    """Redis strings; `keys` uses SCAN (never KEYS) so a big keyspace does not block Redis."""
+    """Redis strings; `keys` uses SCAN (never KEYS) so a big keyspace does not block Redis.
+    Values over PART_BYTES are written as parts and a manifest in one MULTI/EXEC (a reader sees
+    all of it or none; a writer that dies mid-way leaves nothing) and read back whole."""
 
     def __init__(self, url: str) -> None:
         self.url = url
@@ -157,9 +218,10 @@ class RedisBlobStore:
         self._delete_if_equal = self._redis.register_script(
             "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) "
             "end return 0")
+        self._delete_with_parts = self._redis.register_script(_DELETE_WITH_PARTS)
 
     def get(self, key: str) -> bytes | None:
-        return self._redis.get(key)
+        return self._whole(key, self._redis.get(key))
 
     def get_many(self, keys: list[str]) -> list[bytes | None]:
         """MGET in groups: one round trip per group instead of per key (8 x 12.9 MB: 214 -> 161
@@ -167,10 +229,39 @@ class RedisBlobStore:
         out: list[bytes | None] = []
         for lo in range(0, len(keys), MGET_GROUP):
             out.extend(self._redis.mget(keys[lo:lo + MGET_GROUP]))
-        return out
+        return [self._whole(key, head) for key, head in zip(keys, out)]
+
+    def _whole(self, key: str, head: bytes | None) -> bytes | None:
+        """The value whose head was read: itself, or its parts joined (None: a part is gone,
+        as when the value was deleted or evicted meanwhile)."""
+        parts = _Parts.of(head)
+        if parts is None:
+            return head
+        pieces = self._redis.mget(parts.keys(key))
+        if any(piece is None for piece in pieces):
+            return None
+        return b"".join(pieces)
 
     def get_range(self, key: str, start: int, length: int) -> bytes | memoryview:
-        return self._redis.getrange(key, start, start + length - 1) if length > 0 else b""
+        if length <= 0:
+            return b""
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.getrange(key, 0, _MANIFEST_MAX - 1)
+        pipe.getrange(key, start, start + length - 1)
+        head, data = pipe.execute()
+        parts = _Parts.of(head)
+        if parts is None:
+            return data
+        end = min(start + length, parts.total)
+        if start >= end:
+            return b""
+        names = parts.keys(key)
+        pipe = self._redis.pipeline(transaction=False)
+        for i in range(start // parts.size, (end - 1) // parts.size + 1):
+            lo = max(start, i * parts.size) - i * parts.size
+            hi = min(end, (i + 1) * parts.size) - i * parts.size
+            pipe.getrange(names[i], lo, hi - 1)
+        return b"".join(pipe.execute())
 
     def publish(self, channel: str) -> None:
         self._redis.publish(self._channel(channel), b"")
@@ -194,18 +285,44 @@ class RedisBlobStore:
         return f"phalanx:{self._redis.connection_pool.connection_kwargs.get('db', 0)}:{name}"
 
     def set(self, key: str, value: bytes, ttl: float | None = None) -> None:
-        self._redis.set(key, value, px=_ms(ttl))
+        if not _in_parts(value):
+            self._redis.set(key, value, px=_ms(ttl))
+            return
+        parts, pipe = self._parts_pipeline(key, value, ttl)
+        pipe.set(key, parts.manifest(), px=_ms(ttl), get=True)
+        replaced = _Parts.of(pipe.execute()[-1])
+        if replaced is not None:  # a value in parts overwritten: its parts go too
+            self._redis.delete(*replaced.keys(key))
 
     def set_if_absent(self, key: str, value: bytes, ttl: float | None = None) -> bool:
-        return bool(self._redis.set(key, value, nx=True, px=_ms(ttl)))
+        if not _in_parts(value):
+            return bool(self._redis.set(key, value, nx=True, px=_ms(ttl)))
+        parts, pipe = self._parts_pipeline(key, value, ttl)
+        pipe.set(key, parts.manifest(), nx=True, px=_ms(ttl))
+        if pipe.execute()[-1]:
+            return True
+        self._redis.delete(*parts.keys(key))  # another value was there first: ours unnamed
+        return False
+
+    def _parts_pipeline(self, key: str, value: bytes, ttl: float | None) -> tuple[_Parts, Any]:
+        """A MULTI with `value`'s parts queued (the caller queues the manifest last)."""
+        view = memoryview(value).cast("B")
+        count = max(1, -(-len(view) // PART_BYTES))
+        parts = _Parts(secrets.token_hex(8), count, len(view), PART_BYTES)
+        pipe = self._redis.pipeline(transaction=True)
+        for i, name in enumerate(parts.keys(key)):
+            pipe.set(name, view[i * PART_BYTES:(i + 1) * PART_BYTES], px=_ms(ttl))
+        return parts, pipe
 
     def delete(self, *keys: str) -> None:
         if keys:
-            self._redis.delete(*keys)
+            self._delete_with_parts(keys=list(keys), args=[_PARTS_MAGIC])
 
     def keys(self, prefix: str) -> list[str]:
+        """The keys under `prefix` (never the parts of a value: they go with their head)."""
         pattern = _glob_escape(prefix) + "*"
-        return [k.decode() for k in self._redis.scan_iter(match=pattern, count=1000)]
+        return [name for name in (k.decode() for k in self._redis.scan_iter(
+            match=pattern, count=1000)) if not _PART_KEY.search(name)]
 
     def exists(self, key: str) -> bool:
         return bool(self._redis.exists(key))
@@ -214,6 +331,8 @@ class RedisBlobStore:
         return int(self._redis.exists(*keys)) if keys else 0
 
     def delete_if_equal(self, key: str, value: bytes) -> bool:
+        if _in_parts(value):  # for claims and locks: small tokens
+            raise ValueError("delete_if_equal compares values of at most PART_BYTES")
         return bool(self._delete_if_equal(keys=[key], args=[value]))
 
     def flush(self) -> None:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from engine.step import TrainState
-from hotstate.blobs import MGET_GROUP, BlobStore, MemoryBlobStore, RedisBlobStore
+from hotstate.blobs import MGET_GROUP, PART_BYTES, BlobStore, MemoryBlobStore, RedisBlobStore
 from hotstate.locks import acquire, release
 from hotstate.trainstate import StateError, decode_state, encode_state, read_weights
 
@@ -137,3 +137,63 @@ def test_redis_sends_a_big_value_uncopied_and_it_round_trips(redis_url: str) -> 
         store._redis.connection_pool.release(conn)
     store.set("big", value)
     assert store.get("big") == value and store.get_many(["big"]) == [value]
+
+
+# -- big values in parts (Redis) --------------------------------------------------------------
+def _raw_sizes(store: RedisBlobStore) -> dict[str, int]:
+    raw = store._redis
+    return {k.decode(): int(raw.strlen(k)) for k in raw.scan_iter(count=1000)}
+
+
+def test_a_big_value_is_stored_in_parts_no_string_over_part_bytes_and_read_back_whole(
+        redis_url: str) -> None:
+    """Redis gets no string of 8 MiB or more, which jemalloc hands back to the kernel at once
+    (6,275 fresh page faults for each 25.7 MB state written, measured): every value reads back
+    whole, by get, get_many and get_range across part boundaries."""
+    store = RedisBlobStore(redis_url)
+    big = np.random.default_rng(1).bytes(5 * PART_BYTES + 12345)
+    store.set("job:j:state:3:n", big)
+    store.set("small", b"x")
+    sizes = _raw_sizes(store)
+    assert max(sizes.values()) <= PART_BYTES and sum(sizes.values()) >= len(big)
+    assert len(sizes) == 2 + 6  # two heads and six parts
+    assert store.get("job:j:state:3:n") == big
+    assert store.get_many(["small", "job:j:state:3:n", "none"]) == [b"x", big, None]
+    for start, length in ((0, 40), (PART_BYTES - 7, 20), (PART_BYTES, PART_BYTES),
+                          (3 * PART_BYTES - 1, 2 * PART_BYTES + 2), (len(big) - 5, 50),
+                          (len(big), 10), (0, len(big))):
+        assert bytes(store.get_range("job:j:state:3:n", start, length)) == \
+            big[start:start + length], (start, length)
+    assert store.keys("job:j:") == ["job:j:state:3:n"]  # never the parts
+    assert store.exists("job:j:state:3:n") and store.count_existing(["job:j:state:3:n"]) == 1
+    store.delete("job:j:state:3:n", "small")
+    assert _raw_sizes(store) == {}  # the parts went with their head
+
+
+def test_parts_are_written_once_first_wins_and_overwrites_leave_no_parts_behind(
+        redis_url: str) -> None:
+    store = RedisBlobStore(redis_url)
+    rng = np.random.default_rng(2)
+    first, second, third = (rng.bytes(2 * PART_BYTES + k) for k in (1, 2, 3))
+    assert store.set_if_absent("g", first) and not store.set_if_absent("g", second)
+    assert store.get("g") == first and len(_raw_sizes(store)) == 1 + 3  # the loser's parts gone
+    store.set("g", third)
+    assert store.get("g") == third and len(_raw_sizes(store)) == 1 + 3  # first's parts gone
+    store.set("g", b"small now")
+    assert store.get("g") == b"small now"
+
+
+def test_a_value_that_looks_like_a_manifest_round_trips_and_a_lost_part_reads_as_missing(
+        redis_url: str) -> None:
+    from hotstate.blobs import _PARTS_MAGIC
+
+    store = RedisBlobStore(redis_url)
+    tricky = _PARTS_MAGIC + b"0123456789abcdef:1:5:5"  # a client's bytes, not a manifest
+    store.set("t", tricky)
+    assert store.get("t") == tricky and bytes(store.get_range("t", 0, 4)) == tricky[:4]
+    store.set("b", b"\1" * (PART_BYTES + 1), ttl=60)
+    raw = store._redis
+    part = next(k for k in raw.scan_iter(match="b:~*"))
+    assert 0 < raw.pttl(part) <= 60_000  # parts expire with their head
+    raw.delete(part)  # evicted, or deleted by a cleanup meanwhile
+    assert store.get("b") is None and store.get_many(["b"]) == [None]
