@@ -140,17 +140,15 @@ def run_apply_step(ctx: SchedulerContext, job_id: str, step: int) -> str:
     results = load_results(ctx, job_id, step, info)
     if results is None:
         return Outcome.INCOMPLETE
-    # the update is written straight into the two blobs it is stored as: the weights message
-    # every agent downloads next (the API serves it as stored) and the state (weights,
-    # optimizer state, buffers); only the weights are copied, from one into the other
+    # the update is written straight into the blob it is stored as (weights, optimizer state,
+    # buffers); the weights message every agent downloads next (the API serves it as stored)
+    # is copied out of it and sealed while the blob is being written to the store
     n_params, n_buffers = info.model.n_params, info.model.n_buffers
     message = WeightsMessage(job_id, step + 1, n_params, n_buffers)
     blob = StateBlob(step + 1, n_params, n_buffers, len(STATE_SLOTS[info.spec.optimizer]))
     new_state, metrics = engine_apply_step(info.model, info.spec, state, results,
                                            workers=ctx.tuning.apply_threads,
-                                           out=(message.params, blob.opt_state, message.buffers))
-    blob.params[:] = message.params
-    blob.buffers[:] = message.buffers
+                                           out=(blob.params, blob.opt_state, blob.buffers))
     nonce = keys.new_nonce()
     state_key = keys.state(job_id, step + 1, nonce)
     # stored while the checkpoint and the step's rows are written: the commit waits for it
@@ -158,6 +156,9 @@ def run_apply_step(ctx: SchedulerContext, job_id: str, step: int) -> str:
     writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="state-write")
     storing = writer.submit(ctx.blobs.set, state_key, blob.data)
     writer.shutdown(wait=False)  # the write goes on; no thread outlives it
+    message.params[:] = blob.params  # both only read the blob meanwhile
+    message.buffers[:] = blob.buffers
+    weights = message.seal()
 
     def stored() -> None:
         storing.result()
@@ -185,7 +186,7 @@ def run_apply_step(ctx: SchedulerContext, job_id: str, step: int) -> str:
     # committed: the next step reads the state from here, if still stored, and this process's
     # API serves the message as made; other processes encode it from the state (one message
     # per step and process instead of 12.9 MB more through Redis on the step's critical path)
-    RECENT.remember(job_id, new_state, nonce, message.seal())
+    RECENT.remember(job_id, new_state, nonce, weights)
     drop_step_keys(ctx, job_id, keep_state=step + 1)
     bump_version(ctx.blobs)
     return Outcome.APPLIED
