@@ -159,9 +159,14 @@ _MANIFEST_MAX = 128  # bytes: a manifest is shorter, so GETRANGE of this many te
 _PART_KEY = re.compile(r":~[0-9a-f]{16}:[0-9]+\Z")
 
 
+def _byte_view(value: bytes | bytearray | memoryview) -> memoryview:
+    return memoryview(value).cast("B")
+
+
 def _in_parts(value: bytes | bytearray | memoryview) -> bool:
     """Whether `value` is stored as parts: a big one, or one that would read as a manifest."""
-    return len(value) > PART_BYTES or bytes(value[:len(_PARTS_MAGIC)]) == _PARTS_MAGIC
+    view = _byte_view(value)
+    return view.nbytes > PART_BYTES or bytes(view[:len(_PARTS_MAGIC)]) == _PARTS_MAGIC
 
 
 @dataclass(frozen=True)
@@ -187,27 +192,58 @@ class _Parts:
         return [f"{key}:~{self.token}:{i}" for i in range(self.count)]
 
 
-# the parts a head names are deleted with it, atomically (ARGV[1]: the magic)
-_DELETE_WITH_PARTS = """
-local deleted = 0
-for _, key in ipairs(KEYS) do
-  local head = redis.call('GETRANGE', key, 0, 127)
+# Lua, so that a head and the parts it names change together (ARGV[1]: the magic). The scripts
+# make part names from the head's: a single Redis (or a primary with replicas), not a Cluster.
+_DROP_PARTS = """
+local function drop_parts(key, head)
   if string.sub(head, 1, #ARGV[1]) == ARGV[1] then
     local token, count = string.match(string.sub(head, #ARGV[1] + 1), '^(%x+):(%d+):')
     if token then
       for i = 0, tonumber(count) - 1 do redis.call('DEL', key .. ':~' .. token .. ':' .. i) end
     end
   end
+end
+"""
+# every key of KEYS, with the parts its head names
+_DELETE = _DROP_PARTS + """
+local deleted = 0
+for _, key in ipairs(KEYS) do
+  drop_parts(key, redis.call('GETRANGE', key, 0, 127))
   deleted = deleted + redis.call('DEL', key)
 end
 return deleted
 """
+# KEYS[1] and its parts, only while its head is still ARGV[2]
+_DELETE_IF_HEAD = _DROP_PARTS + """
+if redis.call('GET', KEYS[1]) ~= ARGV[2] then return 0 end
+drop_parts(KEYS[1], ARGV[2])
+return redis.call('DEL', KEYS[1])
+"""
+# name the parts just written (ARGV[2]: their manifest; ARGV[3]: PX or 0; ARGV[4]: '1' for NX):
+# a retried write (its manifest is there already) is done; an NX that loses drops the new
+# parts; a value in parts that is replaced loses its own
+_PUT_HEAD = _DROP_PARTS + """
+local key, head = KEYS[1], ARGV[2]
+local old = redis.call('GETRANGE', key, 0, 127)
+if old == head then return 1 end
+if ARGV[4] == '1' and redis.call('EXISTS', key) == 1 then
+  drop_parts(key, head)
+  return 0
+end
+drop_parts(key, old)
+if tonumber(ARGV[3]) > 0 then redis.call('SET', key, head, 'PX', ARGV[3])
+else redis.call('SET', key, head) end
+return 1
+"""
+READ_TRIES = 3  # a value overwritten while its parts are read is read again
 
 
 class RedisBlobStore:
     """Redis strings; `keys` uses SCAN (never KEYS) so a big keyspace does not block Redis.
     Values over PART_BYTES are written as parts and a manifest in one MULTI/EXEC (a reader sees
-    all of it or none; a writer that dies mid-way leaves nothing) and read back whole."""
+    all of it or none; a writer that dies mid-way leaves nothing; a retried one is done once)
+    and read back whole. A value one of whose parts is gone (evicted) reads as missing, and its
+    head is deleted so that it can be written again."""
 
     def __init__(self, url: str) -> None:
         self.url = url
@@ -218,7 +254,9 @@ class RedisBlobStore:
         self._delete_if_equal = self._redis.register_script(
             "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) "
             "end return 0")
-        self._delete_with_parts = self._redis.register_script(_DELETE_WITH_PARTS)
+        self._delete = self._redis.register_script(_DELETE)
+        self._delete_if_head = self._redis.register_script(_DELETE_IF_HEAD)
+        self._put_head = self._redis.register_script(_PUT_HEAD)
 
     def get(self, key: str) -> bytes | None:
         return self._whole(key, self._redis.get(key))
@@ -232,36 +270,49 @@ class RedisBlobStore:
         return [self._whole(key, head) for key, head in zip(keys, out)]
 
     def _whole(self, key: str, head: bytes | None) -> bytes | None:
-        """The value whose head was read: itself, or its parts joined (None: a part is gone,
-        as when the value was deleted or evicted meanwhile)."""
-        parts = _Parts.of(head)
-        if parts is None:
-            return head
-        pieces = self._redis.mget(parts.keys(key))
-        if any(piece is None for piece in pieces):
-            return None
-        return b"".join(pieces)
+        """The value whose head was read: itself, or its parts joined; read again when it was
+        overwritten meanwhile. None: gone, or one of its parts is (its head is deleted, so
+        that the value can be written again)."""
+        for _ in range(READ_TRIES):
+            parts = _Parts.of(head)
+            if parts is None:
+                return head
+            pieces = self._redis.mget(parts.keys(key))
+            if all(piece is not None for piece in pieces):
+                return b"".join(pieces)
+            again = self._redis.get(key)
+            if again == head:  # lost for good (evicted, or expired before its head)
+                self._delete_if_head(keys=[key], args=[_PARTS_MAGIC, head])
+                return None
+            head = again
+        return None
 
     def get_range(self, key: str, start: int, length: int) -> bytes | memoryview:
+        """Fewer bytes than asked when the value is shorter, or was lost meanwhile."""
         if length <= 0:
             return b""
-        pipe = self._redis.pipeline(transaction=False)
-        pipe.getrange(key, 0, _MANIFEST_MAX - 1)
-        pipe.getrange(key, start, start + length - 1)
-        head, data = pipe.execute()
-        parts = _Parts.of(head)
-        if parts is None:
-            return data
-        end = min(start + length, parts.total)
-        if start >= end:
-            return b""
-        names = parts.keys(key)
-        pipe = self._redis.pipeline(transaction=False)
-        for i in range(start // parts.size, (end - 1) // parts.size + 1):
-            lo = max(start, i * parts.size) - i * parts.size
-            hi = min(end, (i + 1) * parts.size) - i * parts.size
-            pipe.getrange(names[i], lo, hi - 1)
-        return b"".join(pipe.execute())
+        for _ in range(READ_TRIES):
+            pipe = self._redis.pipeline(transaction=True)  # the head and data of one value
+            pipe.getrange(key, 0, _MANIFEST_MAX - 1)
+            pipe.getrange(key, start, start + length - 1)
+            head, data = pipe.execute()
+            parts = _Parts.of(head)
+            if parts is None:
+                return data
+            end = min(start + length, parts.total)
+            if start >= end:
+                return b""
+            names = parts.keys(key)
+            pipe = self._redis.pipeline(transaction=False)
+            for i in range(start // parts.size, (end - 1) // parts.size + 1):
+                lo = max(start, i * parts.size) - i * parts.size
+                hi = min(end, (i + 1) * parts.size) - i * parts.size
+                pipe.getrange(names[i], lo, hi - 1)
+            data = b"".join(pipe.execute())
+            if len(data) == end - start or self._redis.getrange(
+                    key, 0, _MANIFEST_MAX - 1) == head:
+                return data  # whole, or short because lost (callers check the length)
+        return b""
 
     def publish(self, channel: str) -> None:
         self._redis.publish(self._channel(channel), b"")
@@ -286,37 +337,34 @@ class RedisBlobStore:
 
     def set(self, key: str, value: bytes, ttl: float | None = None) -> None:
         if not _in_parts(value):
-            self._redis.set(key, value, px=_ms(ttl))
+            replaced = _Parts.of(self._redis.set(key, value, px=_ms(ttl), get=True))
+            if replaced is not None:  # a value in parts overwritten by a small one
+                self._redis.delete(*replaced.keys(key))
             return
-        parts, pipe = self._parts_pipeline(key, value, ttl)
-        pipe.set(key, parts.manifest(), px=_ms(ttl), get=True)
-        replaced = _Parts.of(pipe.execute()[-1])
-        if replaced is not None:  # a value in parts overwritten: its parts go too
-            self._redis.delete(*replaced.keys(key))
+        self._put_parts(key, value, ttl, nx=False)
 
     def set_if_absent(self, key: str, value: bytes, ttl: float | None = None) -> bool:
         if not _in_parts(value):
             return bool(self._redis.set(key, value, nx=True, px=_ms(ttl)))
-        parts, pipe = self._parts_pipeline(key, value, ttl)
-        pipe.set(key, parts.manifest(), nx=True, px=_ms(ttl))
-        if pipe.execute()[-1]:
-            return True
-        self._redis.delete(*parts.keys(key))  # another value was there first: ours unnamed
-        return False
+        if self._redis.exists(key):
+            return False  # the usual loser (a duplicate upload) sends nothing
+        return self._put_parts(key, value, ttl, nx=True)
 
-    def _parts_pipeline(self, key: str, value: bytes, ttl: float | None) -> tuple[_Parts, Any]:
-        """A MULTI with `value`'s parts queued (the caller queues the manifest last)."""
-        view = memoryview(value).cast("B")
-        count = max(1, -(-len(view) // PART_BYTES))
-        parts = _Parts(secrets.token_hex(8), count, len(view), PART_BYTES)
+    def _put_parts(self, key: str, value: bytes, ttl: float | None, nx: bool) -> bool:
+        """`value`'s parts and then its manifest (_PUT_HEAD), in one MULTI/EXEC."""
+        view = _byte_view(value)
+        count = max(1, -(-view.nbytes // PART_BYTES))
+        parts = _Parts(secrets.token_hex(8), count, view.nbytes, PART_BYTES)
         pipe = self._redis.pipeline(transaction=True)
         for i, name in enumerate(parts.keys(key)):
             pipe.set(name, view[i * PART_BYTES:(i + 1) * PART_BYTES], px=_ms(ttl))
-        return parts, pipe
+        self._put_head(keys=[key], args=[_PARTS_MAGIC, parts.manifest(), _ms(ttl) or 0,
+                                         "1" if nx else "0"], client=pipe)
+        return bool(pipe.execute()[-1])
 
     def delete(self, *keys: str) -> None:
         if keys:
-            self._delete_with_parts(keys=list(keys), args=[_PARTS_MAGIC])
+            self._delete(keys=list(keys), args=[_PARTS_MAGIC])
 
     def keys(self, prefix: str) -> list[str]:
         """The keys under `prefix` (never the parts of a value: they go with their head)."""
@@ -331,9 +379,12 @@ class RedisBlobStore:
         return int(self._redis.exists(*keys)) if keys else 0
 
     def delete_if_equal(self, key: str, value: bytes) -> bool:
-        if _in_parts(value):  # for claims and locks: small tokens
-            raise ValueError("delete_if_equal compares values of at most PART_BYTES")
-        return bool(self._delete_if_equal(keys=[key], args=[value]))
+        head = self._redis.get(key) if _in_parts(value) else None
+        if _Parts.of(head) is None:  # a small value (claims, locks), or one not in parts
+            return bool(self._delete_if_equal(keys=[key], args=[value]))
+        if self._whole(key, head) != value:
+            return False
+        return bool(self._delete_if_head(keys=[key], args=[_PARTS_MAGIC, head]))
 
     def flush(self) -> None:
         self._redis.flushdb()

@@ -10,7 +10,12 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from agent.runtime.workerenv import BACKEND_ENV, CORES_ENV, MALLOC_TUNABLES, THREADS_ENV
+from agent.runtime.workerenv import (
+    BACKEND_ENV,
+    CORES_ENV,
+    THREADS_ENV,
+    with_malloc_tunables,
+)
 
 THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
                "VECLIB_MAXIMUM_THREADS", "NUMEXPR_NUM_THREADS")
@@ -53,7 +58,7 @@ class ComputeWorker:
         env.update({var: str(blas_threads(config)) for var in THREAD_VARS})
         env[THREADS_ENV] = str(config.threads)
         env[BACKEND_ENV] = config.backend
-        env.setdefault("GLIBC_TUNABLES", MALLOC_TUNABLES)  # an operator's own setting wins
+        env["GLIBC_TUNABLES"] = with_malloc_tunables(env.get("GLIBC_TUNABLES"))
         env.pop(CORES_ENV, None)
         if config.cores:
             env[CORES_ENV] = ",".join(str(c) for c in config.cores)

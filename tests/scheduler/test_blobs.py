@@ -180,7 +180,44 @@ def test_parts_are_written_once_first_wins_and_overwrites_leave_no_parts_behind(
     store.set("g", third)
     assert store.get("g") == third and len(_raw_sizes(store)) == 1 + 3  # first's parts gone
     store.set("g", b"small now")
-    assert store.get("g") == b"small now"
+    assert store.get("g") == b"small now" and _raw_sizes(store) == {"g": 9}
+
+
+def test_a_write_retried_after_its_reply_was_lost_is_done_once(
+        redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """redis-py sends a MULTI again when the connection drops before EXEC's reply: the same
+    parts and manifest arrive twice; the value must stay whole and count as written."""
+    import hotstate.blobs as blobs
+
+    store = RedisBlobStore(redis_url)
+    value = np.random.default_rng(3).bytes(PART_BYTES + 99)
+    monkeypatch.setattr(blobs.secrets, "token_hex", lambda n: "ab" * n)  # the same write
+    assert store._put_parts("n", value, None, nx=True)
+    assert store._put_parts("n", value, None, nx=True)  # the retry: ours, so True
+    store._put_parts("s", value, None, nx=False)
+    store._put_parts("s", value, None, nx=False)
+    assert store.get("n") == value and store.get("s") == value
+    assert len(_raw_sizes(store)) == 2 * (1 + 2)
+
+
+def test_a_big_value_is_deleted_only_while_it_holds_what_was_read(redis_url: str) -> None:
+    store = RedisBlobStore(redis_url)
+    rng = np.random.default_rng(4)
+    value, other = rng.bytes(3 * PART_BYTES), rng.bytes(3 * PART_BYTES)
+    store.set("r", value)
+    assert not store.delete_if_equal("r", other) and store.get("r") == value
+    assert store.delete_if_equal("r", value) and _raw_sizes(store) == {}
+
+
+def test_a_reader_whose_value_was_overwritten_meanwhile_reads_the_new_one(
+        redis_url: str) -> None:
+    store = RedisBlobStore(redis_url)
+    rng = np.random.default_rng(5)
+    old, new = rng.bytes(PART_BYTES + 1), rng.bytes(PART_BYTES + 2)
+    store.set("w", old)
+    head = store._redis.get("w")  # a reader has the head; a writer replaces the value
+    store.set("w", new)
+    assert store._whole("w", head) == new
 
 
 def test_a_value_that_looks_like_a_manifest_round_trips_and_a_lost_part_reads_as_missing(
@@ -195,5 +232,9 @@ def test_a_value_that_looks_like_a_manifest_round_trips_and_a_lost_part_reads_as
     raw = store._redis
     part = next(k for k in raw.scan_iter(match="b:~*"))
     assert 0 < raw.pttl(part) <= 60_000  # parts expire with their head
-    raw.delete(part)  # evicted, or deleted by a cleanup meanwhile
+    raw.delete(part)  # evicted
     assert store.get("b") is None and store.get_many(["b"]) == [None]
+    assert not store.exists("b")  # the broken head dropped, with what was left of it
+    assert not [k for k in _raw_sizes(store) if k.startswith("b")]
+    assert store.set_if_absent("b", b"\2" * (PART_BYTES + 1))  # so it can be stored again
+    assert store.get("b") == b"\2" * (PART_BYTES + 1)
