@@ -35,7 +35,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.proc_cpu import process_cpu  # noqa: E402
+from bench.proc_cpu import process_cpu, process_faults  # noqa: E402
 
 ADMIN = "phx-admin-bench-" + "0" * 24
 DATASET = "synthetic:3x32x32:10:65536"
@@ -236,8 +236,10 @@ def run_phalanx(root: Path, mode: str, n: int, steps: int, pg: str | None, rd: s
                 assert time.monotonic() < deadline, "steps did not advance"
                 if at >= 1 and not cpu_before:
                     cpu_before, first = cpu_seconds(groups_pids), at
+                    faults_before = page_faults(groups_pids)
                 time.sleep(0.25)  # the bench's own polling is load on the server too
             cpu_after = cpu_seconds(groups_pids)
+            faults_after = page_faults(groups_pids)
             rows = c.get(f"/v1/jobs/{job_id}/metrics").json()["items"]
             c.post(f"/v1/jobs/{job_id}/cancel")
     finally:
@@ -259,12 +261,15 @@ def run_phalanx(root: Path, mode: str, n: int, steps: int, pg: str | None, rd: s
     wall = [r["step_seconds"] for r in measured]
     coord = [r["step_seconds"] - local.get(r["step"], 0.0) for r in measured]
     cpu = {g: (cpu_after[g] - cpu_before.get(g, 0.0)) / max(1, at - first) for g in cpu_after}
+    faults = {g: (faults_after[g] - faults_before.get(g, 0)) / max(1, at - first)
+              for g in faults_after}
     per_step = [sent[r["step"]] for r in measured if r["step"] in sent]
     return {"mode": mode, "agents": n, "shards_per_agent": per_agent, "pre_add": pre_add,
             "slices": slices, "workers": workers if mode == "redis" else 0,
             "upload_bytes_per_agent_step": statistics.median(per_step) / n if per_step else None,
             "model_bytes": 4 * N_PARAMS, "step_wall_s": statistics.median(wall),
             "cpu_s_per_step": cpu,
+            "page_faults_per_step": faults,
             "slowest_agent_local_s": statistics.median(local.get(r["step"], 0.0) for r in measured),
             "coordination_s": statistics.median(coord), "steps": len(measured),
             "phases_s": step_phases(marks, [r["step"] for r in measured])}
@@ -286,16 +291,32 @@ def step_phases(marks: dict[int, list[tuple[float, ...]]], steps: list[int]) -> 
     return {k: statistics.median(v) for k, v in phases.items() if v}
 
 
+def _group_of(groups: dict[str, list[int]]) -> Any:
+    owner = {pid: g for g, pids in groups.items() for pid in pids}
+    return lambda pid, name: owner.get(pid) or (
+        "redis" if name.startswith("redis") else "postgres" if name.startswith("postgres")
+        else None)
+
+
 def cpu_seconds(groups: dict[str, list[int]]) -> dict[str, float]:
     """CPU time so far (user + system) of each group of processes, plus Redis and Postgres by
     process name: on a 2-core machine the step is as fast as its total CPU allows."""
-    owner = {pid: g for g, pids in groups.items() for pid in pids}
-    totals = dict.fromkeys([*groups, "redis", "postgres"], 0.0)
+    group_of, totals = _group_of(groups), dict.fromkeys([*groups, "redis", "postgres"], 0.0)
     for pid, name, seconds in process_cpu():
-        group = owner.get(pid) or ("redis" if name.startswith("redis") else
-                                   "postgres" if name.startswith("postgres") else None)
+        group = group_of(pid, name)
         if group:
             totals[group] += seconds
+    return totals
+
+
+def page_faults(groups: dict[str, list[int]]) -> dict[str, int]:
+    """Minor page faults so far of the same groups (Redis's were its 25.7 MB state write's
+    buffer, faulted in afresh each step until values went into Redis in parts)."""
+    group_of, totals = _group_of(groups), dict.fromkeys([*groups, "redis", "postgres"], 0)
+    for pid, name, count in process_faults():
+        group = group_of(pid, name)
+        if group:
+            totals[group] += count
     return totals
 
 
@@ -375,7 +396,9 @@ def main() -> None:
               f"{row['coordination_s'] * 1000:7.0f} ms | CPU per step: " + ", ".join(
                   f"{g} {v * 1000:.0f} ms" for g, v in row["cpu_s_per_step"].items() if v)
               + " | phases: " + ", ".join(f"{k} {v * 1000:.0f} ms"
-                                          for k, v in row["phases_s"].items()),
+                                          for k, v in row["phases_s"].items())
+              + " | page faults per step: " + ", ".join(
+                  f"{g} {v:.0f}" for g, v in row["page_faults_per_step"].items() if v),
               flush=True)
     gloo = {n: run_gloo(n) for n in counts if n <= args.gloo_max}
     for n, g in gloo.items():
