@@ -7,7 +7,8 @@ Run:  .venv/bin/python bench/phone_cores.py [--reps 5] [--arch resnet18 --width 
 Each worker computes the step's 4 shards (the 2-thread one two at a time, side by side, one
 single-threaded BLAS each); reps alternate the two so machine noise hits both alike. Prints the
 best-of-reps step time of each, the speedup (target >= 1.7x on a 2-core machine) and whether
-the uploaded bytes are identical (they must be).
+the uploaded bytes are identical (they must be), and the page faults a step costs (on a phone:
+whether its allocator hands each shard fresh pages, as glibc's did before the agent's tunables).
 """
 
 from __future__ import annotations
@@ -70,15 +71,21 @@ def main() -> None:
         times: dict[int, list[float]] = {1: [], 2: []}
         compute: dict[int, list[float]] = {1: [], 2: []}
         out: dict[int, bytes] = {}
+        faults: dict[int, list[int]] = {1: [], 2: []}
         try:
+            reply_pids: dict[int, list[int]] = {}
             for n, w in workers.items():  # warm-up: imports, first-call allocations
-                w.request({**req, "out_path": str(tmp / f"warm-{n}.bin")})
+                reply_pids[n] = w.request({**req, "out_path": str(tmp / f"warm-{n}.bin")}).get(
+                    "helper_pids", [])
             for _ in range(args.reps):
                 for n, w in workers.items():
                     path = tmp / f"out-{n}.bin"
+                    before = page_faults(w.pid, reply_pids.get(n, []))
                     t0 = time.perf_counter()
                     reply = w.request({**req, "out_path": str(path)})
                     times[n].append(time.perf_counter() - t0)
+                    reply_pids[n] = reply.get("helper_pids", [])
+                    faults[n].append(page_faults(w.pid, reply_pids[n]) - before)
                     compute[n].append(reply["compute_s"])
                     out[n] = path.read_bytes()
         finally:
@@ -92,6 +99,20 @@ def main() -> None:
         print(f"{what}: 1 thread {one * 1000:.1f} ms, 2 threads {two * 1000:.1f} ms, "
               f"speedup {one / two:.2f}x")
     print(f"same bytes uploaded: {out[1] == out[2]} ({len(out[1]):,} bytes)")
+    print(f"page faults a step (the worker and its helpers; thousands mean the allocator gives "
+          f"each shard fresh pages): 1 thread {min(faults[1]):,}, 2 threads {min(faults[2]):,}")
+
+
+def page_faults(pid: int, helpers: list[int]) -> int:
+    """Minor page faults so far of a worker and its helpers (/proc: Linux and Android)."""
+    total = 0
+    for each in (pid, *helpers):
+        try:
+            with open(f"/proc/{each}/stat") as fh:
+                total += int(fh.read().rsplit(")", 1)[1].split()[7])
+        except (OSError, ValueError, IndexError):
+            continue
+    return total
 
 
 if __name__ == "__main__":
