@@ -146,6 +146,11 @@ def _kept(value: bytes | bytearray | memoryview) -> bytes | memoryview:
 
 
 MGET_GROUP = 8
+# keys per SCAN call: every upload and work answer lists its step's results this way, so a
+# keyspace of a few thousand keys (per-device keys grow with the fleet) is one round trip, not
+# several (5,000 keys: 1.06 -> 0.70 ms a listing; 20,000: 7.1 -> 3.4 ms), while one call still
+# holds Redis for a millisecond or two at most
+SCAN_COUNT = 10_000
 
 # A value bigger than PART_BYTES is stored as parts of at most that size. Redis reads a big
 # argument into a buffer of its own size; jemalloc gives one of 8 MiB or more ("oversize") from
@@ -370,7 +375,7 @@ class RedisBlobStore:
         """The keys under `prefix` (never the parts of a value: they go with their head)."""
         pattern = _glob_escape(prefix) + "*"
         return [name for name in (k.decode() for k in self._redis.scan_iter(
-            match=pattern, count=1000)) if not _PART_KEY.search(name)]
+            match=pattern, count=SCAN_COUNT)) if not _PART_KEY.search(name)]
 
     def exists(self, key: str) -> bool:
         return bool(self._redis.exists(key))

@@ -238,3 +238,22 @@ def test_a_value_that_looks_like_a_manifest_round_trips_and_a_lost_part_reads_as
     assert not [k for k in _raw_sizes(store) if k.startswith("b")]
     assert store.set_if_absent("b", b"\2" * (PART_BYTES + 1))  # so it can be stored again
     assert store.get("b") == b"\2" * (PART_BYTES + 1)
+
+
+def test_listing_a_steps_keys_in_a_fleet_sized_keyspace_is_one_scan(redis_url: str) -> None:
+    """Every upload and work answer lists its step's results: with a few thousand other keys
+    (per-device keys grow with the fleet) that is one SCAN round trip, not one per thousand."""
+    store = RedisBlobStore(redis_url)
+    raw = store._redis
+    pipe = raw.pipeline(transaction=False)
+    for i in range(5000):  # 3 keys a device and job, ~1,700 phones
+        pipe.set(f"job:j:lat:dev{i}", b"0.1")
+    pipe.execute()
+    store.set("job:j:grad:7:0", b"ref")
+
+    def scans() -> int:
+        return int(raw.info("commandstats").get("cmdstat_scan", {}).get("calls", 0))
+
+    before = scans()
+    assert store.keys("job:j:grad:7:") == ["job:j:grad:7:0"]
+    assert scans() - before == 1
