@@ -33,7 +33,7 @@ def atomic_write(path: Path, data: bytes | Sequence[memoryview], mode: int = 0o6
     `durable=False` skips the fsyncs, for files a reader checks or makes again after a crash
     (a step's weights and results, 10-100 MB a step): the rename still means a reader sees
     the old file or the whole new one while the phone stays up; after a power cut the file
-    may be absent or short, which its reader notices."""
+    may be absent, short or torn, which its reader's CRC check notices."""
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
