@@ -232,6 +232,7 @@ def run_phalanx(root: Path, mode: str, n: int, steps: int, pg: str | None, rd: s
             job_id = c.post("/v1/jobs", json=spec).json()["id"]
             deadline = time.monotonic() + 600
             cpu_before: dict[str, float] = {}
+            faults_before: dict[str, int] = {}
             while (at := c.get(f"/v1/jobs/{job_id}").json()["step"]) < steps + 1:
                 assert time.monotonic() < deadline, "steps did not advance"
                 if at >= 1 and not cpu_before:

@@ -168,6 +168,11 @@ def _byte_view(value: bytes | bytearray | memoryview) -> memoryview:
     return memoryview(value).cast("B")
 
 
+def _sendable(value: bytes | bytearray | memoryview) -> bytes | bytearray | memoryview:
+    """What the RESP packer sizes right: it counts a memoryview's items, not its bytes."""
+    return value if isinstance(value, (bytes, bytearray)) else _byte_view(value)
+
+
 def _in_parts(value: bytes | bytearray | memoryview) -> bool:
     """Whether `value` is stored as parts: a big one, or one that would read as a manifest."""
     view = _byte_view(value)
@@ -261,7 +266,6 @@ class RedisBlobStore:
             "end return 0")
         self._delete = self._redis.register_script(_DELETE)
         self._delete_if_head = self._redis.register_script(_DELETE_IF_HEAD)
-        self._put_head = self._redis.register_script(_PUT_HEAD)
 
     def get(self, key: str) -> bytes | None:
         return self._whole(key, self._redis.get(key))
@@ -342,7 +346,7 @@ class RedisBlobStore:
 
     def set(self, key: str, value: bytes, ttl: float | None = None) -> None:
         if not _in_parts(value):
-            replaced = _Parts.of(self._redis.set(key, value, px=_ms(ttl), get=True))
+            replaced = _Parts.of(self._redis.set(key, _sendable(value), px=_ms(ttl), get=True))
             if replaced is not None:  # a value in parts overwritten by a small one
                 self._redis.delete(*replaced.keys(key))
             return
@@ -350,7 +354,7 @@ class RedisBlobStore:
 
     def set_if_absent(self, key: str, value: bytes, ttl: float | None = None) -> bool:
         if not _in_parts(value):
-            return bool(self._redis.set(key, value, nx=True, px=_ms(ttl)))
+            return bool(self._redis.set(key, _sendable(value), nx=True, px=_ms(ttl)))
         if self._redis.exists(key):
             return False  # the usual loser (a duplicate upload) sends nothing
         return self._put_parts(key, value, ttl, nx=True)
@@ -363,8 +367,10 @@ class RedisBlobStore:
         pipe = self._redis.pipeline(transaction=True)
         for i, name in enumerate(parts.keys(key)):
             pipe.set(name, view[i * PART_BYTES:(i + 1) * PART_BYTES], px=_ms(ttl))
-        self._put_head(keys=[key], args=[_PARTS_MAGIC, parts.manifest(), _ms(ttl) or 0,
-                                         "1" if nx else "0"], client=pipe)
+        # EVAL, not EVALSHA: no SCRIPT EXISTS round trip before each write, no NOSCRIPT
+        # inside the EXEC (after a SCRIPT FLUSH or a failover) with the parts already queued
+        pipe.eval(_PUT_HEAD, 1, key, _PARTS_MAGIC, parts.manifest(), _ms(ttl) or 0,
+                  "1" if nx else "0")
         return bool(pipe.execute()[-1])
 
     def delete(self, *keys: str) -> None:
