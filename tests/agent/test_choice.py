@@ -236,5 +236,7 @@ def test_a_workers_steps_reuse_its_memory_instead_of_faulting_in_fresh_pages(
     theirs = _step_faults(req, "glibc.malloc.mmap_threshold=131072:"
                                "glibc.malloc.trim_threshold=131072",
                           monkeypatch)  # glibc's static defaults (no dynamic threshold)
-    assert len(ours) == 2 and max(ours) < 50 and max(beside) < 50, (ours, beside)
-    assert min(theirs) > 200, theirs
+    # measured alone: 0-1 a process with ours, ~1,100 with glibc's static defaults; a loaded
+    # machine added up to ~100 once
+    assert len(ours) == 2 and max(ours) < 300 and max(beside) < 300, (ours, beside)
+    assert min(theirs) > 500, theirs
