@@ -26,6 +26,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -232,7 +233,7 @@ def run_phalanx(root: Path, mode: str, n: int, steps: int, pg: str | None, rd: s
             job_id = c.post("/v1/jobs", json=spec).json()["id"]
             deadline = time.monotonic() + 600
             cpu_before: dict[str, float] = {}
-            faults_before: dict[str, int] = {}
+            faults_before: dict[str, float] = {}
             while (at := c.get(f"/v1/jobs/{job_id}").json()["step"]) < steps + 1:
                 assert time.monotonic() < deadline, "steps did not advance"
                 if at >= 1 and not cpu_before:
@@ -292,33 +293,29 @@ def step_phases(marks: dict[int, list[tuple[float, ...]]], steps: list[int]) -> 
     return {k: statistics.median(v) for k, v in phases.items() if v}
 
 
-def _group_of(groups: dict[str, list[int]]) -> Any:
+def _by_group(groups: dict[str, list[int]],
+              readings: Iterable[tuple[int, str, float]]) -> dict[str, float]:
+    """Each group's sum of a per-process reading, plus Redis and Postgres by process name."""
     owner = {pid: g for g, pids in groups.items() for pid in pids}
-    return lambda pid, name: owner.get(pid) or (
-        "redis" if name.startswith("redis") else "postgres" if name.startswith("postgres")
-        else None)
+    totals = dict.fromkeys([*groups, "redis", "postgres"], 0.0)
+    for pid, name, value in readings:
+        group = owner.get(pid) or ("redis" if name.startswith("redis") else
+                                   "postgres" if name.startswith("postgres") else None)
+        if group:
+            totals[group] += value
+    return totals
 
 
 def cpu_seconds(groups: dict[str, list[int]]) -> dict[str, float]:
-    """CPU time so far (user + system) of each group of processes, plus Redis and Postgres by
-    process name: on a 2-core machine the step is as fast as its total CPU allows."""
-    group_of, totals = _group_of(groups), dict.fromkeys([*groups, "redis", "postgres"], 0.0)
-    for pid, name, seconds in process_cpu():
-        group = group_of(pid, name)
-        if group:
-            totals[group] += seconds
-    return totals
+    """CPU time so far (user + system) of each group of processes: on a 2-core machine the
+    step is as fast as its total CPU allows."""
+    return _by_group(groups, process_cpu())
 
 
-def page_faults(groups: dict[str, list[int]]) -> dict[str, int]:
+def page_faults(groups: dict[str, list[int]]) -> dict[str, float]:
     """Minor page faults so far of the same groups (Redis's were its 25.7 MB state write's
     buffer, faulted in afresh each step until values went into Redis in parts)."""
-    group_of, totals = _group_of(groups), dict.fromkeys([*groups, "redis", "postgres"], 0)
-    for pid, name, count in process_faults():
-        group = group_of(pid, name)
-        if group:
-            totals[group] += count
-    return totals
+    return _by_group(groups, process_faults())
 
 
 def gloo_worker(rank: int, world: int, port: int, repeats: int, out: Any) -> None:
