@@ -24,9 +24,13 @@ from engine.step import ShardResult
 from hotstate import keys
 from hotstate.blobs import BlobStore
 
-MAGIC = b"PHLXG1"
+# G2 pads the header to 64 bytes so the arrays are read aligned (numpy reads an unaligned
+# float32 view through a buffered copy); G1 (50 bytes) is still read
+MAGIC = b"PHLXG2"
+_HEADER = struct.Struct("<6sIdqqQQ14x")  # magic, shard, loss_sum, correct, count, n_params, n_stats
+MAGIC_V1 = b"PHLXG1"
+_HEADER_V1 = struct.Struct("<6sIdqqQQ")
 REF_MAGIC = b"PHLXR1"
-_HEADER = struct.Struct("<6sIdqqQQ")  # magic, shard, loss_sum, correct, count, n_params, n_stats
 _REF = struct.Struct("<6sIdqqQQQQH")  # ... then grad offset, stats offset, body key length
 
 
@@ -43,14 +47,15 @@ def pack_result(result: ShardResult) -> bytes:
 
 
 def unpack_result(data: bytes, n_params: int, n_stats: int) -> ShardResult:
-    if len(data) < _HEADER.size:
+    header = _HEADER_V1 if bytes(data[:6]) == MAGIC_V1 else _HEADER
+    if len(data) < header.size:
         raise GradBlobError("gradient blob is truncated")
-    magic, shard, loss_sum, correct, count, p, s = _HEADER.unpack_from(data)
-    if magic != MAGIC or p != n_params or s != n_stats:
+    magic, shard, loss_sum, correct, count, p, s = header.unpack_from(data)
+    if magic not in (MAGIC, MAGIC_V1) or p != n_params or s != n_stats:
         raise GradBlobError("gradient blob does not fit this job's model")
-    if len(data) != _HEADER.size + 4 * (p + s):
+    if len(data) != header.size + 4 * (p + s):
         raise GradBlobError("gradient blob has the wrong length")
-    flat = np.frombuffer(data, dtype="<f4", offset=_HEADER.size)
+    flat = np.frombuffer(data, dtype="<f4", offset=header.size)
     return ShardResult(int(shard), flat[:p], float(loss_sum), int(correct), int(count), flat[p:])
 
 

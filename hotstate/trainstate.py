@@ -17,8 +17,12 @@ from hotstate import keys
 from hotstate.blobs import BlobStore
 from wire.messages import new_buffer
 
-MAGIC = b"PHLXS2"
-_HEADER = struct.Struct("<6sQQQQ")  # magic, step, n_params, n_buffers, slots
+# version 3 pads the header to 64 bytes: numpy reads and writes the arrays of a blob at an
+# unaligned offset through buffered copies (apply_step reads one state and writes the next)
+MAGIC = b"PHLXS3"
+_HEADER = struct.Struct("<6sQQQQ26x")  # magic, step, n_params, n_buffers, slots, padding
+MAGIC_V2 = b"PHLXS2"
+_HEADER_V2 = struct.Struct("<6sQQQQ")  # magic, step, n_params, n_buffers, slots
 MAGIC_V1 = b"PHLXS1"
 _HEADER_V1 = struct.Struct("<6sQQQ")  # magic, step, n_params, n_buffers (one slot)
 
@@ -52,10 +56,11 @@ def encode_state(state: TrainState) -> bytes:
 
 
 def _header(data: bytes) -> tuple[int, int, int, int, int] | None:
-    """(header size, step, n_params, n_buffers, slots) of either version, or None."""
-    if data[:6] == MAGIC and len(data) >= _HEADER.size:
-        _, step, n_params, n_buffers, slots = _HEADER.unpack_from(data)
-        return _HEADER.size, step, n_params, n_buffers, slots
+    """(header size, step, n_params, n_buffers, slots) of any version, or None."""
+    for magic, struct_ in ((MAGIC, _HEADER), (MAGIC_V2, _HEADER_V2)):
+        if data[:6] == magic and len(data) >= struct_.size:
+            _, step, n_params, n_buffers, slots = struct_.unpack_from(data)
+            return struct_.size, step, n_params, n_buffers, slots
     if data[:6] == MAGIC_V1 and len(data) >= _HEADER_V1.size:
         _, step, n_params, n_buffers = _HEADER_V1.unpack_from(data)
         return _HEADER_V1.size, step, n_params, n_buffers, 1

@@ -95,3 +95,42 @@ def test_stored_nodes_read_shards_and_partials_and_skip_what_is_no_range() -> No
         blobs.set(prefix + stray, b"x")
     assert set(stored_nodes(blobs, "j", 3)) == {(0, 1), (4, 8)}
     assert uploaded_shards(blobs, "j", 3) == {0, 4, 5, 6, 7}
+
+
+def test_state_and_whole_result_blobs_hold_their_arrays_aligned_and_older_ones_still_read() -> None:
+    """apply_step reads one state blob and writes the next in place: arrays at an unaligned
+    offset go through numpy's buffered copies. Version 3 state blobs and G2 results put their
+    arrays at byte 64; blobs an older replica wrote (S2, G1) read back the same."""
+    import struct
+
+    from engine.step import TrainState
+    from hotstate.trainstate import StateBlob, decode_state, encode_state
+
+    rng = np.random.default_rng(2)
+    state = TrainState(3, rng.standard_normal(50).astype(np.float32),
+                       rng.standard_normal(100).astype(np.float32),
+                       rng.standard_normal(7).astype(np.float32))
+    blob = StateBlob(3, 50, 7, slots=2)
+    assert blob.params.ctypes.data % 16 == 0
+    assert blob.opt_state.flags.aligned and blob.buffers.flags.aligned
+    new = decode_state(encode_state(state))
+    assert new.params.flags.aligned and new.opt_state.flags.aligned
+    arrays = b"".join(a.tobytes() for a in (state.params, state.opt_state, state.buffers))
+    older = decode_state(struct.pack("<6sQQQQ", b"PHLXS2", 3, 50, 7, 2) + arrays, expect_step=3)
+    oldest = decode_state(struct.pack("<6sQQQ", b"PHLXS1", 3, 50, 7) + arrays[:4 * 100]
+                          + state.buffers.tobytes())
+    for got in (new, older):
+        assert [got.params.tobytes(), got.opt_state.tobytes(), got.buffers.tobytes()] == \
+            [state.params.tobytes(), state.opt_state.tobytes(), state.buffers.tobytes()]
+    assert oldest.opt_state.tobytes() == state.opt_state[:50].tobytes()
+
+    result = ShardResult(4, rng.standard_normal(300).astype(np.float32), 2.5, 3, 4,
+                         rng.standard_normal(6).astype(np.float32))
+    whole = unpack(pack_result(result), 300, 6)
+    assert whole.grad_sum.flags.aligned and whole.stats.flags.aligned
+    g1 = struct.pack("<6sIdqqQQ", b"PHLXG1", 4, 2.5, 3, 4, 300, 6) + \
+        result.grad_sum.tobytes() + result.stats.tobytes()
+    for got in (whole, unpack(g1, 300, 6)):
+        assert (got.shard, got.loss_sum, got.correct, got.count) == (4, 2.5, 3, 4)
+        assert got.grad_sum.tobytes() == result.grad_sum.tobytes()
+        assert got.stats.tobytes() == result.stats.tobytes()
