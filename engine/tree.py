@@ -47,6 +47,24 @@ def is_node(lo: int, hi: int, shards: int) -> bool:
     return True
 
 
+def nodes(shards: int, over: Collection[int] | None = None) -> list[Node]:
+    """Every node of the tree over `shards` shards (2 x shards - 1 of them), root first; with
+    `over`, only those holding one of its shards (the paths from the root to them: about
+    len(over) x log2(shards) nodes)."""
+    wanted = None if over is None else sorted({k for k in over if 0 <= k < shards})
+    out: list[Node] = []
+    todo = [(0, shards)] if shards > 0 else []
+    while todo:
+        lo, hi = todo.pop()
+        if wanted is not None and bisect.bisect_left(wanted, hi) == bisect.bisect_left(wanted, lo):
+            continue  # none of `over` inside
+        out.append((lo, hi))
+        if hi - lo > 1:
+            mid = split(lo, hi)
+            todo += [(mid, hi), (lo, mid)]
+    return out
+
+
 def cover(held: Collection[int], shards: int) -> list[Node]:
     """The largest nodes made only of shards in `held`, in shard order: what a phone holding
     `held` uploads (one partial each; a contiguous run of k shards is at most ~2 log2 k nodes).

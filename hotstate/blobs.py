@@ -35,6 +35,14 @@ class BlobStore(Protocol):
         """How many of `keys` exist (one round trip)."""
         ...
 
+    def which_exist(self, keys: list[str]) -> list[bool]:
+        """Whether each of `keys` exists (one round trip, whatever the keyspace's size)."""
+        ...
+
+    def incr(self, key: str, amount: int) -> int:
+        """Add `amount` to the integer at `key` (0 when absent), atomically; the new value."""
+        ...
+
     def delete_if_equal(self, key: str, value: bytes) -> bool:
         """Delete `key` only if it still holds `value` (atomic); whether it did."""
         ...
@@ -118,8 +126,19 @@ class MemoryBlobStore:
             return self._live(key) is not None
 
     def count_existing(self, keys: list[str]) -> int:
+        return sum(self.which_exist(keys))
+
+    def which_exist(self, keys: list[str]) -> list[bool]:
         with self._lock:
-            return sum(self._live(k) is not None for k in keys)
+            return [self._live(k) is not None for k in keys]
+
+    def incr(self, key: str, amount: int) -> int:
+        with self._lock:
+            held = self._live(key)
+            value = int(bytes(held)) + amount if held is not None else amount
+            expires = self._data[key][1] if held is not None else None  # kept, as INCRBY does
+            self._data[key] = (str(value).encode(), expires)
+            return value
 
     def delete_if_equal(self, key: str, value: bytes) -> bool:
         with self._lock:
@@ -265,6 +284,10 @@ class RedisBlobStore:
             "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) "
             "end return 0")
         self._delete = self._redis.register_script(_DELETE)
+        self._which_exist = self._redis.register_script(
+            "local out = {} for i, key in ipairs(KEYS) do "
+            "out[i] = redis.call('EXISTS', key) == 1 and '1' or '0' end "
+            "return table.concat(out)")
         self._delete_if_head = self._redis.register_script(_DELETE_IF_HEAD)
 
     def get(self, key: str) -> bytes | None:
@@ -388,6 +411,14 @@ class RedisBlobStore:
 
     def count_existing(self, keys: list[str]) -> int:
         return int(self._redis.exists(*keys)) if keys else 0
+
+    def which_exist(self, keys: list[str]) -> list[bool]:
+        # one reply of "0"/"1" characters: a reply array of integers costs the client a parse
+        # per key (a step's tree over S shards has 2S - 1 possible keys)
+        return [c == 49 for c in self._which_exist(keys=keys)] if keys else []
+
+    def incr(self, key: str, amount: int) -> int:
+        return int(self._redis.incrby(key, amount))
 
     def delete_if_equal(self, key: str, value: bytes) -> bool:
         head = self._redis.get(key) if _in_parts(value) else None

@@ -16,10 +16,12 @@ copy. Two forms under a shard's key:
 from __future__ import annotations
 
 import struct
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import numpy as np
 
+from engine import tree
 from engine.step import ShardResult
 from hotstate import keys
 from hotstate.blobs import BlobStore
@@ -124,17 +126,31 @@ def unpack(data: bytes | memoryview, n_params: int, n_stats: int,
     return ShardResult(int(shard), grad, float(loss_sum), int(correct), int(count), stats)
 
 
-def stored_nodes(blobs: BlobStore, job_id: str, step: int) -> dict[tuple[int, int], str]:
-    """Every stored result of the step, shard's or partial's: its shard range -> its key."""
-    prefix = keys.grad_prefix(job_id, step)
-    found = {}
-    for key in blobs.keys(prefix):
-        node = keys.grad_node(key[len(prefix):])
-        if node is not None:
-            found[node] = key
-    return found
+def stored_nodes(blobs: BlobStore, job_id: str, step: int, shards: int,
+                 over: Collection[int] | None = None) -> dict[tuple[int, int], str]:
+    """Every stored result of the step, shard's or partial's: its shard range -> its key
+    (`over`: only those holding one of these shards). Asked of the tree's possible keys in one
+    round trip, not listed by prefix: a listing walks the whole keyspace (SCAN), which grows
+    with the fleet, and every upload and work answer asks."""
+    candidates = {node: keys.grad(job_id, step, node[0], node[1] - node[0])
+                  for node in tree.nodes(shards, over)}
+    there = blobs.which_exist(list(candidates.values()))
+    return {node: key for (node, key), found in zip(candidates.items(), there) if found}
 
 
-def uploaded_shards(blobs: BlobStore, job_id: str, step: int) -> set[int]:
-    """The shards some stored result covers."""
-    return {k for lo, hi in stored_nodes(blobs, job_id, step) for k in range(lo, hi)}
+def covered_at_most(blobs: BlobStore, job_id: str, step: int, stored: int) -> int:
+    """At least how many of the step's shards its stored results cover, counted up by the
+    shards of the results an upload has just stored (`stored`, after storing them): each
+    result adds its size once, so overlapping results (a backup's and its primary's) and
+    results deleted since only count too many. Below the job's shard count the step is
+    certainly not complete, and the upload need not ask which results are stored (O(shards)
+    keys: every upload of a step would ask); the upload whose count reaches it asks."""
+    return blobs.incr(keys.covered(job_id, step), stored)
+
+
+def uploaded_shards(blobs: BlobStore, job_id: str, step: int, shards: int,
+                    over: Collection[int] | None = None) -> set[int]:
+    """The shards some stored result covers (`over`: of these shards)."""
+    found = {k for lo, hi in stored_nodes(blobs, job_id, step, shards, over)
+             for k in range(lo, hi)}
+    return found if over is None else found & set(over)

@@ -69,17 +69,9 @@ def grad(job_id: str, step: int, shard: int, span: int = 1) -> str:
     return f"job:{job_id}:grad:{step}:{shard}" + (f"-{shard + span}" if span != 1 else "")
 
 
-def grad_node(suffix: str) -> tuple[int, int] | None:
-    """The shard range [lo, hi) a grad key's suffix (after grad_prefix) names; None: not one."""
-    lo, sep, hi = suffix.partition("-")
-    if not _number(lo) or (sep and not _number(hi)):
-        return None
-    node = (int(lo), int(hi) if sep else int(lo) + 1)
-    return node if node[1] > node[0] else None
-
-
-def _number(text: str) -> bool:
-    return text.isascii() and text.isdecimal()  # isdigit takes "²", which int() refuses
+def covered(job_id: str, step: int) -> str:
+    """The shards of every result stored for the step, added up (gradstore.covered_at_most)."""
+    return f"job:{job_id}:covered:{step}"
 
 
 def upload_body(job_id: str, step: int, upload_id: str) -> str:
@@ -125,10 +117,11 @@ def slow_factor(job_id: str, device_id: str) -> str:
 
 
 def step_of_key(key: str) -> int | None:
-    """The step number in a `job:{id}:state:{t}`, `...:grad:{t}:{k}` or
+    """The step number in a `job:{id}:state:{t}`, `...:grad:{t}:{k}`, `...:covered:{t}` or
     `...:body:{t}:{upload}` key."""
     parts = key.split(":")
-    if len(parts) >= 4 and parts[2] in ("state", "weights", "grad", "body", "apply", "slices"):
+    if len(parts) >= 4 and parts[2] in ("state", "weights", "grad", "body", "apply", "slices",
+                                        "covered"):
         try:
             return int(parts[3])
         except ValueError:

@@ -37,7 +37,13 @@ from engine.tree import is_node
 from hotstate import keys
 from hotstate.blobs import BlobStore
 from hotstate.bodies import drop_body, keep_body
-from hotstate.gradstore import offset_in, pack_ref, pack_result, uploaded_shards
+from hotstate.gradstore import (
+    covered_at_most,
+    offset_in,
+    pack_ref,
+    pack_result,
+    uploaded_shards,
+)
 from hotstate.recent import RECENT
 from hotstate.sliceplan import read_plan
 from hotstate.trainstate import read_weights, state_stored
@@ -252,7 +258,8 @@ class StepProtocol:
         if not state_stored(self.blobs, job.id, job.step, job.state_nonce,
                             int(job.spec.get("slices") or 1)):
             return None  # being restored; reconcile wakes us when the weights are back
-        todo = sorted(held - uploaded_shards(self.blobs, job.id, job.step))
+        todo = sorted(held - uploaded_shards(self.blobs, job.id, job.step,
+                                             int(job.spec["shards"]), over=held))
         if not todo:
             return None
         info = self.info(job)
@@ -426,7 +433,9 @@ class StepProtocol:
         if job.step_started_at is not None and accepted:
             took = (self.clock() - job.step_started_at).total_seconds()
             self.blobs.set(keys.latency(job_id, device_id), f"{took:.4f}".encode(), ttl=3600)
-        complete = len(uploaded_shards(self.blobs, job_id, step)) >= info.spec.shards
+        shards = info.spec.shards
+        complete = covered_at_most(self.blobs, job_id, step, len(accepted)) >= shards and \
+            len(uploaded_shards(self.blobs, job_id, step, shards)) >= shards
         return Uploaded(accepted, duplicates, complete,
                         partials=sum(r.span > 1 for r in results),
                         shard_results=sum(r.span == 1 for r in results))

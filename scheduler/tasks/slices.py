@@ -136,7 +136,8 @@ def _plan(ctx: SchedulerContext, job: Job, info: JobInfo, create: bool) -> Slice
     plan = SlicePlan.decode(ctx.blobs.get(key))
     if plan is not None or not create:
         return plan
-    chosen = choose(stored_nodes(ctx.blobs, job.id, job.step), info.spec.shards)
+    chosen = choose(stored_nodes(ctx.blobs, job.id, job.step, info.spec.shards),
+                    info.spec.shards)
     if chosen is None:
         return None
     ctx.blobs.set_if_absent(key, SlicePlan(keys.new_nonce(), tuple(chosen)).encode())

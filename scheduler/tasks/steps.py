@@ -78,7 +78,7 @@ def enqueue_apply(ctx: SchedulerContext, job_id: str, step: int, force: bool = F
 
 
 def step_complete(ctx: SchedulerContext, job_id: str, step: int, shards: int) -> bool:
-    return len(uploaded_shards(ctx.blobs, job_id, step)) >= shards
+    return len(uploaded_shards(ctx.blobs, job_id, step, shards)) >= shards
 
 
 def load_results(ctx: SchedulerContext, job_id: str, step: int, info: JobInfo) -> list[ShardResult] | None:
@@ -86,7 +86,7 @@ def load_results(ctx: SchedulerContext, job_id: str, step: int, info: JobInfo) -
     preferred: engine.tree.choose), as views of the stored uploads, or None when a shard is
     missing; results that are corrupted or whose upload body is gone (a replica that held it
     died) are deleted, so their devices see those shards as to do again."""
-    nodes = stored_nodes(ctx.blobs, job_id, step)
+    nodes = stored_nodes(ctx.blobs, job_id, step, info.spec.shards)
     chosen = choose(nodes, info.spec.shards)
     if chosen is None:
         return None

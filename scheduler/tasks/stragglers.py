@@ -72,7 +72,7 @@ def back_up_late_devices(ctx: SchedulerContext, job: Job, info: JobInfo) -> int:
                                     ctx.tuning.straggler_factor)
         if elapsed < timeout:
             return 0
-        done = uploaded_shards(ctx.blobs, job.id, job.step)
+        done = uploaded_shards(ctx.blobs, job.id, job.step, info.spec.shards)
         missing = {d: s for d, s in store_ops.shards_by_device(
             {k: v for k, v in primary.items() if k not in done}).items()}
         if not missing:

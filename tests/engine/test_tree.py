@@ -120,3 +120,27 @@ def test_reduce_adds_in_the_trees_pairs() -> None:
 
     assert tree.reduce(leaves, 0, 5, pair) == "(((0+1)+(2+3))+4)"
     assert tree.reduce({(0, 4): "P", (4, 5): "4"}, 0, 5, pair) == "(P+4)"
+
+
+@pytest.mark.parametrize("shards", [1, 2, 3, 7, 8, 138])
+def test_nodes_are_exactly_the_trees_nodes(shards: int) -> None:
+    """The keys a step's results may have: every node once, and nothing that is not one."""
+    from engine.tree import is_node, nodes
+
+    got = nodes(shards)
+    assert len(got) == len(set(got)) == 2 * shards - 1
+    assert set(got) == {(lo, hi) for lo in range(shards) for hi in range(lo + 1, shards + 1)
+                        if is_node(lo, hi, shards)}
+
+
+@pytest.mark.parametrize("shards", [1, 5, 8, 138])
+def test_nodes_over_some_shards_are_the_nodes_holding_one_of_them(shards: int) -> None:
+    """What a work answer asks about: the nodes whose results would cover a device's shards."""
+    from engine.tree import nodes
+
+    rng = random.Random(shards)
+    for held in ([], [0], [shards - 1], rng.sample(range(shards), min(3, shards)),
+                 list(range(shards))):
+        got = nodes(shards, held)
+        assert got == [(lo, hi) for lo, hi in nodes(shards) if any(lo <= k < hi for k in held)]
+    assert len(nodes(138, [5])) == 9  # the path from the root to shard 5

@@ -256,3 +256,38 @@ def test_listing_a_steps_keys_in_a_fleet_sized_keyspace_is_one_scan(redis_url: s
     raw.scan = lambda *a, **kw: calls.append(1) or scan(*a, **kw)  # type: ignore[method-assign]
     assert store.keys("job:j:grad:7:") == ["job:j:grad:7:0"]
     assert len(calls) == 1
+
+
+def test_a_steps_stored_results_are_found_without_walking_the_keyspace(redis_url: str) -> None:
+    """Every upload and work answer asks which of its step's results are stored: asked of the
+    reduction tree's possible keys in one round trip, never by a SCAN of the keyspace (which
+    grows with the fleet: per-device keys, other jobs, other steps)."""
+    from engine.tree import nodes
+    from hotstate import keys
+    from hotstate.gradstore import stored_nodes, uploaded_shards
+
+    store = RedisBlobStore(redis_url)
+    raw = store._redis
+    pipe = raw.pipeline(transaction=False)
+    for i in range(5000):
+        pipe.set(f"job:j:lat:dev{i}", b"0.1")
+    pipe.execute()
+    shards = 138
+    assert len(nodes(shards)) == 2 * shards - 1 and len(set(nodes(shards))) == 2 * shards - 1
+    stored = [(0, 1), (64, 128), (130, 131), (136, 138)]
+    for lo, hi in stored:
+        store.set(keys.grad("j", 7, lo, hi - lo), b"ref")
+    store.set(keys.grad("j", 8, 2), b"ref")  # another step's
+    store.set(keys.grad("j", 7, 2, 2), b"\1" * (PART_BYTES + 5))  # a whole result, in parts
+
+    calls: list[int] = []
+    scan = raw.scan
+    raw.scan = lambda *a, **kw: calls.append(1) or scan(*a, **kw)  # type: ignore[method-assign]
+    found = stored_nodes(store, "j", 7, shards)
+    assert set(found) == {*stored, (2, 4)} and found[(64, 128)] == keys.grad("j", 7, 64, 64)
+    assert uploaded_shards(store, "j", 7, shards) == {0, 2, 3, *range(64, 128), 130, 136, 137}
+    assert uploaded_shards(store, "j", 7, shards, over={1, 65, 131, 137}) == {65, 137}
+    assert calls == []
+    assert store.which_exist(["job:j:lat:dev1", "nope", keys.grad("j", 7, 2, 2)]) == \
+        [True, False, True]
+    assert store.which_exist([]) == []

@@ -85,16 +85,17 @@ def test_a_state_blob_filled_in_place_is_byte_for_byte_encode_state() -> None:
 
 def test_stored_nodes_read_shards_and_partials_and_skip_what_is_no_range() -> None:
     """The apply step adds whatever cover is stored: each key names its shard range; a key
-    that names none (a stray, a reversed or empty range, digits int() would refuse) is not a
-    result and must not make a shard look uploaded."""
+    under the step's prefix that names no node of the tree (a stray, a reversed or empty
+    range, digits int() would refuse) is not a result and must not make a shard look
+    uploaded."""
     blobs = MemoryBlobStore()
     for key in (keys.grad("j", 3, 0), keys.grad("j", 3, 4, 4)):
         blobs.set(key, b"x")
     prefix = keys.grad_prefix("j", 3)
     for stray in ("2-2", "5-1", "²", "1-²", "x", "-3"):
         blobs.set(prefix + stray, b"x")
-    assert set(stored_nodes(blobs, "j", 3)) == {(0, 1), (4, 8)}
-    assert uploaded_shards(blobs, "j", 3) == {0, 4, 5, 6, 7}
+    assert set(stored_nodes(blobs, "j", 3, 8)) == {(0, 1), (4, 8)}
+    assert uploaded_shards(blobs, "j", 3, 8) == {0, 4, 5, 6, 7}
 
 
 def test_state_and_whole_result_blobs_hold_their_arrays_aligned_and_older_ones_still_read() -> None:

@@ -471,3 +471,38 @@ def test_a_job_without_slices_refuses_a_slice(app_client: TestClient) -> None:
     job_id, [(dev, hdr), _] = running_job(app_client)
     r = app_client.get(f"/v1/jobs/{job_id}/weights", params={"step": 0, "slice": 0}, headers=hdr)
     assert r.status_code == 422 and "not sliced" in r.text
+
+
+def test_only_an_upload_that_may_complete_its_step_asks_which_results_are_stored(
+        app_client: TestClient) -> None:
+    """Asking which of a step's results are stored costs O(shards) keys, and every upload
+    would ask: each counts the shards it stored instead, and only the one whose count reaches
+    the job's shards asks. Duplicates count nothing; a result lost after it was counted
+    (its body gone) leaves the count too high, so the next uploads ask, and the step still
+    completes only when every shard is stored."""
+    from api.steps.protocol import StepProtocol
+
+    job_id, phones = running_job(app_client)
+    ctx = context.get_context()
+    proto = StepProtocol(ctx.session_factory, ctx.blobs, ctx.settings.data_dir, ctx.clock)
+    blobs = shard_result_blobs(ctx, job_id, 0)
+    [(dev, _), (other, _)] = sorted(phones, key=lambda p: shards_of(job_id, p[0]))
+    asked: list[int] = []
+    which_exist = ctx.blobs.which_exist
+    ctx.blobs.which_exist = lambda names: asked.append(len(names)) or which_exist(names)
+    try:
+        def upload(device: str, shard: int) -> tuple[bool, int]:
+            asked.clear()
+            done = proto.upload(device, job_id, 0, blobs[shard]).complete
+            return done, len(asked)
+
+        assert upload(dev, 0) == (False, 0)
+        assert upload(dev, 1) == (False, 0)
+        assert upload(dev, 1) == (False, 0)  # a duplicate: nothing new stored
+        assert upload(other, 2) == (False, 0)
+        ctx.blobs.delete(keys.grad(job_id, 0, 1))  # lost after it was counted
+        assert upload(other, 3) == (False, 1)  # the count says 4 of 4: asked, and shard 1 is not
+        assert upload(dev, 1) == (True, 1)
+        assert len(asked) == 1 and asked[0] == 2 * 4 - 1  # the tree over 4 shards: 7 keys
+    finally:
+        ctx.blobs.which_exist = which_exist
