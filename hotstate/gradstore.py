@@ -139,12 +139,12 @@ def stored_nodes(blobs: BlobStore, job_id: str, step: int, shards: int,
 
 
 def covered_at_most(blobs: BlobStore, job_id: str, step: int, stored: int) -> int:
-    """At least how many of the step's shards its stored results cover, counted up by the
-    shards of the results an upload has just stored (`stored`, after storing them): each
-    result adds its size once, so overlapping results (a backup's and its primary's) and
-    results deleted since only count too many. Below the job's shard count the step is
-    certainly not complete, and the upload need not ask which results are stored (O(shards)
-    keys: every upload of a step would ask); the upload whose count reaches it asks."""
+    """Count `stored` more shards in the results stored for the step (called after storing
+    them); the new count, an upper bound on the shards the step's results cover: each result
+    adds its size once, so overlapping results (a backup's and its primary's) and results
+    deleted since only make it larger. Below the job's shard count the step is certainly not
+    complete, so an upload need not ask which results are stored (O(shards) keys, and every
+    upload of a step would ask)."""
     return blobs.incr(keys.covered(job_id, step), stored)
 
 

@@ -42,7 +42,9 @@ VERSION = 1
 _PREFIX = struct.Struct("<5sHII")
 # the header is padded with spaces (JSON's whitespace) so the payload starts at a multiple of
 # this from the message's start: numpy reads and writes an unaligned float32 view through a
-# buffered copy (the server paid ~10% of its CPU for it); a receive buffer is 16-aligned
+# buffered copy (the server paid ~10% of its CPU for it). A receive buffer is 16-aligned, so
+# the arrays are: every float32 one after, a float16 or bfloat16 message's stats only when
+# its n_params is even (they are small)
 PAYLOAD_ALIGN = 64
 # how a results message carries gradients; bfloat16 travels as its uint16 bit patterns
 _DTYPES = {"float32": np.dtype("<f4"), "float16": np.dtype("<f2"), "bfloat16": np.dtype("<u2")}

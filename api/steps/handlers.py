@@ -103,7 +103,7 @@ def accept_upload(state: AppState, device_id: str, job_id: str, step: int,
     SHARD_RESULTS.labels("duplicate").inc(len(up.duplicates))
     UPLOADED_RESULTS.labels("partial").inc(up.partials)
     UPLOADED_RESULTS.labels("shard").inc(up.shard_results)
-    if up.complete and up.accepted:
+    if up.complete:  # sent once a claim period (a TTL key): a repeat costs one SET NX
         state.scheduler_hooks.step_complete(job_id, step)
     return {"accepted": up.accepted, "duplicates": up.duplicates}
 

@@ -429,12 +429,15 @@ class StepProtocol:
         foreign = sorted({k for r in results for k in range(*r.node)} - held)
         if foreign:
             raise ForeignShard(f"shards {foreign} of {job_id} are not assigned to {device_id}")
-        accepted, duplicates = store_results(self.blobs, job_id, step, body, results)
+        accepted, duplicates, counted = store_results(self.blobs, job_id, step, body, results)
         if job.step_started_at is not None and accepted:
             took = (self.clock() - job.step_started_at).total_seconds()
             self.blobs.set(keys.latency(job_id, device_id), f"{took:.4f}".encode(), ttl=3600)
+        # asked only when the count says the step may be complete, or when a result was stored
+        # already (a retry, a backup's: an earlier attempt may have stored and not counted, or
+        # not got as far as sending the step's apply)
         shards = info.spec.shards
-        complete = covered_at_most(self.blobs, job_id, step, len(accepted)) >= shards and \
+        complete = (counted >= shards or bool(duplicates)) and \
             len(uploaded_shards(self.blobs, job_id, step, shards)) >= shards
         return Uploaded(accepted, duplicates, complete,
                         partials=sum(r.span > 1 for r in results),
@@ -442,29 +445,35 @@ class StepProtocol:
 
 
 def store_results(blobs: BlobStore, job_id: str, step: int, body: bytes | memoryview,
-                  results: list[ShardResult]) -> tuple[list[int], list[int]]:
+                  results: list[ShardResult]) -> tuple[list[int], list[int], int]:
     """Each shard's result (or partial) under its key, first upload wins; returns the shards
-    of the results that won and of those that lost. The body is kept once as it came (before
-    any reference to it), and each result's key points into it; a body that won nothing is
-    dropped again."""
+    of the results that won, of those that lost, and the step's count of stored shards after
+    counting the winners (gradstore.covered_at_most; 0 when none won). The body is kept once
+    as it came (before any reference to it), and each result's key points into it; a body that
+    won nothing is dropped again."""
     offsets = [(offset_in(r.grad_sum, body), offset_in(r.stats, body)) for r in results]
     by_ref = any(g is not None and s is not None for g, s in offsets)
     body_key = ""
     if by_ref:  # on this replica's shelf in production (hotstate.bodies), else in the store
         body_key = keep_body(blobs, job_id, step, body,
                              keys.upload_body(job_id, step, uuid.uuid4().hex))
-    accepted, duplicates, referenced = [], [], False
-    for r, (g_off, s_off) in sorted(zip(results, offsets), key=lambda x: x[0].shard):
-        ref = g_off is not None and s_off is not None
-        blob = pack_ref(r, body_key, g_off, s_off) if ref else pack_result(r)
-        if blobs.set_if_absent(keys.grad(job_id, step, r.shard, r.span), blob):
-            accepted.extend(range(*r.node))
-            referenced = referenced or ref
-        else:
-            duplicates.extend(range(*r.node))
+    accepted: list[int] = []
+    duplicates: list[int] = []
+    referenced = False
+    try:
+        for r, (g_off, s_off) in sorted(zip(results, offsets), key=lambda x: x[0].shard):
+            ref = g_off is not None and s_off is not None
+            blob = pack_ref(r, body_key, g_off, s_off) if ref else pack_result(r)
+            if blobs.set_if_absent(keys.grad(job_id, step, r.shard, r.span), blob):
+                accepted.extend(range(*r.node))
+                referenced = referenced or ref
+            else:
+                duplicates.extend(range(*r.node))
+    finally:  # what was stored is counted even when a later write fails
+        counted = covered_at_most(blobs, job_id, step, len(accepted)) if accepted else 0
     if by_ref and not referenced:
         drop_body(blobs, body_key)
-    return accepted, duplicates
+    return accepted, duplicates, counted
 
 
 @functools.lru_cache(maxsize=8)

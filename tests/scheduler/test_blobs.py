@@ -65,6 +65,17 @@ def test_existing_keys_are_counted_and_deleted_only_while_they_hold_what_was_rea
     assert not store.delete_if_equal("gone", b"1")
 
 
+def test_which_exist_answers_each_key_and_incr_counts_from_zero_keeping_a_ttl(
+        store: BlobStore) -> None:
+    store.set("a", b"1")
+    assert store.which_exist(["a", "b", "a"]) == [True, False, True] and store.which_exist([]) == []
+    assert store.incr("n", 3) == 3 and store.incr("n", 0) == 3 and store.incr("n", 2) == 5
+    store.set("short", b"7", ttl=0.05)
+    assert store.incr("short", 1) == 8  # like INCRBY: the key keeps its expiry
+    time.sleep(0.1)
+    assert store.get("short") is None and store.incr("short", 1) == 1
+
+
 def test_keys_by_prefix_even_with_glob_characters(store: BlobStore) -> None:
     for key in ("job:a:grad:1:0", "job:a:grad:1:1", "job:a:grad:10:0", "job:b:grad:1:0", "job:[x]:1"):
         store.set(key, b"x")

@@ -477,7 +477,8 @@ def test_only_an_upload_that_may_complete_its_step_asks_which_results_are_stored
         app_client: TestClient) -> None:
     """Asking which of a step's results are stored costs O(shards) keys, and every upload
     would ask: each counts the shards it stored instead, and only the one whose count reaches
-    the job's shards asks. Duplicates count nothing; a result lost after it was counted
+    the job's shards asks (or one that finds a result stored already: a retry's). A result
+    lost after it was counted
     (its body gone) leaves the count too high, so the next uploads ask, and the step still
     completes only when every shard is stored."""
     from api.steps.protocol import StepProtocol
@@ -498,7 +499,7 @@ def test_only_an_upload_that_may_complete_its_step_asks_which_results_are_stored
 
         assert upload(dev, 0) == (False, 0)
         assert upload(dev, 1) == (False, 0)
-        assert upload(dev, 1) == (False, 0)  # a duplicate: nothing new stored
+        assert upload(dev, 1) == (False, 1)  # a duplicate (a retry?): asked, to be sure
         assert upload(other, 2) == (False, 0)
         ctx.blobs.delete(keys.grad(job_id, 0, 1))  # lost after it was counted
         assert upload(other, 3) == (False, 1)  # the count says 4 of 4: asked, and shard 1 is not
@@ -506,3 +507,55 @@ def test_only_an_upload_that_may_complete_its_step_asks_which_results_are_stored
         assert len(asked) == 1 and asked[0] == 2 * 4 - 1  # the tree over 4 shards: 7 keys
     finally:
         ctx.blobs.which_exist = which_exist
+
+
+def test_an_upload_that_fails_after_storing_some_results_still_lets_its_step_complete(
+        app_client: TestClient) -> None:
+    """A write that fails partway (Redis timing out, the replica dying) leaves some results
+    stored: they are counted all the same, and the agent's retry, which finds them stored
+    already, completes the step when it is the last upload; no wait for reconcile."""
+    from api.steps.protocol import StepProtocol
+
+    job_id, phones = running_job(app_client)
+    ctx = context.get_context()
+    proto = StepProtocol(ctx.session_factory, ctx.blobs, ctx.settings.data_dir, ctx.clock)
+    [(dev, _), (other, _)] = sorted(phones, key=lambda p: shards_of(job_id, p[0]))
+    leaves = {k: decode_results(b)[0] for k, b in shard_result_blobs(ctx, job_id, 0).items()}
+    mine = encode_results(job_id, 0, [leaves[0], leaves[1]])
+    set_if_absent, writes = ctx.blobs.set_if_absent, []
+
+    def fail_second(key: str, value: bytes, ttl: float | None = None) -> bool:
+        writes.append(key)
+        if len(writes) == 2:
+            raise ConnectionError("Redis went away")
+        return set_if_absent(key, value, ttl)
+
+    ctx.blobs.set_if_absent = fail_second
+    try:
+        with pytest.raises(ConnectionError):
+            proto.upload(dev, job_id, 0, mine)
+    finally:
+        ctx.blobs.set_if_absent = set_if_absent
+    assert ctx.blobs.get(keys.covered(job_id, 0)) == b"1"  # shard 0 stored and counted
+    theirs = proto.upload(other, job_id, 0, encode_results(job_id, 0, [leaves[2], leaves[3]]))
+    assert theirs.accepted == [2, 3] and not theirs.complete
+    retry = proto.upload(dev, job_id, 0, mine)
+    assert (retry.accepted, retry.duplicates, retry.complete) == ([1], [0], True)
+
+    # stored, then the count lost with the replica (or its Redis connection) before it was
+    # made: the retry finds every result stored already, asks, and sends the step's apply
+    job_id, phones = running_job(app_client)
+    [(dev, _), (other, _)] = sorted(phones, key=lambda p: shards_of(job_id, p[0]))
+    leaves = {k: decode_results(b)[0] for k, b in shard_result_blobs(ctx, job_id, 0).items()}
+    mine = encode_results(job_id, 0, [leaves[0], leaves[1]])
+    incr = ctx.blobs.incr
+    ctx.blobs.incr = lambda key, amount: (_ for _ in ()).throw(ConnectionError("gone"))
+    try:
+        with pytest.raises(ConnectionError):
+            proto.upload(dev, job_id, 0, mine)
+    finally:
+        ctx.blobs.incr = incr
+    assert not proto.upload(other, job_id, 0,
+                            encode_results(job_id, 0, [leaves[2], leaves[3]])).complete
+    retry = proto.upload(dev, job_id, 0, mine)
+    assert (retry.accepted, retry.duplicates, retry.complete) == ([], [0, 1], True)

@@ -80,6 +80,9 @@ def test_apply_step_twice_equals_once(ctx) -> None:
     assert job(ctx, job_id).step == 1
     with ctx.session_factory() as s:
         assert s.scalar(select(func.count()).select_from(StepMetric)) == 1
+    # the applied step's keys are gone with it: results, their bodies, their count
+    assert not [k for k in ctx.blobs.keys(keys.job_prefix(job_id)) if keys.step_of_key(k) == 0]
+    assert ctx.blobs.get(keys.covered(job_id, 0)) is None
     # the stored step is exactly the engine's step on the same results, in any order
     info = job_info(job_id, job(ctx, job_id).spec, ctx.settings.data_dir)
     expected, _ = engine_apply_step(info.model, info.spec, state0, list(reversed(results)))
