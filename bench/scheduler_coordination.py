@@ -9,8 +9,8 @@ mobilenet_v1-sized vector, 3,217,226 float32, zeros). One shard per agent, so ev
 moves one full vector per step as in an allreduce. The agents' only local work is encoding
 the upload; coordination = step wall time (the server's step_seconds, commit to commit) minus
 the slowest agent's encode. `redis` runs the server on Redis with a separate `phalanx worker`.
-Then, in the same run, torch.distributed gloo allreduces the same vector across the same
-number of local processes. Reported: Phalanx coordination / gloo allreduce.
+Before and after, in the same run, torch.distributed gloo allreduces the same vector across
+the same number of local processes. Reported: Phalanx coordination / the mean of gloo's two.
 """
 
 from __future__ import annotations
@@ -374,6 +374,10 @@ def main() -> None:
     results: list[dict] = []
     runs = [(mode, n, pre == "on", int(p)) for mode in args.modes.split(",") for n in counts
             for pre in args.pre_add.split(",") for p in args.slices.split(",")]
+    gloo_counts = [n for n in counts if n <= args.gloo_max]
+    # gloo before and after the Phalanx runs, each ratio against the mean of the two: on a
+    # shared machine one measurement drifted 41-64 ms between runs of minutes
+    gloo_before = {n: run_gloo(n)["allreduce_s"] for n in gloo_counts}
     for mode, n, pre_add, slices in runs:
         with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as tmp:
             pg = fresh_pg(args.pg_url) if mode == "redis" else None
@@ -398,15 +402,18 @@ def main() -> None:
               + " | page faults per step: " + ", ".join(
                   f"{g} {v:.0f}" for g, v in row["page_faults_per_step"].items() if v),
               flush=True)
-    gloo = {n: run_gloo(n) for n in counts if n <= args.gloo_max}
-    for n, g in gloo.items():
-        print(f"gloo allreduce {n:>3} processes: {g['allreduce_s'] * 1000:7.0f} ms", flush=True)
+    gloo = {}
+    for n in gloo_counts:
+        after = run_gloo(n)["allreduce_s"]
+        gloo[n] = (gloo_before[n] + after) / 2
+        print(f"gloo allreduce {n:>3} processes: {gloo[n] * 1000:7.0f} ms (before "
+              f"{gloo_before[n] * 1000:.0f}, after {after * 1000:.0f})", flush=True)
     for row in results:
         if row["agents"] in gloo:
-            row["gloo_allreduce_s"] = gloo[row["agents"]]["allreduce_s"]
+            row["gloo_allreduce_s"] = gloo[row["agents"]]
             row["ratio_vs_gloo"] = row["coordination_s"] / row["gloo_allreduce_s"]
             print(f"ratio {row['mode']:8} {row['agents']:>3} agents: "
-                  f"phalanx/gloo = {row['ratio_vs_gloo']:.1f}")
+                  f"phalanx/gloo = {row['ratio_vs_gloo']:.2f}")
     print(json.dumps(results))
 
 
