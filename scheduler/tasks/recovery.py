@@ -130,8 +130,8 @@ def ensure_state(ctx: SchedulerContext, job: Job, info: JobInfo) -> TrainState |
                                                  StepMetric.step >= restored.step))
         store_ops.drop_backups(session, job.id)
         _record_restore(session, job, restored, now)
+    bump_version(ctx.blobs)  # first: a replica's cached job row is stale until it sees this
     drop_step_keys(ctx, job.id, keep_state=restored.step, rewound=True)
-    bump_version(ctx.blobs)
     return restored
 
 
