@@ -24,6 +24,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from agent.runtime.executor import ComputeWorker, ExecConfig  # noqa: E402
+from bench.proc_cpu import faults_of  # noqa: E402
 from engine.data import dataset_info, load_dataset  # noqa: E402
 from engine.runner import job_model  # noqa: E402
 from engine.sampler import shard_indices  # noqa: E402
@@ -80,12 +81,12 @@ def main() -> None:
             for _ in range(args.reps):
                 for n, w in workers.items():
                     path = tmp / f"out-{n}.bin"
-                    before = page_faults(w.pid, reply_pids.get(n, []))
+                    before = faults_of([w.pid, *reply_pids.get(n, [])])
                     t0 = time.perf_counter()
                     reply = w.request({**req, "out_path": str(path)})
                     times[n].append(time.perf_counter() - t0)
                     reply_pids[n] = reply.get("helper_pids", [])
-                    faults[n].append(page_faults(w.pid, reply_pids[n]) - before)
+                    faults[n].append(faults_of([w.pid, *reply_pids[n]]) - before)
                     compute[n].append(reply["compute_s"])
                     out[n] = path.read_bytes()
         finally:
@@ -102,17 +103,6 @@ def main() -> None:
     print(f"page faults a step (the worker and its helpers; thousands mean the allocator gives "
           f"each shard fresh pages): 1 thread {min(faults[1]):,}, 2 threads {min(faults[2]):,}")
 
-
-def page_faults(pid: int, helpers: list[int]) -> int:
-    """Minor page faults so far of a worker and its helpers (/proc: Linux and Android)."""
-    total = 0
-    for each in (pid, *helpers):
-        try:
-            with open(f"/proc/{each}/stat") as fh:
-                total += int(fh.read().rsplit(")", 1)[1].split()[7])
-        except (OSError, ValueError, IndexError):
-            continue
-    return total
 
 
 if __name__ == "__main__":

@@ -4,20 +4,25 @@ went."""
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
+
+
+def _fields(pid: int | str) -> tuple[str, list[str]] | None:
+    """(command name, the fields after the name in /proc/<pid>/stat), or None when gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
 
 
 def _stats() -> Iterator[tuple[int, str, list[str]]]:
     """(pid, command name, the fields after the name in /proc/<pid>/stat) of every readable
     process."""
     for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-        except OSError:
-            continue
-        name, fields = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
-        yield int(pid), name, fields
+        if (read := _fields(pid)) is not None:
+            yield int(pid), *read
 
 
 def process_cpu() -> Iterator[tuple[int, str, float]]:
@@ -32,3 +37,8 @@ def process_faults() -> Iterator[tuple[int, str, int]]:
     keeps getting fresh memory from the kernel (a freed big block faulted in again) shows here."""
     for pid, name, fields in _stats():
         yield pid, name, int(fields[7])
+
+
+def faults_of(pids: Iterable[int]) -> int:
+    """Minor page faults so far of these processes together (those gone count nothing)."""
+    return sum(int(read[1][7]) for read in map(_fields, pids) if read is not None)

@@ -165,10 +165,10 @@ def _kept(value: bytes | bytearray | memoryview) -> bytes | memoryview:
 
 
 MGET_GROUP = 8
-# keys per SCAN call: every upload and work answer lists its step's results this way, so a
+# keys per SCAN call: the keys of a job's finished step are listed this way once a step, so a
 # keyspace of a few thousand keys (per-device keys grow with the fleet) is one round trip, not
 # several (5,000 keys: 1.06 -> 0.70 ms a listing; 20,000: 7.1 -> 3.4 ms), while one call still
-# holds Redis for a millisecond or two at most
+# holds Redis for a millisecond or two at most (a step's results are never listed: which_exist)
 SCAN_COUNT = 10_000
 
 # A value bigger than PART_BYTES is stored as parts of at most that size. Redis reads a big
