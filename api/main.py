@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
-import sys
 from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from functools import partial
@@ -28,6 +27,7 @@ from api.fast_path import FastPath
 from api.heartbeat_writer_pg import AsyncPgHeartbeatWriter
 from api.heartbeats import HeartbeatWriter
 from api.limits import BodySizeLimit, DeviceRate
+from api.process import tune_interpreter
 from api.routes import agent_dist, datasets, devices, health, jobs, rollouts, tokens, ui, work
 from api.scheduler_hooks import SchedulerHooks
 from api.schemas.common import ERROR_MEANINGS
@@ -243,11 +243,3 @@ def app_from_env() -> FastAPI:
     app = create_app()
     tune_interpreter(app.state.settings)
     return app
-
-
-def tune_interpreter(settings: Settings) -> None:
-    """Process-wide settings for a serving process (not for tests that build apps): a GIL
-    switch interval of 1 ms instead of 5 took the 8-agent coordination benchmark's step from
-    135-140 to 118-129 ms (docs/benchmarks.md): an I/O thread that wants the GIL back after a
-    socket call waits for a Python-busy thread at most that long."""
-    sys.setswitchinterval(settings.gil_switch_interval_s)

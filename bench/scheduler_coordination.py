@@ -5,7 +5,8 @@
 
 Simulated agents (threads in a few processes) talk to a real `phalanx server` over HTTP: long
 poll for work, download the step's weights, upload a precomputed result for their shard (a
-mobilenet_v1-sized vector, 3,217,226 float32, zeros). One shard per agent, so every agent
+mobilenet_v1-sized vector, 3,217,226 float32, zeros; `--arch resnet50`: 23.5 M, the heavy
+case). One shard per agent, so every agent
 moves one full vector per step as in an allreduce. The agents' only local work is encoding
 the upload; coordination = step wall time (the server's step_seconds, commit to commit) minus
 the slowest agent's encode. `redis` runs the server on Redis with a separate `phalanx worker`.
@@ -41,6 +42,13 @@ from bench.proc_cpu import process_cpu, process_faults  # noqa: E402
 ADMIN = "phx-admin-bench-" + "0" * 24
 DATASET = "synthetic:3x32x32:10:65536"
 N_PARAMS = 3_217_226  # mobilenet_v1 (width 1, 10 classes)
+
+
+def n_params_of(arch: str) -> int:
+    from engine.jobinfo import job_info
+
+    return job_info("b", {"name": "b", "model": {"arch": arch}, "dataset": DATASET},
+                    None).model.n_params
 
 
 def free_port() -> int:
@@ -154,7 +162,7 @@ def agent_thread(url: str, device: str, secret: str, stop: Any, log: Any,
             time.sleep(0.1)
 
 
-_GRAD = np.zeros(N_PARAMS, np.float32)
+_GRADS: dict[int, np.ndarray] = {}  # a zero gradient of each model size, made once
 
 
 def one_step(c: Any, device: str, log: Any, pre_add: bool, slices: Any) -> None:
@@ -182,7 +190,8 @@ def one_step(c: Any, device: str, log: Any, pre_add: bool, slices: Any) -> None:
     t0 = time.perf_counter()
     stats = np.zeros(a.n_stats, np.float32)
     m = a.spec["global_batch_size"] // a.spec["shards"]
-    results = [ShardResult(k, _GRAD, 1.0, 0, m, stats) for k in a.shards]
+    grad = _GRADS.setdefault(a.n_params, np.zeros(a.n_params, np.float32))
+    results = [ShardResult(k, grad, 1.0, 0, m, stats) for k in a.shards]
     if pre_add and a.pre_reduce and len(results) > 1:
         results = pre_reduce(results, a.spec["shards"], "float32")
     body = encode_results_parts(job, step, results)
@@ -207,7 +216,7 @@ def agent_process(url: str, devices: list[tuple[str, str]], stop: Any, log: Any,
 
 def run_phalanx(root: Path, mode: str, n: int, steps: int, pg: str | None, rd: str | None,
                 per_agent: int = 1, pre_add: bool = True, slices: int = 1,
-                workers: int = 1) -> dict:
+                workers: int = 1, arch: str = "mobilenet_v1") -> dict:
     services = Services(root, mode, pg, rd, workers)
     services.start()
     stop, log = mp.Event(), mp.Queue()
@@ -219,7 +228,7 @@ def run_phalanx(root: Path, mode: str, n: int, steps: int, pg: str | None, rd: s
                             daemon=True) for g in groups]
         for p in procs:
             p.start()
-        spec = {"name": f"coord-{n}", "model": {"arch": "mobilenet_v1"}, "dataset": DATASET,
+        spec = {"name": f"coord-{n}", "model": {"arch": arch}, "dataset": DATASET,
                 "global_batch_size": 4 * n * per_agent, "shards": n * per_agent,
                 "epochs": 1000, "seed": 0,
                 "checkpoint_every": 100000, "optimizer": {"lr": 0.01}, "slices": slices,
@@ -269,7 +278,7 @@ def run_phalanx(root: Path, mode: str, n: int, steps: int, pg: str | None, rd: s
     return {"mode": mode, "agents": n, "shards_per_agent": per_agent, "pre_add": pre_add,
             "slices": slices, "workers": workers if mode == "redis" else 0,
             "upload_bytes_per_agent_step": statistics.median(per_step) / n if per_step else None,
-            "model_bytes": 4 * N_PARAMS, "step_wall_s": statistics.median(wall),
+            "model_bytes": 4 * n_params_of(arch), "arch": arch, "step_wall_s": statistics.median(wall),
             "cpu_s_per_step": cpu,
             "page_faults_per_step": faults,
             "slowest_agent_local_s": statistics.median(local.get(r["step"], 0.0) for r in measured),
@@ -318,14 +327,14 @@ def page_faults(groups: dict[str, list[int]]) -> dict[str, float]:
     return _by_group(groups, process_faults())
 
 
-def gloo_worker(rank: int, world: int, port: int, repeats: int, out: Any) -> None:
+def gloo_worker(rank: int, world: int, port: int, repeats: int, out: Any, n_params: int) -> None:
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
-    x = torch.zeros(N_PARAMS, dtype=torch.float32)
+    x = torch.zeros(n_params, dtype=torch.float32)
     times = []
     for i in range(repeats + 2):
         dist.barrier()
@@ -337,13 +346,13 @@ def gloo_worker(rank: int, world: int, port: int, repeats: int, out: Any) -> Non
     dist.destroy_process_group()
 
 
-def run_gloo(n: int, repeats: int = 20) -> dict:
+def run_gloo(n: int, repeats: int = 20, n_params: int = N_PARAMS) -> dict:
     """Median over `repeats` allreduces of the slowest rank's time (5 repeats varied by 1.5x
     between runs on this shared machine; 20 settle it)."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=gloo_worker, args=(r, n, port, repeats, out)) for r in range(n)]
+    procs = [ctx.Process(target=gloo_worker, args=(r, n, port, repeats, out, n_params)) for r in range(n)]
     for p in procs:
         p.start()
     per_rank = [out.get(timeout=600)[1] for _ in range(n)]
@@ -367,6 +376,8 @@ def main() -> None:
                         help="P or P,Q: the job's vector in P slices (issue 21 item 2)")
     parser.add_argument("--workers", type=int, default=1,
                         help="phalanx worker processes in mode redis")
+    parser.add_argument("--arch", default="mobilenet_v1",
+                        help="the job's model: its parameter count is the vector moved")
     parser.add_argument("--pg-url", default=os.environ.get("PHALANX_TEST_DATABASE_URL"))
     parser.add_argument("--redis-url", default=os.environ.get("PHALANX_TEST_REDIS_URL"))
     args = parser.parse_args()
@@ -377,13 +388,15 @@ def main() -> None:
     gloo_counts = [n for n in counts if n <= args.gloo_max]
     # gloo before and after the Phalanx runs, each ratio against the mean of the two: on a
     # shared machine one measurement drifted 41-64 ms between runs of minutes
-    gloo_before = {n: run_gloo(n)["allreduce_s"] for n in gloo_counts}
+    n_params = n_params_of(args.arch)
+    gloo_before = {n: run_gloo(n, n_params=n_params)["allreduce_s"] for n in gloo_counts}
     for mode, n, pre_add, slices in runs:
         with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as tmp:
             pg = fresh_pg(args.pg_url) if mode == "redis" else None
             try:
                 row = run_phalanx(Path(tmp), mode, n, args.steps, pg, args.redis_url,
-                                  args.shards_per_agent, pre_add, slices, args.workers)
+                                  args.shards_per_agent, pre_add, slices, args.workers,
+                                  args.arch)
             finally:
                 drop_pg(args.pg_url, pg)
         results.append(row)
@@ -404,7 +417,7 @@ def main() -> None:
               flush=True)
     gloo = {}
     for n in gloo_counts:
-        after = run_gloo(n)["allreduce_s"]
+        after = run_gloo(n, n_params=n_params)["allreduce_s"]
         gloo[n] = (gloo_before[n] + after) / 2
         print(f"gloo allreduce {n:>3} processes: {gloo[n] * 1000:7.0f} ms (before "
               f"{gloo_before[n] * 1000:.0f}, after {after * 1000:.0f})", flush=True)

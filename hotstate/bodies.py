@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from hotstate import keys
 from hotstate.blobs import BlobStore
-from wire.messages import new_buffer
+from wire.buffers import new_buffer
 
 log = logging.getLogger(__name__)
 

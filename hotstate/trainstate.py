@@ -15,7 +15,7 @@ import numpy as np
 from engine.step import TrainState
 from hotstate import keys
 from hotstate.blobs import BlobStore
-from wire.messages import new_buffer
+from wire.buffers import new_buffer
 
 # version 3 pads the header to 64 bytes: numpy reads and writes the arrays of a blob at an
 # unaligned offset through buffered copies (apply_step reads one state and writes the next)

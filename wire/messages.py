@@ -30,6 +30,7 @@ import numpy as np
 
 from engine.precision import from_bfloat16_bits, to_bfloat16_bits
 from engine.step import ShardResult
+from wire.buffers import new_buffer
 
 try:  # the same CRC-32 as zlib's, ~10x faster (zlib-ng's folding kernel); the control plane
     # installs it, a phone without it uses the standard library (1.9 vs 0.19 ms per 12.9 MB)
@@ -49,14 +50,6 @@ PAYLOAD_ALIGN = 64
 # how a results message carries gradients; bfloat16 travels as its uint16 bit patterns
 _DTYPES = {"float32": np.dtype("<f4"), "float16": np.dtype("<f2"), "bfloat16": np.dtype("<u2")}
 MAX_HEADER = 1 << 22
-
-
-def new_buffer(size: int) -> memoryview:
-    """`size` writable bytes, not zeroed, for a buffer about to be filled whole (a message being
-    received or written). `bytearray(size)` zero-fills through calloc; measured for 12.9 MB
-    buffers alive eight at a time, as a step's uploads are: 5.2-6.5 ms to allocate and fill
-    against 1.1-1.7 ms from numpy's allocator (docs/benchmarks.md)."""
-    return memoryview(np.empty(size, np.uint8)).cast("B")
 
 
 class WireError(ValueError):

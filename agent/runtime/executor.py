@@ -10,12 +10,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from agent.runtime.workerenv import (
-    BACKEND_ENV,
-    CORES_ENV,
-    THREADS_ENV,
-    with_malloc_tunables,
-)
+from agent.runtime.workerenv import BACKEND_ENV, CORES_ENV, THREADS_ENV
+from engine.memory import with_malloc_tunables
 
 THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
                "VECLIB_MAXIMUM_THREADS", "NUMEXPR_NUM_THREADS")

@@ -45,7 +45,7 @@ from api.schemas.common import parse_query
 from api.steps.bulk_body import MAX_BODIES
 from api.steps.capped_server import CappedThreadingHTTPServer
 from api.steps.handlers import accept_upload, serve_weights
-from wire.messages import new_buffer
+from wire.buffers import new_buffer
 from wire.sockopts import set_socket_buffers
 
 log = logging.getLogger(__name__)

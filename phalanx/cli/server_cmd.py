@@ -63,7 +63,7 @@ def server(
         if path is not None:  # the environment carries them to uvicorn's workers too
             os.environ[name] = str(path.resolve())
     settings, _ = _prepare()
-    from api.main import tune_interpreter
+    from api.process import tune_interpreter
 
     tune_interpreter(settings)  # type: ignore[arg-type]
     common = {"host": host, "port": port, "access_log": access_log, "log_level": "info",

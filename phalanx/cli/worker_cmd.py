@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 import typer
 from tenacity import Retrying, retry_if_result, stop_after_delay, wait_exponential
 
+from api.process import tune_interpreter
 from phalanx.cli.settings import load_settings
 
 if TYPE_CHECKING:  # celery is imported by the command itself: `phalanx --help` stays quick
@@ -49,6 +50,11 @@ def register(app: typer.Typer) -> None:
                        "the scheduler itself; a separate worker needs Redis.", err=True)
             raise typer.Exit(2)
         celery = configure(settings)
+        # before any step's arrays: steps are applied here too (sliced steps, reconcile's)
+        kept = tune_interpreter(settings)
+        if kept:
+            typer.echo(f"phalanx worker: malloc keeps a step's arrays ({':'.join(kept)})",
+                       err=True)
         problem = _wait_for_broker(celery, broker_wait)
         if problem is not None:
             # one line and a non-zero exit (the supervisor restarts us), not Celery's

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 import pytest
 from pydantic import ValidationError
 
-from api.main import tune_interpreter
+from api.process import tune_interpreter
 from api.settings import Settings
+from engine.memory import MALLOC_TUNABLES
 
 
 def test_the_server_sets_the_gil_switch_interval_from_its_settings(tmp_path) -> None:
@@ -20,6 +22,19 @@ def test_the_server_sets_the_gil_switch_interval_from_its_settings(tmp_path) -> 
         assert sys.getswitchinterval() == pytest.approx(0.003)
     finally:
         sys.setswitchinterval(before)
+
+
+def test_the_server_keeps_a_steps_arrays_and_its_worker_processes_start_keeping_them(
+        tmp_path, monkeypatch) -> None:
+    """uvicorn's worker processes (`phalanx server --workers N`) inherit the environment:
+    GLIBC_TUNABLES carries engine.memory's tunables to them, beside the operator's own."""
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=4")
+    before = sys.getswitchinterval()
+    try:
+        tune_interpreter(Settings(data_dir=tmp_path))
+    finally:
+        sys.setswitchinterval(before)
+    assert os.environ["GLIBC_TUNABLES"] == f"glibc.malloc.arena_max=4:{MALLOC_TUNABLES}"
 
 
 def test_a_switch_interval_out_of_range_is_refused(tmp_path, monkeypatch) -> None:

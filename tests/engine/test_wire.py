@@ -195,7 +195,7 @@ def test_a_weights_message_filled_in_place_is_byte_for_byte_encode_weights():
 
 
 def test_new_buffer_is_writable_bytes_of_the_size_asked():
-    from wire.messages import new_buffer
+    from wire.buffers import new_buffer
 
     buf = new_buffer(1 << 20)
     assert buf.format == "B" and buf.nbytes == 1 << 20 and not buf.readonly
@@ -290,7 +290,8 @@ def test_every_message_puts_its_arrays_at_an_aligned_offset_and_unpadded_ones_st
     (the server spent ~10% of its CPU on them): every message's payload starts at a multiple of
     64 bytes, so a message received into a fresh buffer decodes to aligned arrays. A message
     from an older sender (compact header, payload anywhere) decodes to the same values."""
-    from wire.messages import PAYLOAD_ALIGN, WeightsMessage, new_buffer
+    from wire.buffers import new_buffer
+    from wire.messages import PAYLOAD_ALIGN, WeightsMessage
 
     sent = _results()
     messages = {"weights": encode_weights("job-1", 7, PARAMS, BUFFERS),
