@@ -95,7 +95,7 @@ class Settings(BaseSettings):
     # default is 5 ms): the step's data-plane threads wake for every socket read and write
     gil_switch_interval_s: float = Field(0.001, gt=0, le=0.1)
     buffer_pool_mb: int = Field(
-        1024, ge=0, description="MiB of model-sized buffers (uploads, states, weights messages) a "
+        4096, ge=0, description="MiB of model-sized buffers (uploads, states, weights messages) a "
         "server or worker keeps to hand out again instead of faulting in fresh pages (wire.buffers); "
         "0: none kept")
     # the step's bulk transfers on their own port (api.steps.bulk_listener); `phalanx server` sets these

@@ -14,39 +14,43 @@ from __future__ import annotations
 
 import ctypes
 import os
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping
 
 MALLOC_TUNABLES = "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=67108864"
-# mallopt's names for the tunables (malloc.h): how a process already running sets them
+# mallopt's names for the tunables (malloc.h): how a process already running sets them; and
+# glibc's older variables for the same, which an operator may have set instead
 _MALLOPT = {"glibc.malloc.mmap_threshold": -3, "glibc.malloc.trim_threshold": -1}
+_OLD_NAMES = {"MALLOC_MMAP_THRESHOLD_": "glibc.malloc.mmap_threshold",
+              "MALLOC_TRIM_THRESHOLD_": "glibc.malloc.trim_threshold"}
 
 
 def _named(tunables: str | None) -> list[tuple[str, str]]:
     return [(t.split("=", 1)[0], t) for t in (tunables or "").split(":") if t]
 
 
-def with_malloc_tunables(operators: str | None) -> str:
-    """GLIBC_TUNABLES for a process to start: the operator's own, then ours they do not set."""
-    theirs = _named(operators)
-    named = {name for name, _ in theirs}
-    return ":".join([t for _, t in theirs] + [t for name, t in _named(MALLOC_TUNABLES)
-                                             if name not in named])
+def _ours_unset(environ: Mapping[str, str]) -> list[str]:
+    """Our tunables that the operator set neither in GLIBC_TUNABLES nor by glibc's older
+    variables (MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_)."""
+    named = {name for name, _ in _named(environ.get("GLIBC_TUNABLES"))} | {
+        tunable for old, tunable in _OLD_NAMES.items() if old in environ}
+    return [t for name, t in _named(MALLOC_TUNABLES) if name not in named]
+
+
+def with_malloc_tunables(environ: Mapping[str, str]) -> str:
+    """GLIBC_TUNABLES for a process to start with `environ`: the operator's own, then ours."""
+    theirs = [t for _, t in _named(environ.get("GLIBC_TUNABLES"))]
+    return ":".join(theirs + _ours_unset(environ))
 
 
 def keep_big_blocks(environ: MutableMapping[str, str] = os.environ) -> list[str]:
     """This process (glibc's mallopt; glibc read GLIBC_TUNABLES when it started) and the ones it
     starts (`environ`'s GLIBC_TUNABLES: uvicorn's worker processes) keep a step's arrays. Returns
     the tunables set here: none where the operator named them all or malloc is not glibc's."""
-    operators = environ.get("GLIBC_TUNABLES")
-    named = {name for name, _ in _named(operators)}
-    environ["GLIBC_TUNABLES"] = with_malloc_tunables(operators)
+    ours = _ours_unset(environ)
+    environ["GLIBC_TUNABLES"] = with_malloc_tunables(environ)
     try:
         mallopt = ctypes.CDLL(None).mallopt  # glibc (and musl's, which ignores it)
-    except (AttributeError, OSError):
+    except (AttributeError, OSError, TypeError):  # no mallopt (macOS); no CDLL(None) (Windows)
         return []
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    applied = []
-    for name, tunable in _named(MALLOC_TUNABLES):
-        if name not in named and mallopt(_MALLOPT[name], int(tunable.split("=", 1)[1])) == 1:
-            applied.append(tunable)
-    return applied
+    return [t for t in ours if mallopt(_MALLOPT[t.split("=", 1)[0]], int(t.split("=", 1)[1])) == 1]

@@ -54,7 +54,7 @@ class ComputeWorker:
         env.update({var: str(blas_threads(config)) for var in THREAD_VARS})
         env[THREADS_ENV] = str(config.threads)
         env[BACKEND_ENV] = config.backend
-        env["GLIBC_TUNABLES"] = with_malloc_tunables(env.get("GLIBC_TUNABLES"))
+        env["GLIBC_TUNABLES"] = with_malloc_tunables(env)
         env.pop(CORES_ENV, None)
         if config.cores:
             env[CORES_ENV] = ",".join(str(c) for c in config.cores)

@@ -11,6 +11,7 @@ from pydantic import ValidationError
 from api.process import tune_interpreter
 from api.settings import Settings
 from engine.memory import MALLOC_TUNABLES
+from wire.buffers import BUFFERS
 
 
 def test_the_server_sets_the_gil_switch_interval_from_its_settings(tmp_path) -> None:
@@ -29,11 +30,15 @@ def test_the_server_keeps_a_steps_arrays_and_its_worker_processes_start_keeping_
     """uvicorn's worker processes (`phalanx server --workers N`) inherit the environment:
     GLIBC_TUNABLES carries engine.memory's tunables to them, beside the operator's own."""
     monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=4")
-    before = sys.getswitchinterval()
+    for old in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"):
+        monkeypatch.delenv(old, raising=False)
+    before, pool = sys.getswitchinterval(), BUFFERS.max_bytes
     try:
-        tune_interpreter(Settings(data_dir=tmp_path))
-    finally:
+        tune_interpreter(Settings(data_dir=tmp_path, buffer_pool_mb=64))
+        assert BUFFERS.max_bytes == 64 << 20  # PHALANX_BUFFER_POOL_MB
+    finally:  # (glibc's mallopt stays set in this process: it only keeps freed blocks longer)
         sys.setswitchinterval(before)
+        BUFFERS.max_bytes = pool
     assert os.environ["GLIBC_TUNABLES"] == f"glibc.malloc.arena_max=4:{MALLOC_TUNABLES}"
 
 

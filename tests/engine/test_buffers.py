@@ -70,6 +70,40 @@ def test_a_size_not_asked_for_a_while_leaves_the_pool() -> None:
     assert pool.held_bytes == SIZE + POOLED_MIN_BYTES
 
 
+def test_a_buffer_in_use_past_the_idle_time_stays_pooled_and_sizes_share_a_class() -> None:
+    """A state kept through a long step is in use, not idle; an upload a few bytes longer than the
+    last (its header's digits) takes the same buffer."""
+    now = [0.0]
+    pool = BufferPool(max_bytes=1 << 30, idle_s=60.0, clock=lambda: now[0])
+    held = pool.take(SIZE)
+    where = address(held)
+    now[0] = 500.0
+    pool.take(POOLED_MIN_BYTES)
+    assert pool.held_bytes == SIZE + POOLED_MIN_BYTES  # still the pool's, though held for 500 s
+    del held
+    again = pool.take(SIZE - 100)
+    assert address(again) == where and len(again) == SIZE - 100
+    del again
+    longer = pool.take(SIZE - 36)  # same 64 KiB class
+    assert address(longer) == where and len(longer) == SIZE - 36
+
+
+def test_a_pool_nobody_asks_lets_go_of_its_buffers_on_its_own() -> None:
+    """After a job's last step nothing asks for a buffer again: the pool's own thread lets go of
+    the idle ones (and ends; the next buffer made starts it again)."""
+    pool = BufferPool(max_bytes=1 << 30, idle_s=0.05)
+    pool.take(SIZE)
+    deadline = time.monotonic() + 30
+    while pool.held_bytes and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert pool.held_bytes == 0
+    pool.take(SIZE)
+    assert pool.held_bytes == SIZE  # pooled again
+    while pool.held_bytes and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert pool.held_bytes == 0
+
+
 def test_threads_taking_and_dropping_buffers_never_share_one() -> None:
     """Each thread writes its mark over the whole buffer and checks it before dropping it: a
     buffer handed to two holders at once would show the other's mark."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import subprocess
 import sys
 import textwrap
@@ -102,9 +103,12 @@ def test_a_step_receives_and_applies_into_buffers_it_had_already_instead_of_fres
     assert max(faults for faults, _ in pooled) < 300, pooled
 
 
-def _keep_in_a_process(operators: str | None) -> dict[str, object]:
-    """keep_big_blocks() in a fresh process started with `operators` as GLIBC_TUNABLES."""
-    env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+def _keep_in_a_process(operators: str | None, **old: str) -> dict[str, object]:
+    """keep_big_blocks() in a fresh process started with `operators` as GLIBC_TUNABLES (and
+    glibc's older variables `old`)."""
+    env = {k: v for k, v in os.environ.items()
+           if k != "GLIBC_TUNABLES" and not k.startswith("MALLOC_")}
+    env.update(old)
     if operators is not None:
         env["GLIBC_TUNABLES"] = operators
     env["PYTHONPATH"] = str(REPO_ROOT)
@@ -115,7 +119,7 @@ def _keep_in_a_process(operators: str | None) -> dict[str, object]:
     return json.loads(out.stdout)
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc: Linux")
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt: glibc's malloc")
 def test_ours_are_set_in_the_process_and_for_the_ones_it_starts_and_the_operators_win() -> None:
     alone = _keep_in_a_process(None)
     assert alone == {"applied": OURS, "env": MALLOC_TUNABLES}
@@ -126,6 +130,8 @@ def test_ours_are_set_in_the_process_and_for_the_ones_it_starts_and_the_operator
     assert beside["env"] == f"{theirs}:{beside['applied'][0]}"
     both = _keep_in_a_process("glibc.malloc.trim_threshold=1:glibc.malloc.mmap_threshold=2")
     assert both == {"applied": [], "env": "glibc.malloc.trim_threshold=1:glibc.malloc.mmap_threshold=2"}
+    older = _keep_in_a_process(None, MALLOC_TRIM_THRESHOLD_="131072")  # glibc's older variable
+    assert older == {"applied": OURS[:1], "env": OURS[0]}
 
 
 def test_a_worker_says_at_start_that_it_keeps_a_steps_arrays(tmp_path: Path, pg_url: str,
