@@ -50,17 +50,17 @@ def register(app: typer.Typer) -> None:
                        "the scheduler itself; a separate worker needs Redis.", err=True)
             raise typer.Exit(2)
         celery = configure(settings)
-        # before any step's arrays: steps are applied here too (sliced steps, reconcile's)
-        kept = tune_interpreter(settings)
-        if kept:
-            typer.echo(f"phalanx worker: malloc keeps a step's arrays ({':'.join(kept)})",
-                       err=True)
         problem = _wait_for_broker(celery, broker_wait)
         if problem is not None:
             # one line and a non-zero exit (the supervisor restarts us), not Celery's
             # traceback-and-retry loop
             typer.echo(f"phalanx worker: {problem.detail}", err=True)
             raise typer.Exit(1)
+        # before any step's arrays: steps are applied here too (sliced steps, reconcile's)
+        kept = tune_interpreter(settings)
+        if kept:
+            typer.echo(f"phalanx worker: malloc keeps a step's arrays ({':'.join(kept)})",
+                       err=True)
         # threads, not prefork: one process that a SIGKILL stops whole, and numpy releases the GIL
         argv = ["worker", "-Q", queues, "--pool", "threads", "--concurrency", str(concurrency),
                 "--loglevel", loglevel, "--without-gossip", "--without-mingle"]

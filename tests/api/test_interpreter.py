@@ -14,7 +14,8 @@ from engine.memory import MALLOC_TUNABLES
 from wire.buffers import BUFFERS
 
 
-def test_the_server_sets_the_gil_switch_interval_from_its_settings(tmp_path) -> None:
+def test_the_server_sets_the_gil_switch_interval_from_its_settings(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("GLIBC_TUNABLES", "")  # tune_interpreter sets it; restored after the test
     before = sys.getswitchinterval()
     try:
         tune_interpreter(Settings(data_dir=tmp_path))

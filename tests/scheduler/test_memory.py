@@ -134,8 +134,10 @@ def test_ours_are_set_in_the_process_and_for_the_ones_it_starts_and_the_operator
     assert older == {"applied": OURS[:1], "env": OURS[0]}
 
 
-def test_a_worker_says_at_start_that_it_keeps_a_steps_arrays(tmp_path: Path, pg_url: str,
-                                                             redis_url: str) -> None:
+def test_a_worker_says_at_start_that_it_keeps_a_steps_arrays(
+        tmp_path: Path, pg_url: str, redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    for inherited in ("GLIBC_TUNABLES", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"):
+        monkeypatch.delenv(inherited, raising=False)  # the worker's environment is the test's
     cluster = Cluster(tmp_path, pg_url, ADMIN_TOKEN, redis_url=redis_url)
     try:
         cluster.start_server()
