@@ -39,6 +39,18 @@ def process_faults() -> Iterator[tuple[int, str, int]]:
         yield pid, name, int(fields[7])
 
 
+def process_peak_rss() -> Iterator[tuple[int, str, int]]:
+    """(pid, command name, peak resident bytes so far: VmHWM) for every readable process."""
+    for pid, name, _ in _stats():
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            continue
+        for line in status.splitlines():
+            if line.startswith("VmHWM:"):
+                yield pid, name, int(line.split()[1]) * 1024
+
+
 def faults_of(pids: Iterable[int]) -> int:
     """Minor page faults so far of these processes together (those gone count nothing)."""
     return sum(int(read[1][7]) for read in map(_fields, pids) if read is not None)

@@ -37,7 +37,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.proc_cpu import process_cpu, process_faults  # noqa: E402
+from bench.proc_cpu import process_cpu, process_faults, process_peak_rss  # noqa: E402
 
 ADMIN = "phx-admin-bench-" + "0" * 24
 DATASET = "synthetic:3x32x32:10:65536"
@@ -251,6 +251,9 @@ def run_phalanx(root: Path, mode: str, n: int, steps: int, pg: str | None, rd: s
                 time.sleep(0.25)  # the bench's own polling is load on the server too
             cpu_after = cpu_seconds(groups_pids)
             faults_after = page_faults(groups_pids)
+            # the processes this run started (Redis's and Postgres's peaks span their lives)
+            peak_rss = {g: v for g, v in _by_group(groups_pids, process_peak_rss()).items()
+                        if g in groups_pids}
             rows = c.get(f"/v1/jobs/{job_id}/metrics").json()["items"]
             c.post(f"/v1/jobs/{job_id}/cancel")
     finally:
@@ -280,7 +283,7 @@ def run_phalanx(root: Path, mode: str, n: int, steps: int, pg: str | None, rd: s
             "upload_bytes_per_agent_step": statistics.median(per_step) / n if per_step else None,
             "model_bytes": 4 * n_params_of(arch), "arch": arch, "step_wall_s": statistics.median(wall),
             "cpu_s_per_step": cpu,
-            "page_faults_per_step": faults,
+            "page_faults_per_step": faults, "peak_rss_bytes": peak_rss,
             "slowest_agent_local_s": statistics.median(local.get(r["step"], 0.0) for r in measured),
             "coordination_s": statistics.median(coord), "steps": len(measured),
             "phases_s": step_phases(marks, [r["step"] for r in measured])}
@@ -413,7 +416,9 @@ def main() -> None:
               + " | phases: " + ", ".join(f"{k} {v * 1000:.0f} ms"
                                           for k, v in row["phases_s"].items())
               + " | page faults per step: " + ", ".join(
-                  f"{g} {v:.0f}" for g, v in row["page_faults_per_step"].items() if v),
+                  f"{g} {v:.0f}" for g, v in row["page_faults_per_step"].items() if v)
+              + " | peak RSS: " + ", ".join(f"{g} {v / 2**20:.0f} MiB"
+                                            for g, v in row["peak_rss_bytes"].items()),
               flush=True)
     gloo = {}
     for n in gloo_counts:
