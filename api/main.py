@@ -185,6 +185,7 @@ async def _serving(app: FastAPI, *, settings: Settings,
     logged and skipped (see each helper)."""
     state: AppState = app.state  # type: ignore[assignment]
     metrics_tasks.use_redis_url(settings.redis_url)
+    metrics.watch_buffer_pool()
     async with AsyncExitStack() as stack:
         if not settings.embedded and settings.peer_port >= 0:
             await _serve_peers(stack, state, settings)

@@ -24,6 +24,7 @@ from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
     Counter,
+    Gauge,
     Histogram,
     disable_created_metrics,
     generate_latest,
@@ -35,6 +36,7 @@ from starlette.concurrency import run_in_threadpool
 
 from api import metrics_tasks
 from api.metrics_store import StoreCollector
+from wire.buffers import BUFFERS, BufferPool
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +65,13 @@ BULK_REFUSED_CONNECTIONS = Counter(
     "phalanx_bulk_refused_connections", "Connections the bulk listener closed at once, by "
     "reason: max_connections (it already served PHALANX_BULK_MAX_CONNECTIONS)", ["reason"],
     registry=REQUESTS)
+BUFFER_POOL_BYTES = Gauge(
+    "phalanx_buffer_pool_bytes", "Bytes of model-sized buffers (uploads, states, weights "
+    "messages) the server's processes keep to hand out again (PHALANX_BUFFER_POOL_MB)",
+    multiprocess_mode="livesum", registry=REQUESTS)
+BUFFER_POOL_REUSED = Counter(
+    "phalanx_buffer_pool_reused", "Model-sized buffers handed out again instead of fresh pages "
+    "the kernel faults in and zeroes", registry=REQUESTS)
 SHARD_RESULTS = Counter("phalanx_shard_results", "Shards whose results devices uploaded (a "
                         "partial counts each shard it adds): accepted (the first of its shard "
                         "and step) or duplicate (dropped: first wins)",
@@ -204,3 +213,22 @@ async def metrics(request: Request) -> Response:
     """Prometheus text format (version 0.0.4)."""
     body = await run_in_threadpool(render, request.app)
     return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+
+class _PoolMetrics:
+    """The process's buffer pool (wire.buffers) as the two series above: called under the
+    pool's lock after each change."""
+
+    def __init__(self, reused: int) -> None:
+        self._reused = reused
+
+    def __call__(self, held_bytes: int, reused: int) -> None:
+        BUFFER_POOL_BYTES.set(held_bytes)
+        if reused > self._reused:
+            BUFFER_POOL_REUSED.inc(reused - self._reused)
+        self._reused = reused
+
+
+def watch_buffer_pool(pool: BufferPool = BUFFERS) -> None:
+    if pool.watch is None:
+        pool.watch = _PoolMetrics(pool.reused)

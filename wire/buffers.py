@@ -72,6 +72,9 @@ class BufferPool:
         self.held_bytes = 0
         self.reused = 0  # buffers handed out again (a page fault and a zeroing saved per page)
         self._sweeper: threading.Thread | None = None
+        # told (held_bytes, reused) after each change, under the pool's lock: the server's
+        # metrics (api.metrics.watch_buffer_pool)
+        self.watch: Callable[[int, int], None] | None = None
 
     def take(self, size: int) -> memoryview:
         """`size` writable bytes, not zeroed (any earlier content may be there)."""
@@ -80,22 +83,31 @@ class BufferPool:
         cls = -(-size // SIZE_CLASS) * SIZE_CLASS
         now = self._clock()
         with self._lock:
-            self._let_go_idle(now)
-            for pooled in self._by_class.get(cls, ()):
-                if _free(pooled):
-                    pooled.last_used = now
-                    self.reused += 1
-                    return memoryview(pooled.array).cast("B")[:size]
-            if self.held_bytes + cls > self.max_bytes:
-                return _fresh(size)
-            array = np.empty(cls, np.uint8)
-            self._by_class.setdefault(cls, []).append(_Pooled(array, now))
-            self.held_bytes += cls
-            if self._sweeper is None:
-                self._sweeper = threading.Thread(target=self._sweep, name="buffer-pool",
-                                                 daemon=True)
-                self._sweeper.start()
-            return memoryview(array).cast("B")[:size]
+            try:
+                return self._take(size, cls, now)
+            finally:
+                self._tell()
+
+    def _take(self, size: int, cls: int, now: float) -> memoryview:
+        self._let_go_idle(now)
+        for pooled in self._by_class.get(cls, ()):
+            if _free(pooled):
+                pooled.last_used = now
+                self.reused += 1
+                return memoryview(pooled.array).cast("B")[:size]
+        if self.held_bytes + cls > self.max_bytes:
+            return _fresh(size)
+        array = np.empty(cls, np.uint8)
+        self._by_class.setdefault(cls, []).append(_Pooled(array, now))
+        self.held_bytes += cls
+        if self._sweeper is None:
+            self._sweeper = threading.Thread(target=self._sweep, name="buffer-pool", daemon=True)
+            self._sweeper.start()
+        return memoryview(array).cast("B")[:size]
+
+    def _tell(self) -> None:
+        if self.watch is not None:
+            self.watch(self.held_bytes, self.reused)
 
     def _sweep(self) -> None:
         """Lets go of idle buffers when nothing asks for any; ends once the pool is empty (the
@@ -104,6 +116,7 @@ class BufferPool:
             time.sleep(self.idle_s / 2)
             with self._lock:
                 self._let_go_idle(self._clock())
+                self._tell()
                 if not self._by_class:
                     self._sweeper = None
                     return

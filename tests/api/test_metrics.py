@@ -16,6 +16,7 @@ from api.metrics_store import integrate_power
 from tests.api.conftest import make_settings, sample
 from tests.support.env import ADMIN_TOKEN as ADMIN
 from tests.support.server import start_server
+from wire.buffers import BUFFERS, POOLED_MIN_BYTES, new_buffer
 
 
 def scrape(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -181,3 +182,18 @@ def test_job_series_are_live_jobs_and_those_finished_within_6_hours_at_most_50(a
     shown = job_series(api)
     assert len(shown) == 50 and shown == set(newer[-50:])  # the newest 50
     assert stale not in shown
+
+
+def test_the_buffer_pool_shows_what_it_holds_and_hands_out_again(api) -> None:
+    """phalanx_buffer_pool_bytes and _reused_total follow the process's pool (wire.buffers): the
+    operator sees the memory it keeps (PHALANX_BUFFER_POOL_MB) and whether it is used."""
+    api.client.get("/metrics")  # the app has started: the pool is watched
+    first = new_buffer(3 * POOLED_MIN_BYTES + 12345)
+    held = scrape(api.client.get("/metrics").text)
+    assert value(held, "phalanx_buffer_pool_bytes") == BUFFERS.held_bytes >= 3 * POOLED_MIN_BYTES
+    del first
+    again = new_buffer(3 * POOLED_MIN_BYTES + 12345)  # the same buffer, nothing else holds it
+    after = scrape(api.client.get("/metrics").text)
+    assert value(after, "phalanx_buffer_pool_reused_total") == \
+        value(held, "phalanx_buffer_pool_reused_total") + 1
+    del again
