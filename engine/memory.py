@@ -6,8 +6,9 @@ paid for each shard's activations and gradients again (27-31 ms a cnn shard inst
 bench/phone_cores.py), and the server for the state and weights message of every step it applies
 (clear_page ~5% of its CPU, ~2,400 page faults a step at 8 agents,
 bench/scheduler_coordination.py). A process that handles them keeps blocks up to 32 MiB (glibc's
-largest mmap threshold) in its heap and up to 64 MiB of a heap free. An operator's own
-GLIBC_TUNABLES win where both name one. stdlib only: a phone's worker reads it before numpy.
+largest mmap threshold) in its heap and up to 64 MiB of a heap free. An operator's own setting
+wins where both name one (GLIBC_TUNABLES, or glibc's older MALLOC_MMAP_THRESHOLD_ and
+MALLOC_TRIM_THRESHOLD_). stdlib only: a phone's worker reads it before numpy.
 """
 
 from __future__ import annotations

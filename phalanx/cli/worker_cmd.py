@@ -7,7 +7,6 @@ from typing import TYPE_CHECKING
 import typer
 from tenacity import Retrying, retry_if_result, stop_after_delay, wait_exponential
 
-from api.process import tune_interpreter
 from phalanx.cli.settings import load_settings
 
 if TYPE_CHECKING:  # celery is imported by the command itself: `phalanx --help` stays quick
@@ -43,6 +42,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Run scheduler tasks (reconcile, placement, apply_step) from the Redis broker."""
         settings = load_settings()  # before scheduler.celery_app: it reads them at import
+        from api.process import tune_interpreter
         from scheduler.celery_app import configure
 
         if settings.embedded:
