@@ -96,6 +96,20 @@ LIMIT 1000
 """
 
 
+def buffer_pool_panel(rate: str) -> Panel:
+    """What the servers keep of a step's model-sized buffers (PHALANX_BUFFER_POOL_MB), and how
+    often one is handed out again instead of fresh pages."""
+    out = panel("timeseries", "Data plane: buffers kept and reused", [
+        prom("sum(phalanx_buffer_pool_bytes)", "kept"),
+        prom(f"sum(rate(phalanx_buffer_pool_reused_total[{rate}]))", "reused", ref="B")],
+        "bytes", description="Bytes of uploads, states and weights messages the API replicas "
+        "keep to hand out again (PHALANX_BUFFER_POOL_MB), and buffers reused a second: about "
+        "(phones + 2) a step when the pool is big enough; 0 with a pool too small for a step.")
+    out["fieldConfig"]["overrides"] = [{"matcher": {"id": "byName", "options": "reused"},
+                                        "properties": [{"id": "unit", "value": "ops"}]}]
+    return out
+
+
 def fleet_table() -> Panel:
     link = {"title": "Device dashboard", "url": "/d/phalanx-device?var-device=${__data.fields.id}"}
     table = panel("table", "Phones, hottest first", [sql(FLEET_TABLE, "table")],
@@ -173,6 +187,7 @@ def fleet() -> dict:
                  "upload: {{kind}}"),
             prom(f"sum by (when) (rate(phalanx_weights_slices_served_total[{rate}]))",
                  "slice served {{when}}", ref="B")], "ops"), 12, 8),
+        (buffer_pool_panel(rate), 12, 8),
     ])
 
 
