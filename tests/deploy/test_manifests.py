@@ -196,6 +196,24 @@ def test_deployments_run_our_image_commands_and_real_settings() -> None:
         assert keys <= SETTINGS_ENV, f"{cm['metadata']['name']}: unknown {keys - SETTINGS_ENV}"
 
 
+def _bytes(quantity: str) -> int:
+    units = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30}
+    return int(quantity[:-2]) * units[quantity[-2:]] if quantity[-2:] in units else int(quantity)
+
+
+def test_what_each_pod_keeps_of_a_steps_buffers_fits_its_memory_limit() -> None:
+    """The buffer pool keeps what a step used until it is let go (wire/buffers.py), per process:
+    a pod's processes together must be able to hold their pools under its memory limit, or the
+    defaults kill it with a big model (4 GiB a process by default)."""
+    pool = by_kind("ConfigMap")["phalanx-config"]["data"]["PHALANX_BUFFER_POOL_MB"]
+    for name in ("phalanx-api", "phalanx-worker"):
+        (c,) = by_kind("Deployment")[name]["spec"]["template"]["spec"]["containers"]
+        argv = c["command"]
+        processes = int(argv[argv.index("--workers") + 1]) if "--workers" in argv else 1
+        limit = _bytes(c["resources"]["limits"]["memory"])
+        assert processes * (int(pool) << 20) <= 0.8 * limit, (name, processes, pool, limit)
+
+
 def test_beat_runs_exactly_once_and_the_shared_volume_is_read_write_many() -> None:
     beat = by_kind("Deployment")["phalanx-beat"]
     assert beat["spec"]["replicas"] == 1
