@@ -215,20 +215,13 @@ async def metrics(request: Request) -> Response:
     return Response(body, media_type=CONTENT_TYPE_LATEST)
 
 
-class _PoolMetrics:
+def _pool_metrics(held_bytes: int, reused: bool) -> None:
     """The process's buffer pool (wire.buffers) as the two series above: called under the
-    pool's lock after each change."""
-
-    def __init__(self, reused: int) -> None:
-        self._reused = reused
-
-    def __call__(self, held_bytes: int, reused: int) -> None:
-        BUFFER_POOL_BYTES.set(held_bytes)
-        if reused > self._reused:
-            BUFFER_POOL_REUSED.inc(reused - self._reused)
-        self._reused = reused
+    pool's lock after each request and sweep."""
+    BUFFER_POOL_BYTES.set(held_bytes)
+    if reused:
+        BUFFER_POOL_REUSED.inc()
 
 
 def watch_buffer_pool(pool: BufferPool = BUFFERS) -> None:
-    if pool.watch is None:
-        pool.watch = _PoolMetrics(pool.reused)
+    pool.watch = _pool_metrics

@@ -9,8 +9,8 @@ it made and hands one out again when the only reference left to it is the pool's
 it, an array made from it or a memoryview held anywhere keeps it out of reach, so a buffer is never
 reused while anything can still read or write it. Sizes are rounded up to a 64 KiB class (an
 upload's size moves with its header's digits). The pool holds at most `max_bytes`, and lets go of
-a buffer nothing has used for `idle_s` seconds (checked whenever a buffer is asked for, and by a
-thread every idle_s / 2 while the pool holds any: a finished job's buffers are not kept for good).
+a buffer nothing has used for `idle_s` seconds (checked by a thread every idle_s / 2 while the
+pool holds any, not on each request: a finished job's buffers are not kept for good).
 """
 
 from __future__ import annotations
@@ -72,68 +72,66 @@ class BufferPool:
         self.held_bytes = 0
         self.reused = 0  # buffers handed out again (a page fault and a zeroing saved per page)
         self._sweeper: threading.Thread | None = None
-        # told (held_bytes, reused) after each change, under the pool's lock: the server's
-        # metrics (api.metrics.watch_buffer_pool)
-        self.watch: Callable[[int, int], None] | None = None
+        # told (held_bytes, whether a buffer was handed out again) after each request and
+        # sweep, under the pool's lock: the server's metrics (api.metrics.watch_buffer_pool)
+        self.watch: Callable[[int, bool], None] | None = None
 
     def take(self, size: int) -> memoryview:
         """`size` writable bytes, not zeroed (any earlier content may be there)."""
         if size < POOLED_MIN_BYTES or self.max_bytes <= 0 or not POOLING:
             return _fresh(size)
         cls = -(-size // SIZE_CLASS) * SIZE_CLASS
-        now = self._clock()
         with self._lock:
-            try:
-                return self._take(size, cls, now)
-            finally:
-                self._tell()
+            view, reused = self._take(size, cls, self._clock())
+            if self.watch is not None:
+                self.watch(self.held_bytes, reused)
+            return view
 
-    def _take(self, size: int, cls: int, now: float) -> memoryview:
-        self._let_go_idle(now)
+    def _take(self, size: int, cls: int, now: float) -> tuple[memoryview, bool]:
         for pooled in self._by_class.get(cls, ()):
             if _free(pooled):
                 pooled.last_used = now
                 self.reused += 1
-                return memoryview(pooled.array).cast("B")[:size]
+                return memoryview(pooled.array).cast("B")[:size], True
         if self.held_bytes + cls > self.max_bytes:
-            return _fresh(size)
+            return _fresh(size), False
         array = np.empty(cls, np.uint8)
         self._by_class.setdefault(cls, []).append(_Pooled(array, now))
         self.held_bytes += cls
         if self._sweeper is None:
             self._sweeper = threading.Thread(target=self._sweep, name="buffer-pool", daemon=True)
             self._sweeper.start()
-        return memoryview(array).cast("B")[:size]
-
-    def _tell(self) -> None:
-        if self.watch is not None:
-            self.watch(self.held_bytes, self.reused)
+        return memoryview(array).cast("B")[:size], False
 
     def _sweep(self) -> None:
-        """Lets go of idle buffers when nothing asks for any; ends once the pool is empty (the
-        next buffer it makes starts another)."""
+        """Every idle_s / 2, off the requests' path; ends once the pool is empty (the next
+        buffer it makes starts another)."""
         while True:
             time.sleep(self.idle_s / 2)
+            self.let_go_idle()
             with self._lock:
-                self._let_go_idle(self._clock())
-                self._tell()
                 if not self._by_class:
                     self._sweeper = None
                     return
 
-    def _let_go_idle(self, now: float) -> None:
-        """Buffers nothing has held for idle_s leave the pool; one still in use (a state kept
-        for a long step, a body on the shelf) counts as used now."""
-        for cls, pooled in list(self._by_class.items()):
-            for p in pooled:
-                if not _free(p):
-                    p.last_used = now
-            kept = [p for p in pooled if now - p.last_used < self.idle_s]
-            self.held_bytes -= cls * (len(pooled) - len(kept))
-            if kept:
-                self._by_class[cls] = kept
-            else:
-                del self._by_class[cls]
+    def let_go_idle(self) -> None:
+        """Buffers nothing has held for idle_s leave the pool (freed once nothing else holds
+        them); one still in use (a state kept for a long step, a body on the shelf) counts as
+        used now."""
+        now = self._clock()
+        with self._lock:
+            for cls, pooled in list(self._by_class.items()):
+                for p in pooled:
+                    if not _free(p):
+                        p.last_used = now
+                kept = [p for p in pooled if now - p.last_used < self.idle_s]
+                self.held_bytes -= cls * (len(pooled) - len(kept))
+                if kept:
+                    self._by_class[cls] = kept
+                else:
+                    del self._by_class[cls]
+            if self.watch is not None:
+                self.watch(self.held_bytes, False)
 
 
 # the process's pool: a server and a worker size it from their settings (api.process)

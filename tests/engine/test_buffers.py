@@ -66,7 +66,8 @@ def test_a_size_not_asked_for_a_while_leaves_the_pool() -> None:
     now[0] = 59.0
     pool.take(SIZE)  # handed out again: its clock restarts
     now[0] = 100.0
-    pool.take(POOLED_MIN_BYTES)  # any request lets go of the idle ones
+    pool.take(POOLED_MIN_BYTES)
+    pool.let_go_idle()  # what the pool's thread does every idle_s / 2
     assert pool.held_bytes == SIZE + POOLED_MIN_BYTES
 
 
@@ -79,6 +80,7 @@ def test_a_buffer_in_use_past_the_idle_time_stays_pooled_and_sizes_share_a_class
     where = address(held)
     now[0] = 500.0
     pool.take(POOLED_MIN_BYTES)
+    pool.let_go_idle()
     assert pool.held_bytes == SIZE + POOLED_MIN_BYTES  # still the pool's, though held for 500 s
     del held
     again = pool.take(SIZE - 100)

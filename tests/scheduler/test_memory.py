@@ -81,13 +81,20 @@ APPLY_STEPS = textwrap.dedent("""
 """)
 
 
+def _python(code: str, *args: str, **env: str) -> str:
+    """The last line `code` prints in a fresh interpreter on this checkout, started with no
+    malloc settings of the test process's (GLIBC_TUNABLES, MALLOC_*) but `env`'s."""
+    clean = {k: v for k, v in os.environ.items()
+             if k != "GLIBC_TUNABLES" and not k.startswith("MALLOC_")}
+    out = subprocess.run([sys.executable, "-c", code, *args],
+                         env={**clean, **env, "PYTHONPATH": str(REPO_ROOT)},
+                         capture_output=True, text=True, timeout=300, check=True)
+    return out.stdout.splitlines()[-1]
+
+
 def _steps(pool_mb: int) -> list[tuple[int, int]]:
     """(page faults, buffers reused) a step, after three steps that size the pool and heap."""
-    env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
-    env["PYTHONPATH"] = str(REPO_ROOT)
-    out = subprocess.run([sys.executable, "-c", APPLY_STEPS, str(pool_mb)], env=env,
-                         capture_output=True, text=True, timeout=300, check=True)
-    return [tuple(s) for s in json.loads(out.stdout.splitlines()[-1])[3:]]
+    return [tuple(s) for s in json.loads(_python(APPLY_STEPS, str(pool_mb)))[3:]]
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/stat")
@@ -106,17 +113,10 @@ def test_a_step_receives_and_applies_into_buffers_it_had_already_instead_of_fres
 def _keep_in_a_process(operators: str | None, **old: str) -> dict[str, object]:
     """keep_big_blocks() in a fresh process started with `operators` as GLIBC_TUNABLES (and
     glibc's older variables `old`)."""
-    env = {k: v for k, v in os.environ.items()
-           if k != "GLIBC_TUNABLES" and not k.startswith("MALLOC_")}
-    env.update(old)
-    if operators is not None:
-        env["GLIBC_TUNABLES"] = operators
-    env["PYTHONPATH"] = str(REPO_ROOT)
     code = ("import json, os; from engine.memory import keep_big_blocks; applied = keep_big_blocks(); "
             "print(json.dumps({'applied': applied, 'env': os.environ['GLIBC_TUNABLES']}))")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         timeout=60, check=True)
-    return json.loads(out.stdout)
+    theirs = {} if operators is None else {"GLIBC_TUNABLES": operators}
+    return json.loads(_python(code, **old, **theirs))
 
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt: glibc's malloc")
