@@ -190,7 +190,9 @@ def one_step(c: Any, device: str, log: Any, pre_add: bool, slices: Any) -> None:
     t0 = time.perf_counter()
     stats = np.zeros(a.n_stats, np.float32)
     m = a.spec["global_batch_size"] // a.spec["shards"]
-    grad = _GRADS.setdefault(a.n_params, np.zeros(a.n_params, np.float32))
+    grad = _GRADS.get(a.n_params)
+    if grad is None:  # not setdefault: its default (12.9 MB zeroed) would be made every step
+        grad = _GRADS[a.n_params] = np.zeros(a.n_params, np.float32)
     results = [ShardResult(k, grad, 1.0, 0, m, stats) for k in a.shards]
     if pre_add and a.pre_reduce and len(results) > 1:
         results = pre_reduce(results, a.spec["shards"], "float32")

@@ -17,6 +17,7 @@ of a partial of many shards travelling in half the bytes (measured in docs/bench
 from __future__ import annotations
 
 import operator
+import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -191,16 +192,41 @@ def reduce_results(results: Sequence[ShardResult], lo: int, hi: int,
 def _tree_grad(by_node: dict[tree.Node, ShardResult], lo: int, hi: int,
                precision: str) -> Callable[[int, int], np.ndarray]:
     """Elements [a, b) of node [lo, hi)'s gradient, added up the tree from `by_node` (a cover
-    of it): element-wise, so a range at a time gives the whole vector's bits."""
+    of it): element-wise, so a range at a time gives the whole vector's bits. The tree's
+    additions are laid out once (tree.plan) and written into this thread's scratch: the array
+    returned is valid until the thread's next call (its callers add or copy it at once)."""
     rounding = node_precision(precision)
-
-    def add(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-        return round_to(np.add(x, y, dtype=np.float32), rounding)
+    how = tree.plan(by_node.keys(), lo, hi)
+    given = [by_node[node].grad_sum for node in how.given]
 
     def grad(a: int, b: int) -> np.ndarray:
-        return tree.reduce({n: r.grad_sum[a:b] for n, r in by_node.items()}, lo, hi, add)
+        values = [g[a:b] for g in given]
+        if how.root >= 0:
+            return values[how.root]
+        slots = _tree_scratch(how.slots, b - a)
+        for left, right, out in how.adds:
+            np.add(values[left] if left >= 0 else slots[~left],
+                   values[right] if right >= 0 else slots[~right],
+                   out=slots[out], dtype=np.float32)
+            if rounding != "float32":
+                slots[out][...] = round_to(slots[out], rounding)
+        return slots[~how.root]
 
     return grad
+
+
+_SCRATCH = threading.local()
+
+
+def _tree_scratch(slots: int, size: int) -> list[np.ndarray]:
+    """This thread's float32 scratch slots of `size` elements for a tree's additions (made
+    once a thread, grown when a larger tree or block asks: the blocks are at most
+    REDUCE_BLOCK or engine.optim's FUSED_BLOCK)."""
+    have: list[np.ndarray] = getattr(_SCRATCH, "tree", [])
+    if len(have) < slots or (have and have[0].size < size):
+        width = max(size, have[0].size if have else 0)
+        have = _SCRATCH.tree = [np.empty(width, np.float32) for _ in range(max(slots, len(have)))]
+    return [s[:size] for s in have[:slots]]
 
 
 def _tree_scalars(by_node: dict[tree.Node, ShardResult], lo: int,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TypeVar
 
 Node = tuple[int, int]  # [lo, hi)
@@ -110,6 +111,46 @@ def next_blocks(todo: Sequence[int], most: int) -> tuple[list[int], list[int]]:
                 size = top
         taken += size
     return list(todo[:taken]), list(todo[taken:])
+
+
+@dataclass(frozen=True)
+class Plan:
+    """`reduce`'s additions for node [lo, hi) laid out once, for values added a block at a
+    time (engine.step): `adds` in order, each (left, right, out). An operand >= 0 is the index
+    of a given node in `given`; < 0 is scratch slot ~operand, written by an earlier add. `out`
+    is a slot; `root` the operand holding the node's value. A node at depth d writes slot
+    2d (a left child) or 2d + 1 (a right one): a left child's value is held while its sibling's
+    subtree is added in deeper slots, so 2 x depth slots do for any shard count."""
+
+    given: tuple[Node, ...]
+    adds: tuple[tuple[int, int, int], ...]
+    root: int
+    slots: int
+
+
+def plan(have: Collection[Node], lo: int, hi: int) -> Plan:
+    """The additions that make node [lo, hi) from nodes in `have` covering it (none above
+    it), in the order and pairs `reduce` adds them."""
+    given: list[Node] = []
+    adds: list[tuple[int, int, int]] = []
+    root = _plan_node(have, lo, hi, 0, 0, given, adds)
+    return Plan(tuple(given), tuple(adds), root, 1 + max((out for *_, out in adds), default=-1))
+
+
+def _plan_node(have: Collection[Node], lo: int, hi: int, depth: int, side: int,
+               given: list[Node], adds: list[tuple[int, int, int]]) -> int:
+    # a function of the module, not a closure calling itself: that would be a reference
+    # cycle holding `have` (a step's results, model-sized uploads) until the cyclic GC runs
+    if (lo, hi) in have:
+        given.append((lo, hi))
+        return len(given) - 1
+    if hi - lo < 2:
+        raise KeyError(f"shard {lo} has no value")
+    mid = split(lo, hi)
+    left = _plan_node(have, lo, mid, depth + 1, 0, given, adds)
+    right = _plan_node(have, mid, hi, depth + 1, 1, given, adds)
+    adds.append((left, right, 2 * depth + side))
+    return ~(2 * depth + side)
 
 
 def choose(available: Collection[Node], shards: int) -> list[Node] | None:

@@ -125,6 +125,10 @@ def test_fused_sum_and_update_is_bit_identical_to_sum_then_update(workers, neste
              for _ in range(6)]
     p, v = rng.standard_normal(n).astype(np.float32), rng.standard_normal(n).astype(np.float32)
     mask = (rng.random(n) > 0.3).astype(np.float32)
+    # the sum starts at +0.0: six -0.0s add up to +0.0, and a -0.0 momentum shows the sign
+    for g in grads:
+        g[:50] = -0.0
+    p[:50], v[:50] = 0.0, -0.0
     want_p, want_v = sgd_update(p, v, ordered_sum(grads, n), 0.05, 0.9, wd, nesterov, mask,
                                 grad_divisor=96)
     got_p, got_v = sum_and_update(grads, p, v, 0.05, 0.9, wd, nesterov, mask, grad_divisor=96,

@@ -122,6 +122,46 @@ def test_reduce_adds_in_the_trees_pairs() -> None:
     assert tree.reduce({(0, 4): "P", (4, 5): "4"}, 0, 5, pair) == "(P+4)"
 
 
+def random_cover(rng: random.Random, shards: int) -> set[tree.Node]:
+    """Leaves and partials covering every shard once: each node kept whole or split."""
+    have: set[tree.Node] = set()
+    todo = [(0, shards)]
+    while todo:
+        lo, hi = todo.pop()
+        if hi - lo == 1 or rng.random() < 0.25:
+            have.add((lo, hi))
+        else:
+            mid = tree.split(lo, hi)
+            todo += [(lo, mid), (mid, hi)]
+    return have
+
+
+def run_plan(how: tree.Plan, values: dict[tree.Node, str]) -> str:
+    """A plan's additions made with strings into its slots, as engine.step makes them with
+    arrays: a slot overwritten while still needed, or a pair out of order, shows."""
+    given = [values[node] for node in how.given]
+    slots = [""] * how.slots
+    for left, right, out in how.adds:
+        x = given[left] if left >= 0 else slots[~left]
+        y = given[right] if right >= 0 else slots[~right]
+        slots[out] = f"({x}+{y})"
+    return given[how.root] if how.root >= 0 else slots[~how.root]
+
+
+@pytest.mark.parametrize("shards", [1, 2, 3, 5, 8, 13, 138])
+def test_a_plan_adds_reduces_pairs_in_few_slots_never_overwriting_a_value_still_needed(
+        shards: int) -> None:
+    rng = random.Random(shards)
+    for _ in range(20):
+        have = random_cover(rng, shards)
+        values = {node: f"[{node[0]},{node[1]})" for node in have}
+        how = tree.plan(have, 0, shards)
+        assert run_plan(how, values) == tree.reduce(values, 0, shards, lambda a, b: f"({a}+{b})")
+        assert how.slots <= 2 * (shards - 1).bit_length()  # two a level, whatever the cover
+    with pytest.raises(KeyError, match="shard 1"):
+        tree.plan({(0, 1), (2, 4)}, 0, 4)
+
+
 @pytest.mark.parametrize("shards", [1, 2, 3, 7, 8, 138])
 def test_nodes_are_exactly_the_trees_nodes(shards: int) -> None:
     """The keys a step's results may have: every node once, and nothing that is not one."""
