@@ -202,6 +202,11 @@ def ordered_sum(arrays: Sequence[np.ndarray] | GradBlocks, n: int) -> np.ndarray
 # sum made range by range, so the tree's additions share the update's pass and its threads.
 GradBlocks = Callable[[int, int], Sequence[np.ndarray]]
 
+# Told, on the thread that wrote it, that the new state's elements in a block are final: the
+# caller can copy or checksum them while they are in that core's cache (scheduler.tasks.steps
+# fills and checksums the weights message this way). Blocks come in any order, each once.
+BlockDone = Callable[[slice], None]
+
 
 def as_blocks(grads: Sequence[np.ndarray]) -> GradBlocks:
     """Whole gradient vectors read a range at a time."""
@@ -209,7 +214,7 @@ def as_blocks(grads: Sequence[np.ndarray]) -> GradBlocks:
 
 
 def _fused(grads: GradBlocks, n: int, update_block: Callable[[slice, np.ndarray], None],
-           workers: int) -> None:
+           workers: int, done: BlockDone | None = None) -> None:
     """Call update_block(block, g) for every block, g the float64 sum of the grads' block added
     in list order; `workers` threads take contiguous ranges (numpy releases the GIL)."""
 
@@ -225,6 +230,8 @@ def _fused(grads: GradBlocks, n: int, update_block: Callable[[slice, np.ndarray]
             for a in arrays[1:]:
                 g += a
             update_block(block, g)
+            if done is not None:
+                done(block)
 
     blocks = -(-n // FUSED_BLOCK)
     workers = max(1, min(workers, blocks))
@@ -241,7 +248,7 @@ def sum_and_update(grads: Sequence[np.ndarray] | GradBlocks, params: np.ndarray,
                    lr: float, momentum: float, weight_decay: float, nesterov: bool,
                    decay_mask: np.ndarray, grad_divisor: float = 1.0, workers: int = 1,
                    out: tuple[np.ndarray, np.ndarray] | None = None,
-                   ) -> tuple[np.ndarray, np.ndarray]:
+                   done: BlockDone | None = None) -> tuple[np.ndarray, np.ndarray]:
     """`sgd_update` of the float64 sum of `grads` added in list order, in one pass.
 
     Bit for bit `sgd_update(params, momentum_buf, ordered_sum(grads), ...)`: every element
@@ -255,7 +262,7 @@ def sum_and_update(grads: Sequence[np.ndarray] | GradBlocks, params: np.ndarray,
     new_params, new_momentum = out or (np.empty(n, np.float32), np.empty(n, np.float32))
     _fused(_blocks(grads), n, lambda block, g: _update_block(
         block, g, params, momentum_buf, new_params, new_momentum, lr, momentum, weight_decay,
-        nesterov, decay_mask, grad_divisor), workers)
+        nesterov, decay_mask, grad_divisor), workers, done)
     return new_params, new_momentum
 
 
@@ -263,10 +270,11 @@ def optimizer_step(grads: Sequence[np.ndarray] | GradBlocks, params: np.ndarray,
                    hp: Hyper, decay_mask: np.ndarray, slots: Sequence[Slot],
                    grad_divisor: float = 1.0, workers: int = 1,
                    out: tuple[np.ndarray, np.ndarray] | None = None,
-                   ) -> tuple[np.ndarray, np.ndarray]:
+                   done: BlockDone | None = None) -> tuple[np.ndarray, np.ndarray]:
     """The new float32 (params, optimizer state) from the float64 sum of `grads` (added in
     list order; vectors, or GradBlocks) divided by `grad_divisor`; `slots`: the parameter
-    tensors (LARS scales each)."""
+    tensors (LARS scales each). `done`: told of each block once final (BlockDone; LARS,
+    which needs whole tensors first, tells of the whole vector at the end)."""
     n = params.size
     width = len(STATE_SLOTS[hp.kind]) * n
     if opt_state.size != width:
@@ -274,15 +282,17 @@ def optimizer_step(grads: Sequence[np.ndarray] | GradBlocks, params: np.ndarray,
                          f"the state holds {opt_state.size / n:g}")
     if hp.kind == "sgd":
         return sum_and_update(grads, params, opt_state, hp.lr, hp.momentum, hp.weight_decay,
-                              hp.nesterov, decay_mask, grad_divisor, workers, out)
+                              hp.nesterov, decay_mask, grad_divisor, workers, out, done)
     new_params, new_state = out or (np.empty(n, np.float32), np.empty(width, np.float32))
     if hp.kind == "adamw":
         _fused(_blocks(grads), n, lambda block, g: _adamw_block(
             block, g, params, opt_state, new_params, new_state, hp, decay_mask, grad_divisor),
-            workers)
+            workers, done)
     elif hp.kind == "lars":
         _lars(_blocks(grads), params, opt_state, new_params, new_state, hp, decay_mask, slots,
               grad_divisor)
+        if done is not None:
+            done(slice(0, n))
     else:
         raise ValueError(f"unknown optimizer {hp.kind!r}; one of {', '.join(OPTIMIZERS)}")
     return new_params, new_state

@@ -25,7 +25,7 @@ import numpy as np
 
 from engine import tree
 from engine.graph import Model
-from engine.optim import STATE_SLOTS, Hyper, optimizer_step
+from engine.optim import STATE_SLOTS, BlockDone, Hyper, optimizer_step
 from engine.precision import can_pre_add, node_precision, round_to
 from engine.slices import Bounds, slots_within
 from engine.spec import TrainSpec
@@ -106,10 +106,12 @@ def initial_state(model: Model, spec: TrainSpec) -> TrainState:
 def apply_step(model: Model, spec: TrainSpec, state: TrainState,
                results: Iterable[ShardResult], workers: int = 1,
                out: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
-               part: Bounds | None = None) -> tuple[TrainState, StepMetrics]:
+               part: Bounds | None = None,
+               done: BlockDone | None = None) -> tuple[TrainState, StepMetrics]:
     """Average every shard's gradient for state.step, update, and return step + 1.
     `workers` threads share the (element-wise) work; the result is the same bit for bit.
     `out`: float32 (params, optimizer state, buffers) arrays the new state is written into.
+    `done`: told of each block of the new params and optimizer state once final (BlockDone).
     `part`: apply only the slice [lo, hi) of the vector (engine.slices): `state` is that
     slice's (`cut_state`) and the results' gradients are their [lo, hi) ranges; the slice
     starting at 0 carries the buffers. The slices' states joined are the whole step's."""
@@ -126,7 +128,7 @@ def apply_step(model: Model, spec: TrainSpec, state: TrainState,
     params, opt_state = optimizer_step(lambda a, b: [grad(a, b)], state.params,
                                        state.opt_state, hp, model.decay_mask[lo:hi], slots,
                                        grad_divisor=count, workers=workers,
-                                       out=out[:2] if out else None)
+                                       out=out[:2] if out else None, done=done)
     buffers = state.buffers
     if model.n_buffers and lo == 0:
         mean_stats = stats.astype(np.float64) / spec.shards

@@ -34,9 +34,11 @@ from wire.buffers import new_buffer
 
 try:  # the same CRC-32 as zlib's, ~10x faster (zlib-ng's folding kernel); the control plane
     # installs it, a phone without it uses the standard library (1.9 vs 0.19 ms per 12.9 MB)
-    from zlib_ng.zlib_ng import crc32
+    from zlib_ng.zlib_ng import crc32, crc32_combine
 except ImportError:  # pragma: no cover - depends on what is installed
     from zlib import crc32
+
+    crc32_combine = None
 
 MAGIC = b"PHLXW"
 VERSION = 1
@@ -105,9 +107,13 @@ def _weights_header(job_id: str, step: int, n_params: int, n_buffers: int) -> di
 
 
 class WeightsMessage:
-    """A weights message whose arrays are filled in place (the control plane's apply_step
-    writes the updated weights straight into it, not into arrays it then copies); `seal()`
-    writes the checksum. Byte for byte what `encode_weights` makes of the same arrays."""
+    """A weights message whose arrays are filled in place; `seal()` writes the checksum. Byte
+    for byte what `encode_weights` makes of the same arrays.
+
+    The params can be filled a block at a time from any thread (`take_params`, as the update
+    finishes each block: the control plane's apply_step), each block checksummed while in the
+    cache; `seal()` then combines the blocks' CRCs (zlib-ng's crc32_combine) instead of reading
+    the whole message again on the step's critical path."""
 
     def __init__(self, job_id: str, step: int, n_params: int, n_buffers: int) -> None:
         raw = _header_bytes(_weights_header(job_id, step, n_params, n_buffers))
@@ -117,11 +123,34 @@ class WeightsMessage:
         self.data[_PREFIX.size:self._start] = raw
         flat = np.frombuffer(self.data, dtype="<f4", offset=self._start)
         self.params, self.buffers = flat[:n_params], flat[n_params:]
+        self._blocks: dict[int, tuple[int, int]] = {}  # start -> (stop, CRC of its bytes)
+
+    def take_params(self, source: np.ndarray, block: slice) -> None:
+        """params[block] = source[block], and that block's CRC kept for `seal()`; from any
+        thread, blocks in any order (a dict's item set is atomic under the GIL, and threads
+        write disjoint blocks)."""
+        self.params[block] = source[block]
+        start, stop, _ = block.indices(self.params.size)
+        self._blocks[start] = (stop, crc32(self.params[start:stop]) if crc32_combine else 0)
 
     def seal(self) -> memoryview:
         _PREFIX.pack_into(self.data, 0, MAGIC, VERSION, self._start - _PREFIX.size,
-                          crc32(self.data[_PREFIX.size:]))
+                          self._checksum())
         return self.data
+
+    def _checksum(self) -> int:
+        if not self._blocks or crc32_combine is None:  # filled otherwise: read it all
+            return crc32(self.data[_PREFIX.size:])
+        crc, at = crc32(self.data[_PREFIX.size:self._start]), 0
+        for start in sorted(self._blocks):
+            stop, piece = self._blocks[start]
+            if start != at:
+                break
+            crc, at = crc32_combine(crc, piece, 4 * (stop - start)), stop
+        if at != self.params.size:  # a caller's bug: params the message would carry unwritten
+            raise RuntimeError(f"weights message: params taken up to {at} of "
+                               f"{self.params.size} (blocks {sorted(self._blocks)[:4]}...)")
+        return crc32(self.buffers, crc)
 
 
 def decode_weights(data: bytes, expect_job: str | None = None, expect_step: int | None = None,

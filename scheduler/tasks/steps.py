@@ -142,13 +142,16 @@ def run_apply_step(ctx: SchedulerContext, job_id: str, step: int) -> str:
         return Outcome.INCOMPLETE
     # the update is written straight into the blob it is stored as (weights, optimizer state,
     # buffers); the weights message every agent downloads next (the API serves it as stored)
-    # is copied out of it and sealed while the blob is being written to the store
+    # takes each block of the new weights, and its checksum, on the thread that just wrote
+    # it (in its cache, side by side: not one more pass over the vector after the update)
     n_params, n_buffers = info.model.n_params, info.model.n_buffers
     message = WeightsMessage(job_id, step + 1, n_params, n_buffers)
     blob = StateBlob(step + 1, n_params, n_buffers, len(STATE_SLOTS[info.spec.optimizer]))
     new_state, metrics = engine_apply_step(info.model, info.spec, state, results,
                                            workers=ctx.tuning.apply_threads,
-                                           out=(blob.params, blob.opt_state, blob.buffers))
+                                           out=(blob.params, blob.opt_state, blob.buffers),
+                                           done=lambda block: message.take_params(blob.params,
+                                                                                  block))
     nonce = keys.new_nonce()
     state_key = keys.state(job_id, step + 1, nonce)
     # stored while the checkpoint and the step's rows are written: the commit waits for it
@@ -156,8 +159,7 @@ def run_apply_step(ctx: SchedulerContext, job_id: str, step: int) -> str:
     writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="state-write")
     storing = writer.submit(ctx.blobs.set, state_key, blob.data)
     writer.shutdown(wait=False)  # the write goes on; no thread outlives it
-    message.params[:] = blob.params  # both only read the blob meanwhile
-    message.buffers[:] = blob.buffers
+    message.buffers[:] = blob.buffers  # both only read the blob meanwhile
     weights = message.seal()
 
     def stored() -> None:

@@ -136,6 +136,37 @@ def test_fused_sum_and_update_is_bit_identical_to_sum_then_update(workers, neste
     assert got_p.tobytes() == want_p.tobytes() and got_v.tobytes() == want_v.tobytes()
 
 
+@pytest.mark.parametrize("kind", ["sgd", "adamw", "lars"])
+@pytest.mark.parametrize("workers", [1, 3])
+def test_done_is_told_of_every_element_once_after_it_is_final(kind, workers):
+    """apply_step's caller copies and checksums each block of the new weights as `done`
+    tells it (scheduler.tasks.steps): every element once, each block already written."""
+    from engine.base import Slot
+    from engine.optim import FUSED_BLOCK, STATE_SLOTS, Hyper, optimizer_step
+
+    n = FUSED_BLOCK * 3 + 123
+    rng = np.random.default_rng(5)
+    grads = [rng.standard_normal(n).astype(np.float32) for _ in range(2)]
+    p, state = rng.standard_normal(n).astype(np.float32), np.zeros(
+        len(STATE_SLOTS[kind]) * n, np.float32)
+    slots = [Slot("w", 0, (n,), decay=True)]  # LARS scales whole tensors: one here
+    new_p = np.full(n, np.nan, np.float32)
+    seen = np.zeros(n, np.int64)
+    final: list[bool] = []
+
+    def done(block: slice) -> None:
+        seen[block] += 1
+        final.append(not np.isnan(new_p[block]).any())
+
+    want, _ = optimizer_step(grads, p, state, Hyper(kind, 0.01, 1), np.ones(n, np.float32),
+                             slots, grad_divisor=8.0)
+    got, _ = optimizer_step(grads, p, state, Hyper(kind, 0.01, 1), np.ones(n, np.float32),
+                            slots, grad_divisor=8.0, workers=workers,
+                            out=(new_p, np.empty_like(state)), done=done)
+    assert (seen == 1).all() and all(final)
+    assert got.tobytes() == want.tobytes()
+
+
 # -- AdamW and LARS against PyTorch, label smoothing against torch's cross entropy -------------
 
 def _model_and_grads(steps: int = 4, seed: int = 0):

@@ -194,6 +194,37 @@ def test_a_weights_message_filled_in_place_is_byte_for_byte_encode_weights():
     assert step == 7 and params.tobytes() == PARAMS.tobytes()
 
 
+def test_a_weights_message_taken_a_block_at_a_time_by_threads_is_encode_weights_and_says_what_is_missing():
+    """apply_step's update threads hand the message each block of the new weights as they
+    finish it, in any order: the combined checksum must be the one of the whole message; a
+    block never handed over must fail the seal, not ship stale weights with a valid CRC."""
+    import random
+    import threading
+
+    from wire.messages import WeightsMessage
+
+    params = np.random.default_rng(3).standard_normal(200_003).astype(np.float32)
+    blocks = [slice(lo, min(lo + 4096, params.size)) for lo in range(0, params.size, 4096)]
+    random.Random(3).shuffle(blocks)
+    msg = WeightsMessage("job-x", 7, params.size, BUFFERS.size)
+    threads = [threading.Thread(target=lambda part=blocks[k::3]: [msg.take_params(params, b)
+                                                                  for b in part])
+               for k in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    msg.buffers[:] = BUFFERS
+    assert bytes(msg.seal()) == encode_weights("job-x", 7, params, BUFFERS)
+
+    partial = WeightsMessage("job-x", 7, params.size, BUFFERS.size)
+    for b in blocks:
+        if b.start != 8192:
+            partial.take_params(params, b)
+    with pytest.raises(RuntimeError, match="params taken up to 8192 of 200003"):
+        partial.seal()
+
+
 def test_new_buffer_is_writable_bytes_of_the_size_asked():
     from wire.buffers import new_buffer
 
