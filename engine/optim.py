@@ -121,8 +121,11 @@ def _update_block(block: slice, g: np.ndarray, params: np.ndarray, momentum_buf:
     if grad_divisor != 1.0:
         g /= grad_divisor
     if weight_decay:
-        np.multiply(decay_mask[block], weight_decay, out=t32)  # float32, as wd * mask is
-        np.multiply(t32, p, out=t)
+        if t32.dtype == np.result_type(decay_mask, weight_decay):  # a float32 mask, a float
+            np.multiply(decay_mask[block], weight_decay, out=t32)
+            np.multiply(t32, p, out=t)
+        else:  # wider: as the formula's `wd * mask` promotes them
+            np.multiply(weight_decay * decay_mask[block], p, out=t)
         g += t
     np.copyto(v, momentum_buf[block])
     v *= momentum

@@ -111,7 +111,8 @@ def apply_step(model: Model, spec: TrainSpec, state: TrainState,
     """Average every shard's gradient for state.step, update, and return step + 1.
     `workers` threads share the (element-wise) work; the result is the same bit for bit.
     `out`: float32 (params, optimizer state, buffers) arrays the new state is written into.
-    `done`: told of each block of the new params and optimizer state once final (BlockDone).
+    `done`: told of each block of the new params and optimizer state once final (BlockDone;
+    with `part`, blocks of the part's own vector, from 0).
     `part`: apply only the slice [lo, hi) of the vector (engine.slices): `state` is that
     slice's (`cut_state`) and the results' gradients are their [lo, hi) ranges; the slice
     starting at 0 carries the buffers. The slices' states joined are the whole step's."""

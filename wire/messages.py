@@ -131,7 +131,7 @@ class WeightsMessage:
         write disjoint blocks)."""
         self.params[block] = source[block]
         start, stop, _ = block.indices(self.params.size)
-        self._blocks[start] = (stop, crc32(self.params[start:stop]) if crc32_combine else 0)
+        self._blocks[start] = (stop, crc32(self.params[start:stop]) if crc32_combine else None)
 
     def seal(self) -> memoryview:
         _PREFIX.pack_into(self.data, 0, MAGIC, VERSION, self._start - _PREFIX.size,
@@ -139,17 +139,24 @@ class WeightsMessage:
         return self.data
 
     def _checksum(self) -> int:
-        if not self._blocks or crc32_combine is None:  # filled otherwise: read it all
+        if not self._blocks:  # params filled otherwise (whole): read it all
             return crc32(self.data[_PREFIX.size:])
-        crc, at = crc32(self.data[_PREFIX.size:self._start]), 0
+        # taken by blocks: all of them must be there, with or without zlib-ng (a pooled buffer
+        # is not zeroed: a block never taken would ship an old message's bytes, CRC and all)
+        at = 0
         for start in sorted(self._blocks):
-            stop, piece = self._blocks[start]
             if start != at:
                 break
-            crc, at = crc32_combine(crc, piece, 4 * (stop - start)), stop
-        if at != self.params.size:  # a caller's bug: params the message would carry unwritten
+            at = self._blocks[start][0]
+        if at != self.params.size:
             raise RuntimeError(f"weights message: params taken up to {at} of "
                                f"{self.params.size} (blocks {sorted(self._blocks)[:4]}...)")
+        if crc32_combine is None:  # no combining without zlib-ng: read it all
+            return crc32(self.data[_PREFIX.size:])
+        crc = crc32(self.data[_PREFIX.size:self._start])
+        for start in sorted(self._blocks):
+            stop, piece = self._blocks[start]
+            crc = crc32_combine(crc, piece, 4 * (stop - start))
         return crc32(self.buffers, crc)
 
 

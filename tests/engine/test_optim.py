@@ -57,7 +57,8 @@ def test_sgd_momentum_weight_decay_and_nesterov_by_hand():
 
 
 @pytest.mark.parametrize("nesterov", [False, True])
-def test_blocked_sgd_is_bit_identical_to_the_whole_vector_formula(nesterov):
+@pytest.mark.parametrize("wide", ["mask", "weight_decay", None])
+def test_blocked_sgd_is_bit_identical_to_the_whole_vector_formula(nesterov, wide):
     # 2.5 blocks: full blocks and a ragged tail; the sum and count as apply_step passes them
     from engine.optim import SGD_BLOCK
 
@@ -65,8 +66,10 @@ def test_blocked_sgd_is_bit_identical_to_the_whole_vector_formula(nesterov):
     n = SGD_BLOCK * 5 // 2
     p, v = rng.standard_normal(n).astype(np.float32), rng.standard_normal(n).astype(np.float32)
     grad_sum = rng.standard_normal(n) * 37.0
-    mask = (rng.random(n) > 0.3).astype(np.float32)
+    mask = (rng.random(n) > 0.3).astype(np.float64 if wide == "mask" else np.float32)
     lr, mom, wd, count = 0.05, 0.9, 1e-4, 96
+    if wide == "weight_decay":  # a numpy float64 promotes `wd * mask` to float64
+        wd = np.float64(wd)
     g = (grad_sum / count).astype(np.float64)
     g += wd * mask * p.astype(np.float64)
     want_v = mom * v.astype(np.float64) + g

@@ -212,6 +212,26 @@ def test_bfloat16_partials_travel_in_bfloat16_within_a_rounding_a_level(shards: 
     assert (np.abs(float32_total - exact) <= levels * 2.0 ** -24 * magnitude).all()
 
 
+@pytest.mark.parametrize("precision", ["float32", "bfloat16"])
+def test_the_blocked_tree_sum_of_a_mixed_cover_is_tree_reduce_rounding_every_node(precision):
+    """Against `tree.reduce` on whole vectors with the documented add (float32, each node
+    rounded to the job's node precision): the blocks' scratch slots, the plan's pairs and the
+    rounding at every inner node, not only at the root, for leaves and partials mixed."""
+    from engine import tree
+    from engine.step import REDUCE_BLOCK
+
+    n, shards = 2 * REDUCE_BLOCK + 77, 13
+    rng = np.random.default_rng(13)
+    cover = [(0, 4), (4, 5), (5, 6), (6, 8), (8, 9), (9, 10), (10, 11), (11, 12), (12, 13)]
+    results = [ShardResult(lo, round_to((rng.standard_normal(n) * 10.0 ** rng.integers(-3, 3, n))
+                                        .astype(np.float32), precision),
+                           1.0, 0, 1, np.zeros(2, np.float32), hi - lo) for lo, hi in cover]
+    want = tree.reduce({r.node: r.grad_sum for r in results}, 0, shards,
+                       lambda x, y: round_to(np.add(x, y, dtype=np.float32), precision))
+    got = reduce_results(results, 0, shards, precision).grad_sum
+    assert got.tobytes() == want.tobytes()
+
+
 @pytest.mark.parametrize("n", [1, SUM_BLOCK - 1, SUM_BLOCK, 3 * SUM_BLOCK + 17])
 def test_ordered_sum_is_the_plain_loop_bit_for_bit(n: int) -> None:
     """The blocked sum must not change one bit against adding whole vectors in order; values of

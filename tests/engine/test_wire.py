@@ -194,14 +194,21 @@ def test_a_weights_message_filled_in_place_is_byte_for_byte_encode_weights():
     assert step == 7 and params.tobytes() == PARAMS.tobytes()
 
 
-def test_a_weights_message_taken_a_block_at_a_time_by_threads_is_encode_weights_and_says_what_is_missing():
+@pytest.mark.parametrize("combine", [True, False])
+def test_a_weights_message_taken_a_block_at_a_time_by_threads_is_encode_weights_and_says_what_is_missing(
+        combine, monkeypatch):
     """apply_step's update threads hand the message each block of the new weights as they
     finish it, in any order: the combined checksum must be the one of the whole message; a
-    block never handed over must fail the seal, not ship stale weights with a valid CRC."""
+    block never handed over must fail the seal, not ship stale weights with a valid CRC (with
+    zlib-ng's crc32_combine, and without it: an install that lacks zlib-ng)."""
     import random
     import threading
 
+    import wire.messages
     from wire.messages import WeightsMessage
+
+    if not combine:
+        monkeypatch.setattr(wire.messages, "crc32_combine", None)
 
     params = np.random.default_rng(3).standard_normal(200_003).astype(np.float32)
     blocks = [slice(lo, min(lo + 4096, params.size)) for lo in range(0, params.size, 4096)]
