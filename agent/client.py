@@ -81,7 +81,7 @@ MAX_ARRAYS_BYTES = 1024 * 1024 * 1024
 class Response:
     status: int
     headers: dict[str, str]
-    body: bytes
+    body: bytes | memoryview  # big binary answers: a pooled buffer (agent.transport)
 
     def json(self) -> Any:
         try:
@@ -166,7 +166,7 @@ class Client:
         """The agent archive a rollout names, from this server only (a path, not a URL)."""
         if not path.startswith("/") or path.startswith("//"):
             raise ValueError(f"agent archive path {path!r}: must be a path on this server")
-        return self._send("GET", path, max_bytes=max_bytes).body
+        return bytes(self._send("GET", path, max_bytes=max_bytes).body)  # hashed, unpacked
 
     def work(self, device_id: str, wait_s: float) -> Assignment | None:
         """This step's work for the device, or None; an assignment this agent cannot read is
@@ -182,14 +182,15 @@ class Client:
         except WireError as exc:
             raise TransportError(f"unreadable work assignment: {exc}") from None
 
-    def weights(self, job_id: str, step: int, bulk_url: str | None = None) -> bytes:
+    def weights(self, job_id: str, step: int, bulk_url: str | None = None
+                ) -> bytes | memoryview:
         """From the API, or from the bulk listener at `bulk_url` (the assignment names it)."""
         path = f"/v1/jobs/{_q(job_id)}/weights?step={int(step)}"
         return self._send("GET", path, base_url=self._bulk_base(bulk_url),
                           max_bytes=MAX_ARRAYS_BYTES).body
 
     def weights_slice(self, job_id: str, step: int, part: int, bulk_url: str | None = None,
-                      wait_s: float = 0.0) -> tuple[bytes, str | None]:
+                      wait_s: float = 0.0) -> tuple[bytes | memoryview, str | None]:
         """Slice `part`'s weights message of a sliced job and the state it is (its nonce);
         `wait_s`: wait that long for a slice of the next step to be applied (the API port)."""
         path = f"/v1/jobs/{_q(job_id)}/weights?step={int(step)}&slice={int(part)}"
@@ -200,7 +201,8 @@ class Client:
         state = {k.lower(): v for k, v in resp.headers.items()}.get("x-phalanx-state")
         return resp.body, state
 
-    def shard_data(self, job_id: str, shard: int, start: int = 0) -> tuple[bytes, int | None]:
+    def shard_data(self, job_id: str, shard: int, start: int = 0
+                   ) -> tuple[bytes | memoryview, int | None]:
         """A chunk of the shard's samples from `start` on, as stored (the phone normalizes
         them: engine.stored.normalize), and the shard's sample count; None from a server
         before chunks, which answers with the whole shard, normalized."""

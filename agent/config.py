@@ -27,7 +27,7 @@ class ConfigError(Exception):
     """The config is missing or unusable; the message says what to do."""
 
 
-def atomic_write(path: Path, data: bytes | Sequence[memoryview], mode: int = 0o600,
+def atomic_write(path: Path, data: bytes | memoryview | Sequence[memoryview], mode: int = 0o600,
                  durable: bool = True) -> None:
     """`data` in one piece, or in parts written one after the other (never joined first).
     `durable=False` skips the fsyncs, for files a reader checks or makes again after a crash
@@ -39,7 +39,7 @@ def atomic_write(path: Path, data: bytes | Sequence[memoryview], mode: int = 0o6
     try:
         os.fchmod(fd, mode)
         with os.fdopen(fd, "wb") as fh:
-            for part in [data] if isinstance(data, bytes) else data:
+            for part in [data] if isinstance(data, (bytes, memoryview)) else data:
                 fh.write(part)
             if durable:
                 fh.flush()

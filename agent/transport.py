@@ -19,13 +19,14 @@ import urllib.parse
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from wire.buffers import new_buffer
 from wire.sockopts import set_socket_buffers
 
 # a request body: bytes, or a message in consecutive parts sent in order without being joined
 # (wire.messages.encode_results_parts: a model-sized upload is not copied once more to be sent)
 Body = bytes | Sequence[memoryview]
-# an answer: (status, headers, body)
-Answer = tuple[int, dict[str, str], bytes]
+# an answer: (status, headers, body); a big binary body (POOLED_BYTES) is a memoryview
+Answer = tuple[int, dict[str, str], bytes | memoryview]
 # (method, url, headers, body, timeout, max_bytes) -> answer; tests of the client may swap it
 Transport = Callable[[str, str, dict[str, str], "Body | None", float, int], Answer]
 _STALE = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError,
@@ -58,14 +59,37 @@ class AnswerTooLarge(ValueError):
     pass
 
 
-def _read(resp: http.client.HTTPResponse, max_bytes: int) -> bytes:
+# A binary answer at least this big with its length announced (weights, a shard's data) is read
+# into a buffer of the process's pool (wire.buffers: handed out again only once nothing refers
+# to it) rather than a new bytes: malloc maps a 94 MB resnet50 weights message afresh every
+# step, ~23,000 zeroed pages a phone a step (docs/benchmarks.md)
+POOLED_BYTES = 1 << 20
+_BINARY = "application/octet-stream"
+
+
+def _read(resp: http.client.HTTPResponse, max_bytes: int) -> bytes | memoryview:
     announced = resp.getheader("Content-Length")
     if announced is not None and announced.isdigit() and int(announced) > max_bytes:
         raise AnswerTooLarge(f"the server announced {announced} bytes; at most {max_bytes}")
+    length = resp.length  # None: chunked, or until the connection closes
+    if resp.status == 200 and length is not None and length >= POOLED_BYTES \
+            and (resp.getheader("Content-Type") or "").startswith(_BINARY):
+        return _read_into_pool(resp, length)
     data = resp.read(max_bytes + 1)
     if len(data) > max_bytes:
         raise AnswerTooLarge(f"the server sent more than {max_bytes} bytes")
     return data
+
+
+def _read_into_pool(resp: http.client.HTTPResponse, length: int) -> memoryview:
+    view = new_buffer(length)
+    got = 0
+    while got < length:
+        n = resp.readinto(view[got:])
+        if not n:  # the server closed mid-answer
+            raise http.client.IncompleteRead(b"", length - got)
+        got += n
+    return view
 
 
 class KeepAliveTransport:

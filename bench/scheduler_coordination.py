@@ -194,9 +194,10 @@ def one_step(c: Any, device: str, log: Any, pre_add: bool, slices: Any) -> None:
     if grad is None:  # not setdefault: its default (12.9 MB zeroed) would be made every step
         grad = _GRADS[a.n_params] = np.zeros(a.n_params, np.float32)
     results = [ShardResult(k, grad, 1.0, 0, m, stats) for k in a.shards]
+    precision = a.spec.get("upload_precision", "float32")  # what the job uploads in
     if pre_add and a.pre_reduce and len(results) > 1:
-        results = pre_reduce(results, a.spec["shards"], "float32")
-    body = encode_results_parts(job, step, results)
+        results = pre_reduce(results, a.spec["shards"], precision)
+    body = encode_results_parts(job, step, results, precision)
     local = time.perf_counter() - t0
     upload_start = time.time()
     c.upload_gradients(job, step, body, bulk_url=a.bulk_url)
@@ -218,7 +219,8 @@ def agent_process(url: str, devices: list[tuple[str, str]], stop: Any, log: Any,
 
 def run_phalanx(root: Path, mode: str, n: int, steps: int, pg: str | None, rd: str | None,
                 per_agent: int = 1, pre_add: bool = True, slices: int = 1,
-                workers: int = 1, arch: str = "mobilenet_v1") -> dict:
+                workers: int = 1, arch: str = "mobilenet_v1",
+                precision: str = "float32") -> dict:
     services = Services(root, mode, pg, rd, workers)
     services.start()
     stop, log = mp.Event(), mp.Queue()
@@ -234,6 +236,7 @@ def run_phalanx(root: Path, mode: str, n: int, steps: int, pg: str | None, rd: s
                 "global_batch_size": 4 * n * per_agent, "shards": n * per_agent,
                 "epochs": 1000, "seed": 0,
                 "checkpoint_every": 100000, "optimizer": {"lr": 0.01}, "slices": slices,
+                "upload_precision": precision,
                 "placement": {"min_devices": n, "max_devices": n}}
         admin = {"Authorization": f"Bearer {ADMIN}"}
         # the API process apart from the workers: the data plane's CPU, process by process
@@ -283,7 +286,7 @@ def run_phalanx(root: Path, mode: str, n: int, steps: int, pg: str | None, rd: s
     return {"mode": mode, "agents": n, "shards_per_agent": per_agent, "pre_add": pre_add,
             "slices": slices, "workers": workers if mode == "redis" else 0,
             "upload_bytes_per_agent_step": statistics.median(per_step) / n if per_step else None,
-            "model_bytes": 4 * n_params_of(arch), "arch": arch, "step_wall_s": statistics.median(wall),
+            "model_bytes": 4 * n_params_of(arch), "arch": arch, "precision": precision, "step_wall_s": statistics.median(wall),
             "cpu_s_per_step": cpu,
             "page_faults_per_step": faults, "peak_rss_bytes": peak_rss,
             "slowest_agent_local_s": statistics.median(local.get(r["step"], 0.0) for r in measured),
@@ -383,6 +386,8 @@ def main() -> None:
                         help="phalanx worker processes in mode redis")
     parser.add_argument("--arch", default="mobilenet_v1",
                         help="the job's model: its parameter count is the vector moved")
+    parser.add_argument("--precision", default="float32",
+                        help="the job's upload_precision (bfloat16: half the bytes up)")
     parser.add_argument("--pg-url", default=os.environ.get("PHALANX_TEST_DATABASE_URL"))
     parser.add_argument("--redis-url", default=os.environ.get("PHALANX_TEST_REDIS_URL"))
     args = parser.parse_args()
@@ -401,7 +406,7 @@ def main() -> None:
             try:
                 row = run_phalanx(Path(tmp), mode, n, args.steps, pg, args.redis_url,
                                   args.shards_per_agent, pre_add, slices, args.workers,
-                                  args.arch)
+                                  args.arch, args.precision)
             finally:
                 drop_pg(args.pg_url, pg)
         results.append(row)

@@ -240,6 +240,54 @@ def oversized() -> Iterator[str]:
     yield from serving(Handler)
 
 
+@pytest.fixture
+def weights_server() -> Iterator[str]:
+    """Weights messages of 3 MiB (binary, length announced), each step's bytes its own; on
+    /short/ the connection closes 1 MiB before the announced end."""
+
+    class Handler(Quiet):
+        def do_GET(self) -> None:  # noqa: N802
+            step = int(self.path.rsplit("=", 1)[-1])
+            body = bytes([step % 251]) * (3 << 20)
+            self.send_response(200)
+            self.send_header("Content-Type", "application/octet-stream")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            if self.path.startswith("/short/"):
+                self.wfile.write(body[: 2 << 20])
+                self.close_connection = True
+                return
+            self.wfile.write(body)
+
+    yield from serving(Handler)
+
+
+def test_a_big_binary_answer_is_read_into_a_buffer_the_agent_had_once_it_is_let_go(
+        weights_server: str) -> None:
+    """A phone downloads a model-sized weights message every step: into a pooled buffer, so a
+    94 MB message is not a fresh mapping of zeroed pages each time; a buffer still referred
+    to (a message still being written to the cache) is never reused under it."""
+    from wire.buffers import BUFFERS, POOLING
+
+    client = Client(weights_server, "phx-dev-x")
+    first = client.weights("job-1", 1)
+    assert isinstance(first, memoryview) and bytes(first[:1]) == b"\x01"
+    kept = client.weights("job-1", 2)  # `first` still referred to: another buffer
+    assert bytes(first[:1]) == b"\x01" and bytes(kept[:1]) == b"\x02"
+    assert len(first) == len(kept) == 3 << 20
+    del first
+    reused = BUFFERS.reused
+    third = client.weights("job-1", 3)
+    assert bytes(third[:1]) == b"\x03" and bytes(third[-1:]) == b"\x03"
+    assert bytes(kept[-1:]) == b"\x02"  # the buffer still held was not written over
+    if POOLING:
+        assert BUFFERS.reused == reused + 1
+    # JSON answers stay bytes, whatever their size (tests above), and a binary answer cut
+    # short is a transport error, not a message padded with another step's bytes
+    with pytest.raises(TransportError, match="IncompleteRead"):
+        Client(weights_server + "/short", "phx-dev-x").weights("job-1", 4)
+
+
 @pytest.mark.parametrize("prefix", ["", "/u"])
 def test_an_answer_larger_than_its_kind_allows_is_refused_not_held(oversized: str,
                                                                    prefix: str) -> None:
