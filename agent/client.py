@@ -84,8 +84,8 @@ class Response:
     body: bytes | memoryview  # big binary answers: a pooled buffer (agent.transport)
 
     def json(self) -> Any:
-        try:
-            return json.loads(self.body)
+        try:  # a pooled body (binary: a server or proxy answering JSON routes with octets)
+            return json.loads(bytes(self.body) if isinstance(self.body, memoryview) else self.body)
         except ValueError:
             raise TransportError(f"server sent invalid JSON ({len(self.body)} bytes)") from None
 

@@ -19,7 +19,7 @@ import urllib.parse
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from wire.buffers import new_buffer
+from wire.buffers import BufferPool
 from wire.sockopts import set_socket_buffers
 
 # a request body: bytes, or a message in consecutive parts sent in order without being joined
@@ -60,29 +60,34 @@ class AnswerTooLarge(ValueError):
 
 
 # A binary answer at least this big with its length announced (weights, a shard's data) is read
-# into a buffer of the process's pool (wire.buffers: handed out again only once nothing refers
+# into a buffer of the agent's own pool (wire.buffers: handed out again only once nothing refers
 # to it) rather than a new bytes: malloc maps a 94 MB resnet50 weights message afresh every
-# step, ~23,000 zeroed pages a phone a step (docs/benchmarks.md)
+# step, ~23,000 zeroed pages a phone a step (docs/benchmarks.md). The pool keeps at most
+# ANSWERS_KEPT_BYTES (a phone's memory: two resnet50 messages and a few shard chunks), each
+# buffer for a minute after its last use.
 POOLED_BYTES = 1 << 20
+ANSWERS_KEPT_BYTES = 384 << 20
+ANSWERS = BufferPool(max_bytes=ANSWERS_KEPT_BYTES)
 _BINARY = "application/octet-stream"
 
 
 def _read(resp: http.client.HTTPResponse, max_bytes: int) -> bytes | memoryview:
-    announced = resp.getheader("Content-Length")
-    if announced is not None and announced.isdigit() and int(announced) > max_bytes:
-        raise AnswerTooLarge(f"the server announced {announced} bytes; at most {max_bytes}")
-    length = resp.length  # None: chunked, or until the connection closes
+    length = resp.length  # the announced length as http.client parsed it; None: not announced
+    if length is not None and length > max_bytes:
+        raise AnswerTooLarge(f"the server announced {length} bytes; at most {max_bytes}")
     if resp.status == 200 and length is not None and length >= POOLED_BYTES \
             and (resp.getheader("Content-Type") or "").startswith(_BINARY):
         return _read_into_pool(resp, length)
     data = resp.read(max_bytes + 1)
     if len(data) > max_bytes:
         raise AnswerTooLarge(f"the server sent more than {max_bytes} bytes")
+    if resp.length:  # announced, and the connection closed before all of it came
+        raise http.client.IncompleteRead(data, resp.length)
     return data
 
 
 def _read_into_pool(resp: http.client.HTTPResponse, length: int) -> memoryview:
-    view = new_buffer(length)
+    view = ANSWERS.take(length)
     got = 0
     while got < length:
         n = resp.readinto(view[got:])

@@ -246,12 +246,17 @@ def weights_server() -> Iterator[str]:
     /short/ the connection closes 1 MiB before the announced end."""
 
     class Handler(Quiet):
+        protocol_version = "HTTP/1.1"  # kept alive: a pooled read must leave it clean
+
         def do_GET(self) -> None:  # noqa: N802
             step = int(self.path.rsplit("=", 1)[-1])
             body = bytes([step % 251]) * (3 << 20)
             self.send_response(200)
-            self.send_header("Content-Type", "application/octet-stream")
-            self.send_header("Content-Length", str(len(body)))
+            self.send_header("Content-Type", "application/json" if self.path.startswith(
+                "/json/") else "application/octet-stream")
+            # "+N": what int() reads, which the cap must read the same way
+            self.send_header("Content-Length", f"+{2 << 30}" if self.path.startswith("/huge/")
+                             else str(len(body)))
             self.end_headers()
             if self.path.startswith("/short/"):
                 self.wfile.write(body[: 2 << 20])
@@ -267,7 +272,8 @@ def test_a_big_binary_answer_is_read_into_a_buffer_the_agent_had_once_it_is_let_
     """A phone downloads a model-sized weights message every step: into a pooled buffer, so a
     94 MB message is not a fresh mapping of zeroed pages each time; a buffer still referred
     to (a message still being written to the cache) is never reused under it."""
-    from wire.buffers import BUFFERS, POOLING
+    from agent.transport import ANSWERS
+    from wire.buffers import POOLING
 
     client = Client(weights_server, "phx-dev-x")
     first = client.weights("job-1", 1)
@@ -276,16 +282,19 @@ def test_a_big_binary_answer_is_read_into_a_buffer_the_agent_had_once_it_is_let_
     assert bytes(first[:1]) == b"\x01" and bytes(kept[:1]) == b"\x02"
     assert len(first) == len(kept) == 3 << 20
     del first
-    reused = BUFFERS.reused
+    reused = ANSWERS.reused
     third = client.weights("job-1", 3)
     assert bytes(third[:1]) == b"\x03" and bytes(third[-1:]) == b"\x03"
     assert bytes(kept[-1:]) == b"\x02"  # the buffer still held was not written over
     if POOLING:
-        assert BUFFERS.reused == reused + 1
-    # JSON answers stay bytes, whatever their size (tests above), and a binary answer cut
-    # short is a transport error, not a message padded with another step's bytes
+        assert ANSWERS.reused == reused + 1
+    assert isinstance(Client(weights_server + "/json", "phx-dev-x").weights("job-1", 5), bytes)
+    # a binary answer cut short is a transport error, not a message padded with another
+    # step's bytes; an announced length past the cap is refused before anything is held
     with pytest.raises(TransportError, match="IncompleteRead"):
         Client(weights_server + "/short", "phx-dev-x").weights("job-1", 4)
+    with pytest.raises(TransportError, match="2147483648 bytes; at most"):
+        Client(weights_server + "/huge", "phx-dev-x").weights("job-1", 6)
 
 
 @pytest.mark.parametrize("prefix", ["", "/u"])
