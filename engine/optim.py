@@ -116,7 +116,7 @@ def _update_block(block: slice, g: np.ndarray, params: np.ndarray, momentum_buf:
     arrays). In the formula's terms: p = float64(params); g /= divisor; g += (wd x mask, in
     float32) x p; v = momentum x float64(v) + g; p - lr x (g + momentum x v if nesterov else
     v), rounded to float32 once, as the whole-vector formula (tests/engine/test_optim.py)."""
-    p, v, t, t32 = _scratch(g.size)
+    p, v, t, t32 = thread_scratch("sgd", g.size, (np.float64,) * 3 + (np.float32,))
     np.copyto(p, params[block])
     if grad_divisor != 1.0:
         g /= grad_divisor
@@ -144,14 +144,17 @@ def _update_block(block: slice, g: np.ndarray, params: np.ndarray, momentum_buf:
 _SCRATCH = threading.local()
 
 
-def _scratch(size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """This thread's float64 p, v, t and float32 t32 of `size` elements: an update block's
-    working arrays, made once a thread (a block is at most FUSED_BLOCK or SGD_BLOCK)."""
-    arrays = getattr(_SCRATCH, "sgd", None)
-    if arrays is None or arrays[0].size < size:
-        arrays = _SCRATCH.sgd = (np.empty(size, np.float64), np.empty(size, np.float64),
-                                 np.empty(size, np.float64), np.empty(size, np.float32))
-    return arrays[0][:size], arrays[1][:size], arrays[2][:size], arrays[3][:size]
+def thread_scratch(key: str, size: int, dtypes: Sequence[type]) -> list[np.ndarray]:
+    """This thread's working arrays under `key`, one per dtype, of `size` elements each: made
+    once a thread and grown when a larger size or more arrays are asked (the blocks of the
+    update and the tree's sum are at most FUSED_BLOCK, SGD_BLOCK or engine.step's REDUCE_BLOCK),
+    so a block's temporaries are never allocated again. Valid until the thread asks again."""
+    have: list[np.ndarray] = getattr(_SCRATCH, key, [])
+    if len(have) < len(dtypes) or (have and have[0].size < size):
+        width = max(size, have[0].size if have else 0)
+        have = [np.empty(width, dtype) for dtype in dtypes]
+        setattr(_SCRATCH, key, have)
+    return [a[:size] for a in have[:len(dtypes)]]
 
 
 # Elements per block of the fused sum + update: the float64 accumulator (512 KB) and the
@@ -162,15 +165,6 @@ def _scratch(size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
 FUSED_BLOCK = 1 << 16
 _POOLS: dict[int, ThreadPoolExecutor] = {}
 _POOLS_LOCK = threading.Lock()
-
-
-def _sum_scratch(size: int) -> np.ndarray:
-    """This thread's float64 accumulator of a block's gradient sum (no zeroed 512 KB array
-    made per block: the first input is added to 0.0 as it is written)."""
-    g = getattr(_SCRATCH, "sum", None)
-    if g is None or g.size < size:
-        g = _SCRATCH.sum = np.empty(size, np.float64)
-    return g[:size]
 
 
 def _pool(workers: int) -> ThreadPoolExecutor:
@@ -224,7 +218,8 @@ def _fused(grads: GradBlocks, n: int, update_block: Callable[[slice, np.ndarray]
     def run(lo: int, hi: int) -> None:
         for start in range(lo, hi, FUSED_BLOCK):
             block = slice(start, min(start + FUSED_BLOCK, hi))
-            g = _sum_scratch(block.stop - block.start)
+            # the block's sum in this thread's scratch, no zeroed array made a block
+            (g,) = thread_scratch("sum", block.stop - block.start, (np.float64,))
             arrays = grads(block.start, block.stop)
             if arrays:  # 0.0 + a, as when added to zeros: a -0.0 becomes +0.0 the same
                 np.add(arrays[0], 0.0, out=g)

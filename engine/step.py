@@ -17,7 +17,6 @@ of a partial of many shards travelling in half the bytes (measured in docs/bench
 from __future__ import annotations
 
 import operator
-import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -25,7 +24,7 @@ import numpy as np
 
 from engine import tree
 from engine.graph import Model
-from engine.optim import STATE_SLOTS, BlockDone, Hyper, optimizer_step
+from engine.optim import STATE_SLOTS, BlockDone, Hyper, optimizer_step, thread_scratch
 from engine.precision import can_pre_add, node_precision, round_to
 from engine.slices import Bounds, slots_within
 from engine.spec import TrainSpec
@@ -206,7 +205,7 @@ def _tree_grad(by_node: dict[tree.Node, ShardResult], lo: int, hi: int,
         values = [g[a:b] for g in given]
         if how.root >= 0:
             return values[how.root]
-        slots = _tree_scratch(how.slots, b - a)
+        slots = thread_scratch("tree", b - a, (np.float32,) * how.slots)
         for left, right, out in how.adds:
             np.add(values[left] if left >= 0 else slots[~left],
                    values[right] if right >= 0 else slots[~right],
@@ -216,20 +215,6 @@ def _tree_grad(by_node: dict[tree.Node, ShardResult], lo: int, hi: int,
         return slots[~how.root]
 
     return grad
-
-
-_SCRATCH = threading.local()
-
-
-def _tree_scratch(slots: int, size: int) -> list[np.ndarray]:
-    """This thread's float32 scratch slots of `size` elements for a tree's additions (made
-    once a thread, grown when a larger tree or block asks: the blocks are at most
-    REDUCE_BLOCK or engine.optim's FUSED_BLOCK)."""
-    have: list[np.ndarray] = getattr(_SCRATCH, "tree", [])
-    if len(have) < slots or (have and have[0].size < size):
-        width = max(size, have[0].size if have else 0)
-        have = _SCRATCH.tree = [np.empty(width, np.float32) for _ in range(max(slots, len(have)))]
-    return [s[:size] for s in have[:slots]]
 
 
 def _tree_scalars(by_node: dict[tree.Node, ShardResult], lo: int,

@@ -123,7 +123,7 @@ class WeightsMessage:
         self.data[_PREFIX.size:self._start] = raw
         flat = np.frombuffer(self.data, dtype="<f4", offset=self._start)
         self.params, self.buffers = flat[:n_params], flat[n_params:]
-        self._blocks: dict[int, tuple[int, int]] = {}  # start -> (stop, CRC of its bytes)
+        self._blocks: dict[int, tuple[int, int | None]] = {}  # start -> (stop, its CRC)
 
     def take_params(self, source: np.ndarray, block: slice) -> None:
         """params[block] = source[block], and that block's CRC kept for `seal()`; from any
@@ -143,20 +143,19 @@ class WeightsMessage:
             return crc32(self.data[_PREFIX.size:])
         # taken by blocks: all of them must be there, with or without zlib-ng (a pooled buffer
         # is not zeroed: a block never taken would ship an old message's bytes, CRC and all)
-        at = 0
+        crc, at = crc32(self.data[_PREFIX.size:self._start]), 0
         for start in sorted(self._blocks):
+            stop, piece = self._blocks[start]
             if start != at:
                 break
-            at = self._blocks[start][0]
+            if piece is not None:
+                crc = crc32_combine(crc, piece, 4 * (stop - start))
+            at = stop
         if at != self.params.size:
             raise RuntimeError(f"weights message: params taken up to {at} of "
                                f"{self.params.size} (blocks {sorted(self._blocks)[:4]}...)")
         if crc32_combine is None:  # no combining without zlib-ng: read it all
             return crc32(self.data[_PREFIX.size:])
-        crc = crc32(self.data[_PREFIX.size:self._start])
-        for start in sorted(self._blocks):
-            stop, piece = self._blocks[start]
-            crc = crc32_combine(crc, piece, 4 * (stop - start))
         return crc32(self.buffers, crc)
 
 
