@@ -92,6 +92,12 @@ def apply_claim(job_id: str, step: int) -> str:
     return f"job:{job_id}:apply:{step}"
 
 
+def apply_due(job_id: str, step: int) -> str:
+    """Set by the reconcile pass that first sees the step complete and unapplied: a later pass
+    sends it to the workers (scheduler.tasks.reconcile)."""
+    return f"{apply_claim(job_id, step)}:due"
+
+
 def reconcile_claim(job_id: str) -> str:
     return f"job:{job_id}:reconcile"
 

@@ -43,6 +43,7 @@ from scheduler.tasks.upgrades import upgrade_pass
 
 log = logging.getLogger(__name__)
 HOOK_DEDUP_S = 0.2  # a burst of API changes sends one reconcile
+APPLY_DUE_TTL_PASSES = 10  # a complete step's first sighting is remembered this many passes
 HISTORY_PRUNE_EVERY_S = 600.0
 PRUNE_EVERY_S = 60.0  # telemetry pruning is a range delete on an indexed ts: cheap, but not per pass
 
@@ -149,9 +150,18 @@ def run_reconcile_job(ctx: SchedulerContext, job_id: str) -> str:
     # never read 25 MB: whether the state's keys exist
     if not state_stored(ctx.blobs, job.id, job.step, job.state_nonce, len(info.slices)):
         state = ensure_state(ctx, job, info)
-        if state is None or state.step != job.step:
+        if state is None:
+            return "moved-on"  # committed since the row was read: the next pass looks again
+        if state.step != job.step:
             return "restored"
     if step_complete(ctx, job.id, job.step, info.spec.shards):
+        # the replica that stored the last upload claims the step within milliseconds and
+        # applies it from its own memory; a pass that sees it complete first leaves it to that
+        # replica, and sends it to the workers only when a later pass finds it still unclaimed
+        # (that replica died, or could not reach Redis)
+        if ctx.blobs.set_if_absent(keys.apply_due(job.id, job.step), b"1",
+                                   ttl=APPLY_DUE_TTL_PASSES * ctx.settings.reconcile_interval_s):
+            return "apply-due"
         enqueue_apply(ctx, job.id, job.step)
         return "apply-enqueued"
     drop_step_keys(ctx, job.id, keep_state=job.step)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import delete
+from sqlalchemy import delete, select
 
 from api.store.db import transaction
 from api.store.models import Job, StepMetric
@@ -100,6 +100,8 @@ def ensure_state(ctx: SchedulerContext, job: Job, info: JobInfo) -> TrainState |
     state = load_state(ctx, job.id, job.step, job.state_nonce, info.slices)
     if state is not None:
         return state
+    if not _still_names(ctx, job):
+        return None  # a step committed since `job` was read and its state replaced this one
     restored = restore_point(ctx, job, info)
     # state first, then the row naming it: a crash in between leaves a harmless extra key
     nonce = keys.new_nonce()
@@ -133,6 +135,16 @@ def ensure_state(ctx: SchedulerContext, job: Job, info: JobInfo) -> TrainState |
     bump_version(ctx.blobs)  # first: a replica's cached job row is stale until it sees this
     drop_step_keys(ctx, job.id, keep_state=restored.step, rewound=True)
     return restored
+
+
+def _still_names(ctx: SchedulerContext, job: Job) -> bool:
+    """Whether the job's row still names the state `job` names. A reconcile that read the row
+    just before a commit finds that state dropped: nothing was lost, and a restore (a model
+    built, a checkpoint read, a state written, all thrown away by the guarded update) would
+    only take CPU from the step running meanwhile."""
+    with ctx.session_factory() as session:
+        row = session.execute(select(Job.step, Job.state_nonce).where(Job.id == job.id)).first()
+    return row is not None and tuple(row) == (job.step, job.state_nonce)
 
 
 def drop_step_keys(ctx: SchedulerContext, job_id: str, keep_state: int, rewound: bool = False) -> None:

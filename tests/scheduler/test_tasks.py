@@ -21,7 +21,7 @@ from hotstate import keys
 from hotstate.recent import RECENT
 from hotstate.trainstate import decode_state
 from phalanx.train_local import run_reference
-from scheduler.tasks import steps
+from scheduler.tasks import reconcile, recovery, steps
 from scheduler.tasks.reconcile import run_reconcile, run_reconcile_job
 from scheduler.tasks.steps import run_apply_step
 from tests.engine.test_layerspec import EVERY_LAYER
@@ -220,6 +220,49 @@ def test_lost_hot_state_without_a_checkpoint_restarts_from_the_seeded_init(ctx) 
     assert job(ctx, job_id).step == 0
     info = job_info(job_id, job(ctx, job_id).spec, ctx.settings.data_dir)
     assert np.array_equal(stored_state(ctx, job_id, 0).params, initial_state(info.model, info.spec).params)
+
+
+def test_a_reconcile_that_read_the_job_just_before_a_commit_restores_nothing(
+        ctx, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pass reads the job at step 1; step 1 commits and its state is dropped before the pass
+    looks for it. Nothing was lost: no checkpoint read, no model built, no state written (a
+    restore thrown away by the guarded update took a worker's CPU from the running step)."""
+    job_id = start_job(ctx)
+    run_to(ctx, job_id, 1)
+    real_state_stored = reconcile.state_stored
+
+    def commit_meanwhile(*args, **kwargs) -> bool:
+        monkeypatch.setattr(reconcile, "state_stored", real_state_stored)
+        upload_all(ctx, job_id, 1)
+        assert run_apply_step(ctx, job_id, 1) == "applied"
+        return real_state_stored(*args, **kwargs)
+
+    monkeypatch.setattr(reconcile, "state_stored", commit_meanwhile)
+    monkeypatch.setattr(recovery, "restore_point",
+                        lambda *args: pytest.fail("a state nobody lost was restored"))
+    monkeypatch.setattr(recovery, "store_state",
+                        lambda *args: pytest.fail("a state was written for a moved job"))
+    assert run_reconcile_job(ctx, job_id) == "moved-on"
+    assert job(ctx, job_id).step == 2
+    assert "StateRestored" not in event_reasons(ctx, job_id)
+    monkeypatch.undo()
+    assert run_reconcile_job(ctx, job_id) == "ok"  # the next pass sees the job as it is
+    run_to(ctx, job_id, 3)
+
+
+def test_a_complete_step_is_left_one_pass_to_the_replica_that_completed_it(ctx) -> None:
+    """The replica that stores a step's last upload claims it at once and applies it from its
+    own memory. A reconcile pass that sees the step complete and unclaimed first sends it to
+    the workers only if a later pass still finds it unclaimed (that replica died)."""
+    job_id = start_job(ctx)
+    upload_all(ctx, job_id, 0)  # stored, and nobody claimed it
+    assert run_reconcile_job(ctx, job_id) == "apply-due"
+    assert not ctx.blobs.exists(keys.apply_claim(job_id, 0))  # the replica's to claim
+    assert run_reconcile_job(ctx, job_id) == "apply-enqueued"
+    assert ctx.blobs.exists(keys.apply_claim(job_id, 0))
+    assert run_apply_step(ctx, job_id, 0) == "applied"  # as a worker would
+    assert not ctx.blobs.exists(keys.apply_due(job_id, 0))  # dropped with the step's keys
+    assert job(ctx, job_id).step == 1
 
 
 def test_cancel_releases_assignments_twice_equals_once(ctx) -> None:
