@@ -370,6 +370,30 @@ def run_gloo(n: int, repeats: int = 20, n_params: int = N_PARAMS) -> dict:
     return {"agents": n, "allreduce_s": statistics.median(slowest)}
 
 
+def start_compose_redis() -> str:
+    """A redis-server run with docker-compose.yml's command and environment for its Redis (no
+    persistence, the allocator keeping freed pages: docs/deploy.md), stopped at exit."""
+    import atexit
+
+    import redis
+    import yaml
+
+    service = yaml.safe_load((REPO / "docker-compose.yml").read_text())["services"]["redis"]
+    env = {**os.environ, **{k: str(v) for k, v in (service.get("environment") or {}).items()}}
+    port, data = free_port(), tempfile.mkdtemp(prefix="bench-redis-")
+    proc = subprocess.Popen([*service["command"], "--port", str(port), "--bind", "127.0.0.1",
+                             "--dir", data], env=env, stdout=subprocess.DEVNULL)
+    atexit.register(proc.terminate)
+    url = f"redis://127.0.0.1:{port}/0"
+    for _ in range(100):
+        try:
+            redis.Redis.from_url(url).ping()
+            return url
+        except redis.ConnectionError:
+            time.sleep(0.1)
+    raise RuntimeError("the compose Redis command did not start")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--agents", default="4,8,16,64")
@@ -389,8 +413,12 @@ def main() -> None:
     parser.add_argument("--precision", default="float32",
                         help="the job's upload_precision (bfloat16: half the bytes up)")
     parser.add_argument("--pg-url", default=os.environ.get("PHALANX_TEST_DATABASE_URL"))
-    parser.add_argument("--redis-url", default=os.environ.get("PHALANX_TEST_REDIS_URL"))
+    parser.add_argument("--redis-url", default=os.environ.get("PHALANX_TEST_REDIS_URL"),
+                        help="`compose`: a redis-server of this machine started as "
+                             "docker-compose.yml runs Redis (its command and environment)")
     args = parser.parse_args()
+    if args.redis_url == "compose":
+        args.redis_url = start_compose_redis()
     counts = [int(a) for a in args.agents.split(",")]
     results: list[dict] = []
     runs = [(mode, n, pre == "on", int(p)) for mode in args.modes.split(",") for n in counts

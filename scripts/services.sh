@@ -64,8 +64,10 @@ start_private_redis() {
     return 1
   fi
   mkdir -p "$SERVICES_DIR"
-  redis-server --daemonize yes --bind 127.0.0.1 --port $port --save "" --appendonly no \
-    --dir "$SERVICES_DIR" --logfile "$SERVICES_DIR/redis.log" >/dev/null
+  # as docker-compose.yml runs it (docs/deploy.md, "Redis for the data plane")
+  JE_MALLOC_CONF=dirty_decay_ms:-1 MALLOC_CONF=dirty_decay_ms:-1 \
+    redis-server --daemonize yes --bind 127.0.0.1 --port $port --save "" --appendonly no \
+      --dir "$SERVICES_DIR" --logfile "$SERVICES_DIR/redis.log" >/dev/null
   for _ in $(seq 50); do redis_answers "redis://127.0.0.1:$port/15" 2>/dev/null && break; sleep 0.1; done
   PHALANX_TEST_REDIS_URL="redis://127.0.0.1:$port/15"
   echo "started a private Redis at $PHALANX_TEST_REDIS_URL"

@@ -1,0 +1,95 @@
+"""The Redis that docker-compose.yml runs, started here with the same command and environment:
+every step writes a job's state afresh under a new name and drops the last one, so what that
+Redis does with those bytes is on every step's path (docs/deploy.md, docs/benchmarks.md)."""
+
+from __future__ import annotations
+
+import os
+import resource
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import redis
+import yaml
+
+from hotstate import keys
+from hotstate.blobs import RedisBlobStore
+from tests.support.server import REPO_ROOT, free_port
+
+STATE_BYTES = 25_735_000  # mobilenet_v1's weights + SGD momentum, as a step stores them
+
+
+def compose_redis() -> tuple[list[str], dict[str, str]]:
+    service = yaml.safe_load((REPO_ROOT / "docker-compose.yml").read_text())["services"]["redis"]
+    return service["command"], {name: str(value)
+                                for name, value in (service.get("environment") or {}).items()}
+
+
+def minor_faults(pid: int) -> int:
+    """Pages the kernel had to map afresh for the process (field 10 of /proc/PID/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[7])
+
+
+@pytest.fixture
+def compose_redis_server(tmp_path: Path):
+    server = shutil.which("redis-server")
+    if server is None:
+        pytest.fail("redis-server is not installed (Debian: apt-get install redis-server): this "
+                    "test runs the compose file's Redis command with it")
+    command, environment = compose_redis()
+    assert command[0] == "redis-server", command
+    port = free_port()
+    process = subprocess.Popen(
+        [server, *command[1:], "--port", str(port), "--bind", "127.0.0.1", "--dir", str(tmp_path)],
+        env={**os.environ, **environment}, cwd=tmp_path, stdout=subprocess.DEVNULL,
+        stderr=subprocess.STDOUT)
+    client = redis.Redis(port=port)
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            client.ping()
+            break
+        except redis.ConnectionError:
+            if time.monotonic() > deadline or process.poll() is not None:
+                process.kill()
+                pytest.fail(f"the compose Redis command did not start: {command}")
+            time.sleep(0.05)
+    try:
+        yield process, f"redis://127.0.0.1:{port}/0", client
+    finally:
+        if process.poll() is None:
+            process.terminate()  # SIGTERM: Redis saves on the way out only if told to persist
+            process.wait(timeout=30)
+
+
+def test_the_compose_redis_keeps_a_steps_freed_state_for_the_next_and_writes_nothing_to_disk(
+        compose_redis_server, tmp_path: Path) -> None:
+    process, url, client = compose_redis_server
+    allocator = client.info("memory")["mem_allocator"]
+    if not allocator.startswith("jemalloc"):
+        pytest.skip(f"this machine's redis-server allocates with {allocator}; the compose "
+                    "setting is for jemalloc, which the redis:7 image uses")
+    store = RedisBlobStore(url)
+    state = np.random.default_rng(0).bytes(STATE_BYTES)
+    previous, before = None, 0
+    for step in range(12):  # as apply_step stores state t + 1, then drops state t
+        if step == 4:
+            before = minor_faults(process.pid)
+        key = keys.state("job-1", step, keys.new_nonce())
+        store.set(key, state)
+        if previous is not None:
+            store.delete(previous)
+        previous = key
+    pages = 8 * STATE_BYTES / resource.getpagesize()
+    faulted = (minor_faults(process.pid) - before) / pages
+    # the default decay hands most of each freed state back to the kernel (35-70% of a
+    # state's pages faulted in again every step, measured): Redis's CPU a step doubled
+    assert faulted < 0.05, f"{faulted:.0%} of each state's pages were faulted in afresh"
+    process.terminate()
+    process.wait(timeout=30)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [], "Redis wrote the states to disk"
