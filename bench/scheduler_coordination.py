@@ -380,16 +380,25 @@ def start_compose_redis() -> str:
 
     service = yaml.safe_load((REPO / "docker-compose.yml").read_text())["services"]["redis"]
     env = {**os.environ, **{k: str(v) for k, v in (service.get("environment") or {}).items()}}
-    port, data = free_port(), tempfile.mkdtemp(prefix="bench-redis-")
+    port, data = free_port(), tempfile.TemporaryDirectory(prefix="bench-redis-")
     proc = subprocess.Popen([*service["command"], "--port", str(port), "--bind", "127.0.0.1",
-                             "--dir", data], env=env, stdout=subprocess.DEVNULL)
-    atexit.register(proc.terminate)
+                             "--dir", data.name], env=env, stdout=subprocess.DEVNULL)
+
+    def stop() -> None:
+        proc.terminate()
+        proc.wait(timeout=30)
+        data.cleanup()
+
+    atexit.register(stop)
     url = f"redis://127.0.0.1:{port}/0"
     for _ in range(100):
         try:
-            redis.Redis.from_url(url).ping()
+            if redis.Redis.from_url(url).info("server")["process_id"] != proc.pid:
+                raise RuntimeError(f"another Redis answers on port {port}")
             return url
         except redis.ConnectionError:
+            if proc.poll() is not None:
+                break
             time.sleep(0.1)
     raise RuntimeError("the compose Redis command did not start")
 

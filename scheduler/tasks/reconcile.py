@@ -43,7 +43,7 @@ from scheduler.tasks.upgrades import upgrade_pass
 
 log = logging.getLogger(__name__)
 HOOK_DEDUP_S = 0.2  # a burst of API changes sends one reconcile
-APPLY_DUE_TTL_PASSES = 10  # a complete step's first sighting is remembered this many passes
+APPLY_DUE_TTL_S = 3600.0  # a complete step's first sighting (dropped with the step's keys)
 HISTORY_PRUNE_EVERY_S = 600.0
 PRUNE_EVERY_S = 60.0  # telemetry pruning is a range delete on an indexed ts: cheap, but not per pass
 
@@ -133,6 +133,21 @@ def jobs_to_look_after(ctx: SchedulerContext) -> list[str]:
     return sorted(set(running) | set(leftovers))
 
 
+def first_sight_of_a_counted_step(ctx: SchedulerContext, job_id: str, step: int,
+                                  shards: int) -> bool:
+    """Whether this pass leaves a complete step to the replica that completed it. The upload
+    that completes a step (its count reaches the shards) claims the step within milliseconds
+    and that replica applies it from its own memory; a pass that sees the step complete just
+    before that claim would send it to a worker, which must fetch every body first. So the
+    first pass that sees it complete only marks it, and a later one sends it (claiming it
+    unless the replica's claim holds: that replica died, or its apply failed and the claim
+    expired). Results no upload counted (a replica of an older version stored them) have no
+    claim coming: sent at once."""
+    if int(ctx.blobs.get(keys.covered(job_id, step)) or 0) < shards:
+        return False
+    return ctx.blobs.set_if_absent(keys.apply_due(job_id, step), b"1", ttl=APPLY_DUE_TTL_S)
+
+
 def run_reconcile_job(ctx: SchedulerContext, job_id: str) -> str:
     with ctx.session_factory() as session:
         job = session.get(Job, job_id)
@@ -155,14 +170,9 @@ def run_reconcile_job(ctx: SchedulerContext, job_id: str) -> str:
         if state.step != job.step:
             return "restored"
     if step_complete(ctx, job.id, job.step, info.spec.shards):
-        # the replica that stored the last upload claims the step within milliseconds and
-        # applies it from its own memory; a pass that sees it complete first leaves it to that
-        # replica, and sends it to the workers only when a later pass finds it still unclaimed
-        # (that replica died, or could not reach Redis)
-        if ctx.blobs.set_if_absent(keys.apply_due(job.id, job.step), b"1",
-                                   ttl=APPLY_DUE_TTL_PASSES * ctx.settings.reconcile_interval_s):
+        if first_sight_of_a_counted_step(ctx, job.id, job.step, info.spec.shards):
             return "apply-due"
-        enqueue_apply(ctx, job.id, job.step)
+        enqueue_apply(ctx, job.id, job.step)  # claims it, unless the replica's claim holds
         return "apply-enqueued"
     drop_step_keys(ctx, job.id, keep_state=job.step)
     try:

@@ -56,15 +56,26 @@ def compose_redis_server(tmp_path: Path):
             break
         except redis.ConnectionError:
             if time.monotonic() > deadline or process.poll() is not None:
-                process.kill()
+                stop(process)
                 pytest.fail(f"the compose Redis command did not start: {command}")
             time.sleep(0.05)
     try:
+        # the port was free when chosen: the Redis answering must be the one started here
+        assert client.info("server")["process_id"] == process.pid, "another Redis took the port"
         yield process, f"redis://127.0.0.1:{port}/0", client
     finally:
-        if process.poll() is None:
-            process.terminate()  # SIGTERM: Redis saves on the way out only if told to persist
+        stop(process)
+
+
+def stop(process: subprocess.Popen[bytes]) -> None:
+    """SIGTERM (Redis saves on the way out only if told to persist), then SIGKILL."""
+    if process.poll() is None:
+        process.terminate()
+        try:
             process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=10)
 
 
 def test_the_compose_redis_keeps_a_steps_freed_state_for_the_next_and_writes_nothing_to_disk(
@@ -90,6 +101,6 @@ def test_the_compose_redis_keeps_a_steps_freed_state_for_the_next_and_writes_not
     # the default decay hands most of each freed state back to the kernel (35-70% of a
     # state's pages faulted in again every step, measured): Redis's CPU a step doubled
     assert faulted < 0.05, f"{faulted:.0%} of each state's pages were faulted in afresh"
-    process.terminate()
-    process.wait(timeout=30)
+    stop(process)
+    assert process.returncode == 0, "Redis did not shut down cleanly"
     assert sorted(p.name for p in tmp_path.iterdir()) == [], "Redis wrote the states to disk"

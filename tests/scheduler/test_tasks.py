@@ -264,6 +264,19 @@ def test_a_complete_step_is_left_one_pass_to_the_replica_that_completed_it(ctx) 
     assert not ctx.blobs.exists(keys.apply_due(job_id, 0))  # dropped with the step's keys
     assert job(ctx, job_id).step == 1
 
+    upload_all(ctx, job_id, 1)
+    ctx.blobs.set(keys.apply_claim(job_id, 1), b"1")  # the replica's claim, then its apply fails
+    assert run_reconcile_job(ctx, job_id) == "apply-due"
+    ctx.blobs.delete(keys.apply_claim(job_id, 1))  # the claim expires
+    assert run_reconcile_job(ctx, job_id) == "apply-enqueued"  # the first pass after it
+    assert ctx.blobs.exists(keys.apply_claim(job_id, 1))
+    assert run_apply_step(ctx, job_id, 1) == "applied"
+
+    upload_all(ctx, job_id, 2)  # results no upload counted (stored by an older replica):
+    ctx.blobs.delete(keys.covered(job_id, 2))  # no upload saw the step complete, none claims
+    assert run_reconcile_job(ctx, job_id) == "apply-enqueued"  # sent at the first pass
+    assert ctx.blobs.exists(keys.apply_claim(job_id, 2))
+
 
 def test_cancel_releases_assignments_twice_equals_once(ctx) -> None:
     job_id = start_job(ctx)
