@@ -103,15 +103,27 @@ class SliceFetcher:
             else:
                 return  # the step is slow to apply or gone: the assignment fetches the rest
 
-    def stop_ahead(self) -> None:
+    def stop_ahead(self, keep: tuple[str, int] | None = None) -> None:
+        """Stop fetching ahead, and let go of what was fetched for any (job, step) but `keep`
+        (the step now assigned takes its slices in `whole`): slices of a step that never came
+        (the job ended, or this phone left it) are a model's worth held for nothing."""
         with self._wake:
             with self._lock:
                 self._generation += 1
+                self._ahead = {key: got for key, got in self._ahead.items()
+                               if keep is not None and key[:2] == keep}
             self._wanted = None
+
+    def held_bytes(self) -> int:
+        """Bytes of slices fetched ahead and not taken yet."""
+        with self._lock:
+            return sum(len(body) for _, body in self._ahead.values())
 
     def close(self) -> None:
         with self._wake:
             self._closed = True
-            self._generation += 1
+            with self._lock:
+                self._generation += 1
+                self._ahead = {}
             self._wake.notify()
         self._pool.shutdown(wait=False, cancel_futures=True)

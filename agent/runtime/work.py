@@ -87,6 +87,8 @@ class WorkLoop:
             return 0.0  # stopped during the long poll: take nothing on
         if a is None:
             quick = time.monotonic() - polled < 0.5  # a server that does not hold the poll
+            if not quick:  # a whole long poll without work: no step is coming soon
+                self.slices.stop_ahead()
             return 1.0 if quick else 0.0
         self.state.working = True  # no agent upgrade while a step is in hand
         try:
@@ -96,7 +98,7 @@ class WorkLoop:
 
     def _work_on(self, a: Assignment, stop: threading.Event) -> float:
         job, step = a.job_id, a.step
-        self.slices.stop_ahead()  # what it fetched is taken below if it is of this state
+        self.slices.stop_ahead(keep=(job, step))  # taken below if it is of this state
         if job != self._job:
             self.cache.keep_only(job)
             self._job, self._per_shard_s, self._pass_s = job, None, None

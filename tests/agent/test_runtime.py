@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.agent import phone
+from tests.agent.helpers import AgentThread
 from tests.agent.live import (
     Phone,
     cancel,
@@ -55,6 +56,24 @@ def test_the_agent_trains_reports_its_profile_and_uploads_each_shard_once(
     assert profile["threads"] >= 1
     latest = p.device()["latest_telemetry"]
     assert latest["battery_pct"] == 87 and latest["cpu_temp_c"] == 40.0
+
+
+def test_slices_fetched_ahead_of_a_step_that_never_comes_are_let_go(
+        server: LiveServer, tmp_path: Path, cool_phone: Path) -> None:
+    """A sliced job: the phone fetches each next step's slices as they are applied and uses
+    them; after the last step it has fetched the slices of a step that never comes, a model's
+    worth it lets go once a long poll finds no work (not at the next sliced job, if ever)."""
+    p = enroll(server, tmp_path, cool_phone)
+    with AgentThread(p.config, cool_phone) as agent:
+        job_id = submit(server, p.job_spec(slices=2, epochs=1))
+        done = p.wait("the job to finish", lambda: (
+            (j := job(server, job_id))["state"] in ("Succeeded", "Failed") and j), timeout=180)
+        assert done["state"] == "Succeeded", done
+        fetcher = agent.runtime.work.slices
+        assert fetcher.fetched_ahead > 0  # next steps' slices came ahead and were used
+        p.wait("the slices fetched after the last step let go",
+               lambda: fetcher.held_bytes() == 0, timeout=30)
+    assert agent.error is None, agent.error
 
 
 @pytest.mark.parametrize(("wanted", "used"), [("any", "numpy"), ("torch", "torch")])
