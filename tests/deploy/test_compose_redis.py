@@ -4,29 +4,20 @@ Redis does with those bytes is on every step's path (docs/deploy.md, docs/benchm
 
 from __future__ import annotations
 
-import os
 import resource
-import shutil
-import subprocess
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import redis
-import yaml
 
 from hotstate import keys
 from hotstate.blobs import RedisBlobStore
-from tests.support.server import REPO_ROOT, free_port
+from tests.support.redis_server import compose_redis, start_compose_redis, stop
+from tests.support.server import free_port
 
 STATE_BYTES = 25_735_000  # mobilenet_v1's weights + SGD momentum, as a step stores them
-
-
-def compose_redis() -> tuple[list[str], dict[str, str]]:
-    service = yaml.safe_load((REPO_ROOT / "docker-compose.yml").read_text())["services"]["redis"]
-    return service["command"], {name: str(value)
-                                for name, value in (service.get("environment") or {}).items()}
 
 
 def minor_faults(pid: int) -> int:
@@ -37,17 +28,8 @@ def minor_faults(pid: int) -> int:
 
 @pytest.fixture
 def compose_redis_server(tmp_path: Path):
-    server = shutil.which("redis-server")
-    if server is None:
-        pytest.fail("redis-server is not installed (Debian: apt-get install redis-server): this "
-                    "test runs the compose file's Redis command with it")
-    command, environment = compose_redis()
-    assert command[0] == "redis-server", command
     port = free_port()
-    process = subprocess.Popen(
-        [server, *command[1:], "--port", str(port), "--bind", "127.0.0.1", "--dir", str(tmp_path)],
-        env={**os.environ, **environment}, cwd=tmp_path, stdout=subprocess.DEVNULL,
-        stderr=subprocess.STDOUT)
+    process = start_compose_redis(port, tmp_path)
     client = redis.Redis(port=port)
     deadline = time.monotonic() + 20
     while True:
@@ -57,7 +39,7 @@ def compose_redis_server(tmp_path: Path):
         except redis.ConnectionError:
             if time.monotonic() > deadline or process.poll() is not None:
                 stop(process)
-                pytest.fail(f"the compose Redis command did not start: {command}")
+                pytest.fail(f"the compose Redis command did not start: {compose_redis()[0]}")
             time.sleep(0.05)
     try:
         # the port was free when chosen: the Redis answering must be the one started here
@@ -65,17 +47,6 @@ def compose_redis_server(tmp_path: Path):
         yield process, f"redis://127.0.0.1:{port}/0", client
     finally:
         stop(process)
-
-
-def stop(process: subprocess.Popen[bytes]) -> None:
-    """SIGTERM (Redis saves on the way out only if told to persist), then SIGKILL."""
-    if process.poll() is None:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=10)
 
 
 def test_the_compose_redis_keeps_a_steps_freed_state_for_the_next_and_writes_nothing_to_disk(

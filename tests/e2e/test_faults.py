@@ -18,6 +18,7 @@ import redis
 from api.store.db import upgrade
 from tests.e2e.cluster import Cluster, reference_metrics, rel_diff
 from tests.support.env import ADMIN_TOKEN
+from tests.support.redis_server import start_compose_redis
 from tests.support.server import free_port
 from tests.support.waiting import wait_for
 
@@ -46,7 +47,8 @@ def assert_matches(job: dict, tmp_path: Path) -> None:
 
 
 class PrivateRedis:
-    """A redis-server without persistence on a port of its own."""
+    """A redis-server run as docker-compose.yml runs it (tests.support.redis_server), on a
+    port of its own."""
 
     def __init__(self, root: Path) -> None:
         self.root, self.port = root, free_port()
@@ -58,10 +60,8 @@ class PrivateRedis:
 
     def start(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
-        log = (self.root / "redis.log").open("ab")
-        self.process = subprocess.Popen(
-            ["redis-server", "--bind", "127.0.0.1", "--port", str(self.port), "--save", "",
-             "--appendonly", "no", "--dir", str(self.root)], stdout=log, stderr=log)
+        with (self.root / "redis.log").open("ab") as log:
+            self.process = start_compose_redis(self.port, self.root, log)
         wait_for("the private Redis to answer", self.answers, timeout=30)
 
     def answers(self) -> bool:
