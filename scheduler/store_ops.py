@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime as dt
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
@@ -149,11 +150,24 @@ def release(session: Session, job_id: str) -> int:
     return int(result.rowcount or 0)
 
 
-def job_devices(session: Session, job_id: str) -> list[str]:
-    rows = session.scalars(
-        select(ShardAssignment.device_id).where(ShardAssignment.job_id == job_id).distinct()
-    )
-    return sorted(rows)
+@dataclass(frozen=True)
+class JobAssignments:
+    """What a job's shard assignments say at a step boundary, from one query: the step's
+    commit reads them on the step's critical path (the phones wait for it)."""
+
+    primaries: dict[int, str]  # shard -> its primary device
+    devices: list[str]  # every device holding a shard of the job, primary or backup
+    backups: int  # backup assignments (stragglers' shards computed twice)
+
+
+def job_assignments(session: Session, job_id: str) -> JobAssignments:
+    rows = session.execute(
+        select(ShardAssignment.shard, ShardAssignment.device_id, ShardAssignment.role)
+        .where(ShardAssignment.job_id == job_id)
+    ).all()
+    return JobAssignments({int(shard): device for shard, device, role in rows if role == "primary"},
+                          sorted({device for _, device, _ in rows}),
+                          sum(role == "backup" for _, _, role in rows))
 
 
 def user_usage(session: Session, owner: str | None, views: Iterable[DeviceView],

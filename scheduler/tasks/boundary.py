@@ -23,14 +23,23 @@ from scheduler.policy.scores import device_speed
 from scheduler.policy.shards import balance_shards, moved_shards
 from scheduler.policy.straggler import demoted_speeds, persistent_stragglers
 from scheduler.policy.types import PlacementRequest
-from scheduler.tasks.stragglers import late_steps
+from scheduler.tasks.stragglers import parse_late_steps
 
 
 def at_step_boundary(ctx: SchedulerContext, session: Session, job: Job, info: JobInfo,
-                     new_step: int, now: dt.datetime) -> None:
-    store_ops.drop_backups(session, job.id)
-    demote_stragglers(ctx, session, job, new_step, now)
-    if ctx.blobs.get(keys.rebalance(job.id)) is None:
+                     new_step: int, now: dt.datetime,
+                     held: store_ops.JobAssignments) -> None:
+    """`held`: the job's assignments as the commit read them. Each round trip here is on the
+    step's critical path, so the boundary asks Redis once (the rebalance flag and the holders'
+    late steps together) and deletes backups only when there are some."""
+    if held.backups:
+        store_ops.drop_backups(session, job.id)
+    holders = sorted(set(held.primaries.values()))
+    flag, *late = ctx.blobs.get_many([keys.rebalance(job.id),
+                                      *(keys.late_steps(job.id, d) for d in holders)])
+    demote_stragglers(ctx, session, job, new_step, now, held.primaries,
+                      {d: parse_late_steps(raw) for d, raw in zip(holders, late)})
+    if flag is None:
         return
     with locks.held(ctx.blobs, keys.PLACEMENT_LOCK, ctx.tuning.lock_ttl_s) as token:
         if token is None:
@@ -70,11 +79,11 @@ def join_devices(ctx: SchedulerContext, session: Session, job: Job, step: int,
 
 
 def demote_stragglers(ctx: SchedulerContext, session: Session, job: Job, new_step: int,
-                      now: dt.datetime) -> list[str]:
-    """Halve the share of a device that needed backups two steps running (kept >= 1 shard)."""
-    current = store_ops.primaries(session, job.id)
+                      now: dt.datetime, current: dict[int, str],
+                      late: dict[str, list[int]]) -> list[str]:
+    """Halve the share of a device that needed backups two steps running (kept >= 1 shard).
+    `current`: the primaries; `late`: the steps each of their devices was late for."""
     holders = sorted(set(current.values()))
-    late = late_steps(ctx, job.id, holders)
     slow = persistent_stragglers(late, new_step - 1)
     if not slow or len(holders) < 2:
         return []

@@ -87,7 +87,8 @@ def commit_step(ctx: SchedulerContext, job: Job, info: JobInfo, m: StepMetrics,
                                                {**guard, "state": JobState.RUNNING.value}, **values)
         if not won:
             return False
-        devices_used = len(store_ops.job_devices(session, job.id))
+        held = store_ops.job_assignments(session, job.id)
+        devices_used = len(held.devices)
         session.add(StepMetric(job_id=job.id, step=m.step, ts=now,
                                epoch=(m.step + 1) / info.spec.steps_per_epoch,
                                train_loss=m.train_loss, train_accuracy=m.train_accuracy,
@@ -101,7 +102,7 @@ def commit_step(ctx: SchedulerContext, job: Job, info: JobInfo, m: StepMetrics,
             session.flush()
             store_ops.release(session, job.id)
         else:
-            boundary.at_step_boundary(ctx, session, job, info, new_state.step, now)
+            boundary.at_step_boundary(ctx, session, job, info, new_state.step, now, held)
         before_commit()
     remove_files(pruned)  # after the commit: no row is left pointing at a removed file
     return True

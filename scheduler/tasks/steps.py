@@ -52,6 +52,12 @@ from wire.messages import WeightsMessage
 log = logging.getLogger(__name__)
 
 
+# writes a step's new state while its weights message is sealed and its rows are written; kept
+# for the process (a thread started per step cost the step ~1 ms on its critical path), one
+# per job applied at once (a worker's concurrency)
+STATE_WRITERS = ThreadPoolExecutor(max_workers=4, thread_name_prefix="state-write")
+
+
 @app.task(name="scheduler.apply_step", acks_late=True, reject_on_worker_lost=True)
 def apply_step(job_id: str, step: int) -> str:
     """Idempotent: running it twice, or on two workers at once, applies the step once."""
@@ -156,9 +162,7 @@ def run_apply_step(ctx: SchedulerContext, job_id: str, step: int) -> str:
     state_key = keys.state(job_id, step + 1, nonce)
     # stored while the checkpoint and the step's rows are written: the commit waits for it
     # (the row names the nonce, so the state must be stored before anyone can read the name)
-    writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="state-write")
-    storing = writer.submit(ctx.blobs.set, state_key, blob.data)
-    writer.shutdown(wait=False)  # the write goes on; no thread outlives it
+    storing = STATE_WRITERS.submit(ctx.blobs.set, state_key, blob.data)
     message.buffers[:] = blob.buffers  # both only read the blob meanwhile
     weights = message.seal()
 

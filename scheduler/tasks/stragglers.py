@@ -36,10 +36,11 @@ def late_steps_of(ctx: SchedulerContext, job_id: str, device_id: str) -> list[in
 def late_steps(ctx: SchedulerContext, job_id: str, devices: list[str]) -> dict[str, list[int]]:
     """The steps each device was late for (one round trip for all: every step boundary asks)."""
     raws = ctx.blobs.get_many([keys.late_steps(job_id, d) for d in devices])
-    return {d: _steps(raw) for d, raw in zip(devices, raws)}
+    return {d: parse_late_steps(raw) for d, raw in zip(devices, raws)}
 
 
-def _steps(raw: bytes | None) -> list[int]:
+def parse_late_steps(raw: bytes | None) -> list[int]:
+    """A device's late steps as stored under keys.late_steps (none when unreadable)."""
     try:
         return [int(s) for s in json.loads(raw)] if raw else []
     except (ValueError, TypeError):
