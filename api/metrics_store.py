@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import datetime as dt
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -177,20 +177,40 @@ def _step_rates(session: Session, job_id: str) -> StepRates:
     return rates
 
 
+Window = tuple[dt.datetime, dt.datetime]
+
+
 def integrate_power(samples: Iterable[tuple[str, dt.datetime, float | None]],
+                    windows: Mapping[str, Window] | None = None,
                     max_gap_s: float = MAX_POWER_GAP_S) -> float:
-    """Joules from (device, ts, watts) samples, trapezoid per device; long gaps are skipped."""
+    """Joules from (device, ts, watts) samples in time order per device: power is linear
+    between two samples of a device (trapezoids), a gap longer than `max_gap_s` is skipped (the
+    phone was away), and with `windows` only each device's (start, end) counts: the segments
+    that cross a window's edges are cut there, so a job shorter than the phones' reporting
+    period still gets the energy of the seconds it ran."""
     last: dict[str, tuple[dt.datetime, float]] = {}
     joules = 0.0
     for device_id, ts, watts in samples:
         if watts is None:
             continue
         prev = last.get(device_id)
-        if prev is not None:
-            gap = (ts - prev[0]).total_seconds()
-            if 0 < gap <= max_gap_s:
-                joules += gap * (watts + prev[1]) / 2
         last[device_id] = (ts, watts)
+        if prev is None:
+            continue
+        gap = (ts - prev[0]).total_seconds()
+        if not 0 < gap <= max_gap_s:
+            continue
+        a, b = (0.0, gap)
+        if windows is not None:
+            if device_id not in windows:
+                continue
+            start, end = windows[device_id]
+            a = max(a, (start - prev[0]).total_seconds())
+            b = min(b, (end - prev[0]).total_seconds())
+        if b <= a:
+            continue
+        slope = (watts - prev[1]) / gap
+        joules += (b - a) * (2 * prev[1] + slope * (a + b)) / 2
     return joules
 
 
@@ -210,23 +230,37 @@ def _device_starts(session: Session, job: Job, holders: list[str]) -> dict[str, 
     return {**starts, **named}
 
 
-def job_energy(session: Session, job: Job, holders: list[str], now: dt.datetime) -> float:
+@dataclass(frozen=True)
+class JobEnergy:
+    joules: float
+    # no sample that could still arrive would change it: each phone has reported past the job's
+    # end (its samples come in time order), or the end is longer ago than a phone may be away
+    settled: bool
+
+
+def job_energy(session: Session, job: Job, holders: list[str], now: dt.datetime) -> JobEnergy:
     """Joules drawn by the job's phones, each from when it joined to the job's end (or now).
 
     A phone that left the job mid-run keeps counting to the end: an upper bound, exact for a
     job whose phones never changed. `step_metrics.energy_j`, when recorded, wins over this."""
     if job.started_at is None:
-        return 0.0
+        return JobEnergy(0.0, settled=job.finished_at is not None)
     starts = _device_starts(session, job, holders)
-    if not starts:
-        return 0.0
     end = job.finished_at or now
+    gone = (now - end).total_seconds() > MAX_POWER_GAP_S
+    if not starts:
+        return JobEnergy(0.0, settled=job.finished_at is not None)
+    margin = dt.timedelta(seconds=MAX_POWER_GAP_S)  # the samples either side of each window
     rows = session.execute(
         select(TelemetrySample.device_id, TelemetrySample.ts, TelemetrySample.power_w)
         .where(TelemetrySample.device_id.in_(list(starts)),
-               TelemetrySample.ts >= min(starts.values()), TelemetrySample.ts <= end)
+               TelemetrySample.ts >= min(starts.values()) - margin,
+               TelemetrySample.ts <= end + margin)
         .order_by(TelemetrySample.device_id, TelemetrySample.ts)).all()
-    return integrate_power((d, _aware(ts), w) for d, ts, w in rows if _aware(ts) >= starts[d])
+    samples = [(d, _aware(ts), w) for d, ts, w in rows]
+    joules = integrate_power(samples, {d: (start, end) for d, start in starts.items()})
+    reported_past_end = {d for d, ts, _ in samples if ts >= end}
+    return JobEnergy(joules, job.finished_at is not None and (gone or reported_past_end >= set(starts)))
 
 
 def _aware(ts: dt.datetime) -> dt.datetime:
@@ -295,20 +329,22 @@ def _job_values(session: Session, job: Job, devices: list[str],
 
 
 class EnergyCache:
-    """A finished job's energy never changes: compute it once per process."""
+    """A finished job's energy, once settled, never changes: compute it once per process
+    (and until then at each scrape: its phones' last samples arrive with their next heartbeat)."""
 
     def __init__(self) -> None:
         self._done: dict[tuple[str, dt.datetime], float] = {}
 
     def get(self, session: Session, job: Job, holders: list[str], now: dt.datetime) -> float:
-        if job.finished_at is None:
-            return job_energy(session, job, holders, now)
         key = (job.id, job.finished_at)
-        if key not in self._done:
+        if key in self._done:
+            return self._done[key]
+        energy = job_energy(session, job, holders, now)
+        if energy.settled and job.finished_at is not None:
             if len(self._done) > 4 * MAX_JOBS:
                 self._done.clear()
-            self._done[key] = job_energy(session, job, holders, now)
-        return self._done[key]
+            self._done[key] = energy.joules
+        return energy.joules
 
 
 _energy_cache = EnergyCache()

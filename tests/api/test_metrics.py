@@ -10,9 +10,12 @@ from pathlib import Path
 import httpx
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
+from sqlalchemy import insert
 
 from api.main import create_app
 from api.metrics_store import integrate_power
+from api.store.events import event_row
+from api.store.models import Event, Job
 from tests.api.conftest import make_settings, sample
 from tests.support.env import ADMIN_TOKEN as ADMIN
 from tests.support.server import start_server
@@ -105,6 +108,46 @@ def test_energy_integrates_power_per_device_and_skips_long_gaps() -> None:
     samples = [("a", at[0], 2.0), ("b", at[0], 1.0), ("a", at[1], 4.0), ("b", at[1], 1.0),
                ("a", at[2], None), ("a", at[3], 4.0)]  # 180 s gap: the phone was away
     assert integrate_power(samples) == 10 * (2 + 4) / 2 + 10 * 1.0
+
+
+def test_energy_counts_only_the_seconds_inside_each_phones_window() -> None:
+    t0 = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
+
+    def at(s: float) -> dt.datetime:
+        return t0 + dt.timedelta(seconds=s)
+
+    # power rises 2 W -> 6 W over 10 s; a job that ran from 2.5 s to 7.5 s, between two reports
+    samples = [("a", at(0), 2.0), ("a", at(10), 6.0), ("b", at(0), 5.0), ("b", at(10), 5.0)]
+    windows = {"a": (at(2.5), at(7.5)), "b": (at(8), at(30))}
+    assert integrate_power(samples, windows) == 5 * (3 + 5) / 2 + 2 * 5.0
+    assert integrate_power(samples, {"a": (at(12), at(20))}) == 0.0  # no phone, no joules
+
+
+def test_a_finished_jobs_energy_takes_in_the_samples_that_arrive_after_its_end(api) -> None:
+    """The phones' last samples of a job reach the server with their next heartbeat, after the
+    job has ended: a scrape in between must not freeze the gauge at what it had seen."""
+    phone = api.register()
+    job = api.post("/v1/jobs", json={"name": "short", "model": {"arch": "mlp"},
+                                      "dataset": "digits", "global_batch_size": 64,
+                                      "shards": 4, "epochs": 1}).json()
+    began = api.clock.now - dt.timedelta(seconds=20)
+    ended = began + dt.timedelta(seconds=4)  # shorter than the phone's reporting period
+    with api.app.state.session_factory() as session, session.begin():
+        row = session.get(Job, job["id"])
+        row.state, row.started_at, row.finished_at = "Succeeded", began, ended
+        session.execute(insert(Event.__table__), [event_row(
+            "Scheduled", "placed", now=began, job_id=job["id"], device_id=phone["device_id"])])
+
+    def joules() -> float:
+        return value(scrape(api.client.get("/metrics").text), "phalanx_job_energy_joules",
+                     job_id=job["id"])
+
+    before = began - dt.timedelta(seconds=3)
+    assert api.heartbeat(phone, {"telemetry": [sample(before.timestamp(), power_w=3.0)]}).is_success
+    assert joules() == 0.0  # nothing reported past the end yet
+    after = ended + dt.timedelta(seconds=3)
+    assert api.heartbeat(phone, {"telemetry": [sample(after.timestamp(), power_w=3.0)]}).is_success
+    assert joules() == 4 * 3.0
 
 
 def test_request_counts_add_up_across_two_worker_processes(pg_url: str, redis_url: str,
