@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import psutil
 
+from tests.support import server as server_support
 from tests.support.env import ADMIN_TOKEN as ADMIN
 from tests.support.env import without_settings
 from tests.support.server import REPO_ROOT, free_port, start_server
@@ -180,3 +181,25 @@ def test_a_guessable_admin_token_is_refused_at_start_in_one_line(sqlite_url, tmp
             assert proc.returncode == 2, proc.stderr
             assert proc.stderr.strip() == ("phalanx: PHALANX_ADMIN_TOKEN: must be at least 32 "
                                            "characters: make one with `openssl rand -hex 32`")
+
+
+def test_a_test_server_whose_port_is_taken_before_it_binds_starts_on_another(
+        sqlite_url, tmp_path, monkeypatch) -> None:
+    """The suite's own helper: a port free when picked can be taken before the server binds it
+    (tests run in parallel, and outgoing connections draw local ports from the same range)."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        taken_port = taken.getsockname()[1]
+        picks = iter([taken_port])
+        monkeypatch.setattr(server_support, "free_port",
+                            lambda: next(picks, None) or free_port())
+        server = start_server(database_url=sqlite_url, data_dir=tmp_path / "d",
+                              admin_token=ADMIN)
+        try:
+            assert not server.url.endswith(f":{taken_port}")
+            assert httpx.get(f"{server.url}/healthz", timeout=10).status_code == 200
+            assert "address already in use" in (tmp_path / "d" / f"server-{taken_port}.log"
+                                                ).read_text()
+        finally:
+            server.stop()

@@ -87,7 +87,34 @@ def start_server(
 ) -> LiveServer:
     """`python -m phalanx.cli.main server` run in `cwd`: the repository's code by default, or
     an installed phalanx when `python` is another environment's and `cwd` lies outside the
-    repository. `tls`: (certificate, key), self-signed: https, checked against the certificate."""
+    repository. `tls`: (certificate, key), self-signed: https, checked against the certificate.
+
+    Ports it picks itself are picked again when the server finds one taken: a port free when
+    asked can be taken before the server binds it (by another test's server, or as the local
+    port of any outgoing connection: both draw from the same ephemeral range)."""
+    chosen = dict(database_url=database_url, data_dir=data_dir, admin_token=admin_token,
+                  redis_url=redis_url, extra_env=extra_env, args=args, timeout_s=timeout_s,
+                  python=python, cwd=cwd, tls=tls)
+    for _ in range(PORT_TRIES - 1):
+        try:
+            return _start_server(port=port, **chosen)
+        except PortTaken:
+            if port is not None:
+                raise
+    return _start_server(port=port, **chosen)
+
+
+PORT_TRIES = 4
+
+
+class PortTaken(RuntimeError):
+    """The server exited because a port it was given was taken before it could bind it."""
+
+
+def _start_server(*, database_url: str, data_dir: Path, admin_token: str, redis_url: str | None,
+                  extra_env: dict[str, str] | None, port: int | None, args: list[str] | None,
+                  timeout_s: float, python: str, cwd: Path,
+                  tls: tuple[Path, Path] | None) -> LiveServer:
     port = port or free_port()
     data_dir.mkdir(parents=True, exist_ok=True)
     env = without_settings()
@@ -118,7 +145,9 @@ def start_server(
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"phalanx server exited with {proc.returncode}:\n{server.log()}")
+            log = server.log()
+            taken = PortTaken if "address already in use" in log else RuntimeError
+            raise taken(f"phalanx server exited with {proc.returncode}:\n{log}")
         try:
             if httpx.get(f"{server.url}/healthz", timeout=1,
                          verify=trusting(server.ca_file)).status_code == 200:
