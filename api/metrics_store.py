@@ -30,6 +30,10 @@ MAX_JOBS = 50
 RATE_WINDOW_STEPS = 20  # samples/s over the last steps
 # a gap between two power samples longer than this is not integrated (the phone was away)
 MAX_POWER_GAP_S = 60.0
+# a finished job's energy is final once each of its phones has reported past its end, or this
+# long after the end: a phone's samples buffered through an outage arrive later than they were
+# taken (its retries back off to a minute), and one gone for good must not keep it open forever
+ENERGY_SETTLE_S = 600.0
 
 
 @dataclass(frozen=True)
@@ -234,7 +238,7 @@ def _device_starts(session: Session, job: Job, holders: list[str]) -> dict[str, 
 class JobEnergy:
     joules: float
     # no sample that could still arrive would change it: each phone has reported past the job's
-    # end (its samples come in time order), or the end is longer ago than a phone may be away
+    # end (its samples come in time order), or the end is ENERGY_SETTLE_S ago
     settled: bool
 
 
@@ -247,7 +251,7 @@ def job_energy(session: Session, job: Job, holders: list[str], now: dt.datetime)
         return JobEnergy(0.0, settled=job.finished_at is not None)
     starts = _device_starts(session, job, holders)
     end = job.finished_at or now
-    gone = (now - end).total_seconds() > MAX_POWER_GAP_S
+    gone = (now - end).total_seconds() > ENERGY_SETTLE_S
     if not starts:
         return JobEnergy(0.0, settled=job.finished_at is not None)
     margin = dt.timedelta(seconds=MAX_POWER_GAP_S)  # the samples either side of each window

@@ -53,9 +53,10 @@ log = logging.getLogger(__name__)
 
 
 # writes a step's new state while its weights message is sealed and its rows are written; kept
-# for the process (a thread started per step cost the step ~1 ms on its critical path), one
-# per job applied at once (a worker's concurrency)
-STATE_WRITERS = ThreadPoolExecutor(max_workers=4, thread_name_prefix="state-write")
+# for the process (a thread started per step cost the step ~1 ms on its critical path). Its
+# threads start only when needed: the limit is above any worker's concurrency, so no apply's
+# write waits behind another's (the commit waits for it holding the job's row)
+STATE_WRITERS = ThreadPoolExecutor(max_workers=32, thread_name_prefix="state-write")
 
 
 @app.task(name="scheduler.apply_step", acks_late=True, reject_on_worker_lost=True)

@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import psutil
+import pytest
 
 from tests.support import server as server_support
 from tests.support.env import ADMIN_TOKEN as ADMIN
@@ -183,10 +184,12 @@ def test_a_guessable_admin_token_is_refused_at_start_in_one_line(sqlite_url, tmp
                                            "characters: make one with `openssl rand -hex 32`")
 
 
+@pytest.mark.parametrize("workers", [1, 2])
 def test_a_test_server_whose_port_is_taken_before_it_binds_starts_on_another(
-        sqlite_url, tmp_path, monkeypatch) -> None:
+        pg_url, redis_url, tmp_path, monkeypatch, workers: int) -> None:
     """The suite's own helper: a port free when picked can be taken before the server binds it
-    (tests run in parallel, and outgoing connections draw local ports from the same range)."""
+    (tests run in parallel, and outgoing connections draw local ports from the same range). One
+    process and uvicorn's --workers (Redis mode) say so in different words."""
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
@@ -194,12 +197,12 @@ def test_a_test_server_whose_port_is_taken_before_it_binds_starts_on_another(
         picks = iter([taken_port])
         monkeypatch.setattr(server_support, "free_port",
                             lambda: next(picks, None) or free_port())
-        server = start_server(database_url=sqlite_url, data_dir=tmp_path / "d",
-                              admin_token=ADMIN)
+        server = start_server(database_url=pg_url, redis_url=redis_url, data_dir=tmp_path / "d",
+                              admin_token=ADMIN, args=["--workers", str(workers)])
         try:
             assert not server.url.endswith(f":{taken_port}")
             assert httpx.get(f"{server.url}/healthz", timeout=10).status_code == 200
             assert "address already in use" in (tmp_path / "d" / f"server-{taken_port}.log"
-                                                ).read_text()
+                                                ).read_text().lower()
         finally:
             server.stop()

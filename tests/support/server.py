@@ -156,11 +156,15 @@ def _start_server(*, database_url: str, data_dir: Path, admin_token: str, redis_
     if "--bulk-port" not in args and "PHALANX_BULK_PORT" not in env:
         # a free one, not the default API port + 1: with tests in parallel another process
         # may hold that one, and the server then serves the steps on the API port only
-        args += ["--bulk-port", str(free_port())]
+        bulk = free_port()
+        while bulk == port:  # the bulk listener binds first and would take the API's port
+            bulk = free_port()
+        args += ["--bulk-port", str(bulk)]
     cmd = [python, "-m", "phalanx.cli.main", "server", "--host", "127.0.0.1",
            "--port", str(port), *args]
     if tls is not None:
         cmd += ["--tls-cert", str(tls[0]), "--tls-key", str(tls[1])]
+    logged_before = log_path.stat().st_size if log_path.exists() else 0
     with log_path.open("ab") as log:
         proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
@@ -170,7 +174,10 @@ def _start_server(*, database_url: str, data_dir: Path, admin_token: str, redis_
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             log = server.log()
-            taken = PortTaken if "address already in use" in log else RuntimeError
+            # "address already in use" (one process) or "Address already in use" (--workers N);
+            # a taken bulk or peer port is only a warning: the server goes on without it
+            this_start = log.encode()[logged_before:].decode(errors="replace").lower()
+            taken = PortTaken if "address already in use" in this_start else RuntimeError
             raise taken(f"phalanx server exited with {proc.returncode}:\n{log}")
         try:
             if httpx.get(f"{server.url}/healthz", timeout=1,
