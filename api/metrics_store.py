@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import datetime as dt
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +19,8 @@ from prometheus_client.registry import Collector
 from sqlalchemy import func, or_, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from api.store.models import Device, Event, Job, ShardAssignment, StepMetric, TelemetrySample
+from api.store.energy import aware, job_energy
+from api.store.models import Device, Event, Job, ShardAssignment, StepMetric
 from api.store.state_names import DeviceState
 from api.store.states import ACTIVE_STATES, DEVICE_STATES, JOB_STATES
 
@@ -28,12 +29,6 @@ PAUSE_REASONS = ("thermal", "battery", "busy")
 FINISHED_JOB_WINDOW = dt.timedelta(hours=6)
 MAX_JOBS = 50
 RATE_WINDOW_STEPS = 20  # samples/s over the last steps
-# a gap between two power samples longer than this is not integrated (the phone was away)
-MAX_POWER_GAP_S = 60.0
-# a finished job's energy is final once each of its phones has reported past its end, or this
-# long after the end: a phone's samples buffered through an outage arrive later than they were
-# taken (its retries back off to a minute), and one gone for good must not keep it open forever
-ENERGY_SETTLE_S = 600.0
 
 
 @dataclass(frozen=True)
@@ -181,96 +176,6 @@ def _step_rates(session: Session, job_id: str) -> StepRates:
     return rates
 
 
-Window = tuple[dt.datetime, dt.datetime]
-
-
-def integrate_power(samples: Iterable[tuple[str, dt.datetime, float | None]],
-                    windows: Mapping[str, Window] | None = None,
-                    max_gap_s: float = MAX_POWER_GAP_S) -> float:
-    """Joules from (device, ts, watts) samples in time order per device: power is linear
-    between two samples of a device (trapezoids), a gap longer than `max_gap_s` is skipped (the
-    phone was away), and with `windows` only each device's (start, end) counts: the segments
-    that cross a window's edges are cut there, so a job shorter than the phones' reporting
-    period still gets the energy of the seconds it ran."""
-    last: dict[str, tuple[dt.datetime, float]] = {}
-    joules = 0.0
-    for device_id, ts, watts in samples:
-        if watts is None:
-            continue
-        prev = last.get(device_id)
-        last[device_id] = (ts, watts)
-        if prev is None:
-            continue
-        gap = (ts - prev[0]).total_seconds()
-        if not 0 < gap <= max_gap_s:
-            continue
-        a, b = (0.0, gap)
-        if windows is not None:
-            if device_id not in windows:
-                continue
-            start, end = windows[device_id]
-            a = max(a, (start - prev[0]).total_seconds())
-            b = min(b, (end - prev[0]).total_seconds())
-        if b <= a:
-            continue
-        slope = (watts - prev[1]) / gap
-        joules += (b - a) * (2 * prev[1] + slope * (a + b)) / 2
-    return joules
-
-
-def _device_starts(session: Session, job: Job, holders: list[str]) -> dict[str, dt.datetime]:
-    """When each phone began working for the job: its first mention in the job's events
-    (`device_id`, or `data["devices"]` of Scheduled/ShardsMoved), else the job's start."""
-    began = _aware(job.started_at or job.created)
-    starts = {device: began for device in holders}
-    rows = session.execute(select(Event.ts, Event.device_id, Event.data)
-                           .where(Event.job_id == job.id).order_by(Event.ts)).all()
-    named: dict[str, dt.datetime] = {}
-    for ts, device_id, data in rows:
-        listed = (data or {}).get("devices") if isinstance(data, dict) else None
-        for device in [device_id, *(listed if isinstance(listed, list) else [])]:
-            if isinstance(device, str) and device not in named:
-                named[device] = max(_aware(ts), began)
-    return {**starts, **named}
-
-
-@dataclass(frozen=True)
-class JobEnergy:
-    joules: float
-    # no sample that could still arrive would change it: each phone has reported past the job's
-    # end (its samples come in time order), or the end is ENERGY_SETTLE_S ago
-    settled: bool
-
-
-def job_energy(session: Session, job: Job, holders: list[str], now: dt.datetime) -> JobEnergy:
-    """Joules drawn by the job's phones, each from when it joined to the job's end (or now).
-
-    A phone that left the job mid-run keeps counting to the end: an upper bound, exact for a
-    job whose phones never changed. `step_metrics.energy_j`, when recorded, wins over this."""
-    if job.started_at is None:
-        return JobEnergy(0.0, settled=job.finished_at is not None)
-    starts = _device_starts(session, job, holders)
-    end = job.finished_at or now
-    gone = (now - end).total_seconds() > ENERGY_SETTLE_S
-    if not starts:
-        return JobEnergy(0.0, settled=job.finished_at is not None)
-    margin = dt.timedelta(seconds=MAX_POWER_GAP_S)  # the samples either side of each window
-    rows = session.execute(
-        select(TelemetrySample.device_id, TelemetrySample.ts, TelemetrySample.power_w)
-        .where(TelemetrySample.device_id.in_(list(starts)),
-               TelemetrySample.ts >= min(starts.values()) - margin,
-               TelemetrySample.ts <= end + margin)
-        .order_by(TelemetrySample.device_id, TelemetrySample.ts)).all()
-    samples = [(d, _aware(ts), w) for d, ts, w in rows]
-    joules = integrate_power(samples, {d: (start, end) for d, start in starts.items()})
-    reported_past_end = {d for d, ts, _ in samples if ts >= end}
-    return JobEnergy(joules, job.finished_at is not None and (gone or reported_past_end >= set(starts)))
-
-
-def _aware(ts: dt.datetime) -> dt.datetime:
-    return ts if ts.tzinfo else ts.replace(tzinfo=dt.timezone.utc)
-
-
 JOB_GAUGES = (
     ("phalanx_job_step", "Steps applied"),
     ("phalanx_job_total_steps", "Steps the job will run"),
@@ -281,7 +186,8 @@ JOB_GAUGES = (
     ("phalanx_job_samples_per_second", "Training throughput over the last steps"),
     ("phalanx_job_step_seconds", "Wall time of the latest step"),
     ("phalanx_job_devices", "Devices holding the job's shards"),
-    ("phalanx_job_energy_joules", "Energy of the job's phones, integrated from device power"),
+    ("phalanx_job_energy_joules", "Energy drawn from the job's phones' batteries (a phone's "
+                                  "draw while it charges is not seen: not counted)"),
     ("phalanx_job_last_progress_timestamp_seconds", "Unix time the job last advanced a step"),
 )
 
@@ -328,7 +234,7 @@ def _job_values(session: Session, job: Job, devices: list[str],
         "phalanx_job_step_seconds": rates.step_seconds,
         "phalanx_job_devices": len(devices),
         "phalanx_job_energy_joules": energy,
-        "phalanx_job_last_progress_timestamp_seconds": _aware(moved).timestamp() if moved else None,
+        "phalanx_job_last_progress_timestamp_seconds": aware(moved).timestamp() if moved else None,
     }
 
 

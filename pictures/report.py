@@ -229,7 +229,7 @@ def render(job: dict[str, Any], metrics: Sequence[dict[str, Any]],
                                 "validation": _series(metrics, "val_accuracy")}),
         line_chart("Step time", {"seconds": _series(metrics, "step_seconds")}, "s"),
         line_chart("Throughput", {"samples/s": _rate(metrics)}),
-        line_chart("Energy (cumulative)", {"joules": _energy(metrics)}, "J"),
+        line_chart("Energy from the batteries (cumulative)", {"joules": _energy(metrics)}, "J"),
     ]
     event_rows = "".join(
         f'<tr class="{html.escape(str(e.get("kind")))}"><td>{html.escape(str(e.get("ts", "")))}'

@@ -13,6 +13,7 @@ from sqlalchemy.orm import Session
 
 from api.errors import Conflict, Invalid, NotFound
 from api.store import events
+from api.store.energy import step_energy
 from api.store.models import Checkpoint, Job, ShardAssignment, StepMetric
 from api.store.states import JOB_STATES, JobState, transition
 from api.store.states import Event as StateEvent
@@ -159,12 +160,28 @@ def fail_diverged(session: Session, job_id: str, step: int, reason: str,
                       finished_at=now)
 
 
+STEP_METRIC_FIELDS = tuple(column.key for column in StepMetric.__table__.columns)
+
+
 def step_metrics(session: Session, job_id: str, principal: Principal, *, since_step: int,
-                 limit: int) -> Sequence[StepMetric]:
-    get_job(session, job_id, principal)
-    query = (select(StepMetric).where(StepMetric.job_id == job_id, StepMetric.step >= since_step)
-             .order_by(StepMetric.step).limit(limit + 1))
-    return session.scalars(query).all()
+                 limit: int, now: dt.datetime) -> list[dict[str, Any]]:
+    """The per-step curve from `since_step`, `limit` + 1 rows (the last says there are more).
+    A step's energy, not recorded by the commit (the phones' samples of it arrive later), is
+    its phones' power integrated over the step's time, once they have reported past it."""
+    job = get_job(session, job_id, principal)
+    rows = session.scalars(
+        select(StepMetric).where(StepMetric.job_id == job_id, StepMetric.step >= since_step)
+        .order_by(StepMetric.step).limit(limit + 1)).all()
+    curve = [{key: getattr(row, key) for key in STEP_METRIC_FIELDS} for row in rows]
+    unrecorded = [point for point in curve if point["energy_j"] is None]
+    if unrecorded:
+        begin = session.scalar(select(StepMetric.ts).where(
+            StepMetric.job_id == job_id, StepMetric.step == curve[0]["step"] - 1))
+        joules = step_energy(session, job, begin, [point["ts"] for point in curve], now)
+        for point, value in zip(curve, joules):
+            if point["energy_j"] is None:
+                point["energy_j"] = value
+    return curve
 
 
 def latest_checkpoint(session: Session, job_id: str, principal: Principal,

@@ -252,7 +252,7 @@ def job() -> dict:
                "percentunit"), 6, 6),
         (panel("stat", "Step", [prom(f"max(phalanx_job_step{sel})", "step"),
                                 prom(f"max(phalanx_job_total_steps{sel})", "of", ref="B")]), 6, 6),
-        (panel("stat", "Energy", [prom(f"max(phalanx_job_energy_joules{sel})", "joules")],
+        (panel("stat", "Battery energy", [prom(f"max(phalanx_job_energy_joules{sel})", "joules")],
                "joule"), 6, 6),
         (panel("stat", "Validation accuracy",
                [prom(f"max(phalanx_job_val_accuracy{sel})", "val accuracy")], "percentunit"),
@@ -271,7 +271,7 @@ def job() -> dict:
         (panel("timeseries", "Devices", [
             prom(f"max(phalanx_job_devices{sel})", "holding shards"),
             sql(f"SELECT ts AS time, devices AS devices_at_step {steps}", ref="B")]), 12, 8),
-        (panel("timeseries", "Energy over time", [
+        (panel("timeseries", "Battery energy over time", [
             prom(f"max(phalanx_job_energy_joules{sel})", "joules")], "joule"), 12, 8),
         (panel("timeseries", "Training loss (Prometheus)", [
             prom(f"max(phalanx_job_train_loss{sel})", "train loss"),

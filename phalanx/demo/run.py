@@ -28,6 +28,9 @@ from phalanx.demo.server import EmbeddedServer, start_embedded_server
 from phalanx.sim.phone import PhoneOptions, PhoneRack, SimulatedPhone
 from phalanx.sim.profiles import fleet_mix
 
+# the phones heartbeat every 2 s in the demo (demo.server.DEMO_SETTINGS): two beats and a margin
+ENERGY_WAIT_S = 5.0
+
 DEFAULT_JOB: dict[str, Any] = {
     "name": "digits-cnn",
     "model": {"arch": "cnn"},
@@ -70,6 +73,7 @@ class DemoResult:
     admin_token: str
     faults: list[str] = field(default_factory=list)
     report: Path | None = None  # the job's page (phalanx.report)
+    battery_energy_j: float = 0.0  # drawn by the phones on their batteries (the report's energy)
 
     @property
     def succeeded(self) -> bool:
@@ -108,7 +112,9 @@ class Demo:
         assert self.server is not None
         phones = []
         for i, profile in enumerate(fleet_mix(self.opts.phones)):
-            opts = PhoneOptions(battery_pct=90.0 - 7 * i, plugged=True,
+            # every other phone on its battery: the report's energy is what the server can
+            # measure, the batteries' draw (a charging phone's draw comes from its charger)
+            opts = PhoneOptions(battery_pct=90.0 - 7 * i, plugged=i % 2 == 0,
                                 rooted=i % 3 != 2, time_scale=self.opts.time_scale,
                                 labels={"rack": "a", "slot": str(i + 1)}, seed=i)
             phones.append(SimulatedPhone(f"phone-{i + 1}", profile,
@@ -187,6 +193,7 @@ class Demo:
             self.rack.start()
             self.wait_ready(client, len(phones))
             energy0 = self.rack.energy_j()
+            battery0 = self.rack.energy_j(on_battery=True)
             job = client.submit_job(self.opts.job)
             self.say(f"submitted {job['id']} ({job.get('name')}): "
                      f"{job.get('total_steps', '?')} steps")
@@ -195,6 +202,7 @@ class Demo:
             job_s = time.monotonic() - job_started
             result = DemoResult(job=job, wall_s=time.monotonic() - started, job_s=job_s,
                                 energy_j=self.rack.energy_j() - energy0,
+                                battery_energy_j=self.rack.energy_j(on_battery=True) - battery0,
                                 checkpoint=self.save_checkpoint(client, job),
                                 report=self.save_report(client, job),
                                 server_url=self.server.url if self.server else "",
@@ -218,8 +226,22 @@ class Demo:
     def save_report(self, client: PhalanxClient, job: dict[str, Any]) -> Path:
         names = {str(p.device_id): p.name for p in (self.rack.phones if self.rack else [])
                  if p.device_id}
+        self.wait_for_last_step_energy(client, job)
         return report.write(client, str(job["id"]),
                             self.data_dir / "reports" / f"{job['id']}.html", names)
+
+    def wait_for_last_step_energy(self, client: PhalanxClient, job: dict[str, Any]) -> None:
+        """The report's energy chart reaches the last step once the phones have reported past
+        it: their next heartbeat, a couple of seconds (a dead phone is not waited for)."""
+        last = int(job.get("step") or 0) - 1
+        deadline = time.monotonic() + ENERGY_WAIT_S
+        while last >= 0 and time.monotonic() < deadline:
+            page = client.json("GET", f"/v1/jobs/{job['id']}/metrics",
+                               params={"since_step": last, "limit": 1})
+            items = page.get("items") if isinstance(page, dict) else None
+            if not items or items[0].get("energy_j") is not None:
+                return
+            time.sleep(0.25)
 
     def summary(self, r: DemoResult) -> None:
         acc = view.metric(r.job, "val_accuracy")
@@ -230,7 +252,9 @@ class Demo:
             "final validation accuracy: (not reported)",
             f"wall time: {r.wall_s:.1f} s in all, {r.job_s:.1f} s of training",
             f"energy estimate: {r.energy_j:.0f} J ({r.energy_j / 3600:.3f} Wh) for "
-            f"{len(self.rack.phones) if self.rack else 0} phones during the job",
+            f"{len(self.rack.phones) if self.rack else 0} phones during the job (modelled), "
+            f"{r.battery_energy_j:.0f} J of it by those on their batteries (the report's energy, "
+            "measured from their telemetry)",
             f"checkpoint: {r.checkpoint}" if r.checkpoint else "checkpoint: (none)",
             f"report (open it in a browser): {r.report}",
         ]

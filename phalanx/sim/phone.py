@@ -201,8 +201,10 @@ class PhoneRack:
                     phone.tick(now - last)
             last = now
 
-    def energy_j(self) -> float:
-        return sum(p.model.state.energy_j for p in self.phones)
+    def energy_j(self, on_battery: bool | None = None) -> float:
+        """What the phones have drawn in all (`on_battery`: only those unplugged, or plugged)."""
+        return sum(p.model.state.energy_j for p in self.phones
+                   if on_battery is None or p.model.state.plugged != on_battery)
 
     def by_device(self) -> dict[str, SimulatedPhone]:
         return {p.device_id: p for p in self.phones if p.device_id}

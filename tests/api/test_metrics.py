@@ -8,14 +8,15 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import insert
 
 from api.main import create_app
-from api.metrics_store import integrate_power
+from api.store.energy import integrate_power
 from api.store.events import event_row
-from api.store.models import Event, Job
+from api.store.models import Device, Event, Job, ShardAssignment, StepMetric
 from tests.api.conftest import make_settings, sample
 from tests.support.env import ADMIN_TOKEN as ADMIN
 from tests.support.server import start_server
@@ -149,6 +150,81 @@ def test_a_finished_jobs_energy_takes_in_the_samples_that_arrive_after_its_end(a
     assert api.heartbeat(phone, {"telemetry": [sample(after.timestamp(), power_w=3.0)]}).is_success
     assert joules() == 4 * 3.0
 
+
+
+
+def test_a_charging_phones_battery_power_is_not_counted_as_what_it_drew(api) -> None:
+    """While a phone charges, its battery's power is what flows in (the charger supplies the
+    phone): the job's energy counts only the stretches the phone ran on its battery."""
+    phone = api.register()
+    job = api.post("/v1/jobs", json={"name": "plugged", "model": {"arch": "mlp"},
+                                      "dataset": "digits", "global_batch_size": 64,
+                                      "shards": 4, "epochs": 1}).json()
+    began = api.clock.now - dt.timedelta(seconds=40)
+    with api.app.state.session_factory() as session, session.begin():
+        row = session.get(Job, job["id"])
+        row.state, row.started_at = "Succeeded", began
+        row.finished_at = began + dt.timedelta(seconds=30)
+        session.execute(insert(Event.__table__), [event_row(
+            "Scheduled", "placed", now=began, job_id=job["id"], device_id=phone["device_id"])])
+    # 0-10 s on its charger (12 W into the battery), unplugged at 10 s, 4 W from the battery
+    # to 30 s; the charger's 10 s count nothing, nor the stretch from the last charging sample
+    reports = [(0, 12.0, True), (10, 12.0, True), (15, 4.0, False), (30, 4.0, False)]
+    body = {"telemetry": [sample((began + dt.timedelta(seconds=t)).timestamp(), power_w=w,
+                                 charging=c) for t, w, c in reports]}
+    assert api.heartbeat(phone, body).is_success
+    got = value(scrape(api.client.get("/metrics").text), "phalanx_job_energy_joules",
+                job_id=job["id"])
+    assert got == 15 * 4.0
+
+def test_each_steps_energy_is_its_phones_power_over_the_steps_time(api) -> None:
+    """`GET /v1/jobs/{id}/metrics` (the job report's energy chart): each step gets the joules
+    its phones drew between the previous step's commit and its own, a phone counted from when
+    it joined; a step the phones have not yet reported past has none yet."""
+    first, second = api.register("first"), api.register("second")
+    job = api.post("/v1/jobs", json={"name": "curve", "model": {"arch": "mlp"},
+                                      "dataset": "digits", "global_batch_size": 64,
+                                      "shards": 4, "epochs": 1}).json()
+    began = api.clock.now - dt.timedelta(seconds=60)
+
+    def at(s: float) -> dt.datetime:
+        return began + dt.timedelta(seconds=s)
+
+    with api.app.state.session_factory() as session, session.begin():
+        row = session.get(Job, job["id"])
+        row.state, row.started_at = "Running", began
+        session.add_all([ShardAssignment(job_id=job["id"], shard=0, device_id=first["device_id"]),
+                         ShardAssignment(job_id=job["id"], shard=1, device_id=second["device_id"])])
+        session.execute(insert(Event.__table__), [event_row(  # the second joins at 6 s
+            "ShardsMoved", "joined", now=at(6), job_id=job["id"], device_id=second["device_id"])])
+        # steps committed at 4, 8 and 12 s
+        session.add_all([StepMetric(job_id=job["id"], step=t, ts=at(4 * (t + 1)), samples=64)
+                         for t in range(3)])
+    # the first phone: 2 W at 0 s rising to 4 W at 10 s; the second 5 W flat, reported to 10 s
+    for phone, reports in ((first, [(0, 2.0), (10, 4.0)]), (second, [(0, 5.0), (10, 5.0)])):
+        body = {"telemetry": [sample(at(s).timestamp(), power_w=w) for s, w in reports]}
+        assert api.heartbeat(phone, body).is_success
+
+    def energy(since_step: int = 0) -> list[float | None]:
+        curve = api.get(f"/v1/jobs/{job['id']}/metrics?since_step={since_step}").json()
+        return [point["energy_j"] for point in curve["items"]]
+
+    # 0-4 s: the first alone, 2 -> 2.8 W; 4-8 s: the first 2.8 -> 3.6 W, the second from 6 s;
+    # 8-12 s: not reported to its end by either phone yet
+    assert energy() == pytest.approx([4 * 2.4, 4 * 3.2 + 2 * 5.0, None])
+    assert energy(since_step=1) == pytest.approx([4 * 3.2 + 2 * 5.0, None])
+
+    def report(phone: dict, watts: float) -> None:
+        assert api.heartbeat(phone, {"telemetry": [sample(at(14).timestamp(), power_w=watts)]}
+                             ).is_success
+
+    report(first, 4.0)
+    assert energy()[2] is None  # the second may still report
+    with api.app.state.session_factory() as session, session.begin():
+        session.get(Device, second["device_id"]).state = "NotReady"  # its lease expired
+    assert energy()[2] == pytest.approx(2 * 3.8 + 2 * 4.0 + 2 * 5.0)  # what is known of it
+    report(second, 5.0)  # back, with its buffered sample
+    assert energy()[2] == pytest.approx(2 * 3.8 + 2 * 4.0 + 4 * 5.0)
 
 def test_request_counts_add_up_across_two_worker_processes(pg_url: str, redis_url: str,
                                                             tmp_path: Path) -> None:

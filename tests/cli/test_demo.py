@@ -101,6 +101,7 @@ def test_demo_trains_through_faults_and_leaves_a_checkpoint(tmp_path: Path) -> N
                       .group(1))  # type: ignore[union-attr]
         page = report.read_text()
         assert "Scheduled" in page and "data-series=\"train\"" in page and "data-device=" in page
+        assert "data-series=\"joules\"" in page  # the phones' energy, step by step
 
         headers = {"Authorization": f"Bearer {token}"}
         jobs = httpx.get(f"{url}/v1/jobs", headers=headers, timeout=30).json()["items"]
@@ -108,6 +109,17 @@ def test_demo_trains_through_faults_and_leaves_a_checkpoint(tmp_path: Path) -> N
         job = jobs[0]
         assert job["state"] == "Succeeded"
         assert job["step"] == job["total_steps"] > 0
+        # every step's energy, to the last: the demo waits for the phones' reports past it
+        joules = re.search(r'data-series="joules" data-points="(\d+)"', page)
+        assert joules and int(joules.group(1)) == job["step"], joules
+        # the server's energy, from the phones' telemetry (power every heartbeat, the charging
+        # phones not counted), agrees with what the simulated batteries gave: not the chargers'
+        # power into the others (several times more), not nothing
+        curve = httpx.get(f"{url}/v1/jobs/{job['id']}/metrics", headers=headers,
+                          timeout=30).json()["items"]
+        measured = sum(point["energy_j"] for point in curve)
+        modelled = float(re.search(r"(\d+) J of it by those on their batteries", text).group(1))  # type: ignore[union-attr]
+        assert 0.5 * modelled < measured < 1.5 * modelled, (measured, modelled)
         assert job["metrics"]["val_accuracy"] == pytest.approx(acc / 100, abs=1e-4)
         assert acc > 85.0
         reasons = {e["reason"] for e in

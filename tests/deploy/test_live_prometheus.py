@@ -62,7 +62,7 @@ def observed(tmp_path_factory: pytest.TempPathFactory,
             prom = start_prometheus(server.url.removeprefix("http://"), root / "prometheus")
             sd855 = get_profile("galaxy-s10plus-sd855")
             phones = [SimulatedPhone(f"rack-{i}", sd855, root / f"phone-{i}",
-                                     PhoneOptions(labels={"rack": "obs"}, seed=i)) for i in range(3)]
+                                     PhoneOptions(labels={"rack": "obs"}, seed=i, plugged=False)) for i in range(3)]
             with cluster.client() as admin:
                 token = admin.post("/v1/enrollment-tokens", json={}).json()["token"]
             for phone in phones:
