@@ -70,8 +70,10 @@ def test_the_compose_redis_keeps_a_steps_freed_state_for_the_next_and_writes_not
     pages = 8 * STATE_BYTES / resource.getpagesize()
     faulted = (minor_faults(process.pid) - before) / pages
     # the default decay hands most of each freed state back to the kernel (35-70% of a
-    # state's pages faulted in again every step, measured): Redis's CPU a step doubled
-    assert faulted < 0.05, f"{faulted:.0%} of each state's pages were faulted in afresh"
+    # state's pages faulted in again every step, measured): Redis's CPU a step doubled. With
+    # the compose setting ~0 alone, up to 6% beside a loaded suite (its buffers for the parts
+    # read in more pieces): the bound sits between the two
+    assert faulted < 0.15, f"{faulted:.0%} of each state's pages were faulted in afresh"
     stop(process)
     assert process.returncode == 0, "Redis did not shut down cleanly"
     assert sorted(p.name for p in tmp_path.iterdir()) == [], "Redis wrote the states to disk"
