@@ -157,7 +157,6 @@ class StepRates:
     samples_per_s: float | None = None
     step_seconds: float | None = None
     val_accuracy: float | None = None
-    energy_j: float | None = None
 
 
 def _step_rates(session: Session, job_id: str) -> StepRates:
@@ -171,8 +170,6 @@ def _step_rates(session: Session, job_id: str) -> StepRates:
         rates.samples_per_s = sum(s for s, _ in timed) / sum(t for _, t in timed)
         rates.step_seconds = timed[0][1]
     rates.val_accuracy = next((v for _, _, v in rows if v is not None), None)
-    rates.energy_j = session.scalar(select(func.sum(StepMetric.energy_j))
-                                    .where(StepMetric.job_id == job_id))
     return rates
 
 
@@ -215,11 +212,9 @@ def _job_values(session: Session, job: Job, devices: list[str],
                 now: dt.datetime) -> dict[str, float | None]:
     rates = _step_rates(session, job.id)
     metrics = job.metrics or {}
-    energy = rates.energy_j
-    if energy is None:
-        energy = _number(metrics.get("energy_j"))
-    if energy is None:
-        energy = _energy_cache.get(session, job, devices, now)
+    # from the phones' samples, not the sum of the steps' kept values: those are kept only
+    # once final, so their sum lags a running job's
+    energy = _energy_cache.get(session, job, devices, now)
     progress = job.step / job.total_steps if job.total_steps else None
     val = _number(metrics.get("val_accuracy"))
     moved = job.step_started_at or job.started_at
@@ -250,11 +245,12 @@ class EnergyCache:
         if key in self._done:
             return self._done[key]
         energy = job_energy(session, job, holders, now)
-        if energy.settled and job.finished_at is not None:
+        joules = energy.joules or 0.0
+        if energy.final:
             if len(self._done) > 4 * MAX_JOBS:
                 self._done.clear()
-            self._done[key] = energy.joules
-        return energy.joules
+            self._done[key] = joules
+        return joules
 
 
 _energy_cache = EnergyCache()

@@ -83,10 +83,12 @@ def job_events(job_id: str, principal: UserDep, session: SessionDep, limit: int 
 
 @router.get("/{job_id}/metrics", response_model=Page[StepMetricRead])
 def job_metrics(job_id: str, principal: UserDep, session: SessionDep, clock: ClockDep,
-                since_step: int = Query(0, ge=0), limit: int = Query(10000, ge=1, le=100000)):
+                settings: SettingsDep, since_step: int = Query(0, ge=0),
+                limit: int = Query(10000, ge=1, le=100000)):
     """The per-step curve (loss, accuracy, lr, energy, ...), oldest step first."""
-    rows = jobs.step_metrics(session, job_id, principal, since_step=since_step, limit=limit,
-                             now=clock())
+    with session.begin():  # the steps' energies it finds final are kept
+        rows = jobs.step_metrics(session, job_id, principal, since_step=since_step, limit=limit,
+                                 now=clock(), telemetry_kept_s=settings.telemetry_retention_s)
     more = len(rows) > limit
     return {"items": rows[:limit], "next_offset": rows[limit]["step"] if more else None}
 

@@ -74,7 +74,9 @@ def job_page(job_id: str, request: Request, session: SessionDep) -> Response:
     job_dict = JobRead.model_validate(job).model_copy(update={
         "devices": held.devices, "shards": held.shards}).model_dump(mode="json")
     rows = jobs.step_metrics(session, job_id, principal, since_step=0, limit=100_000,
-                             now=request.app.state.clock())
+                             now=request.app.state.clock(),
+                             telemetry_kept_s=request.app.state.settings.telemetry_retention_s)
+    session.commit()  # the steps' energies it found final are kept
     every = max(1, len(rows) // CURVE_POINTS)  # a page that reloads every 5 s stays light
     curve = _dump(StepMetricRead, rows[::every] + ([rows[-1]] if len(rows) % every != 1
                                                    and every > 1 else []))

@@ -2,16 +2,17 @@
 for its per-step curve (`GET /v1/jobs/{id}/metrics`, the job report and page).
 
 It is the energy drawn from the phones' batteries. A sample's `power_w` is the battery's
-(V x |I|): on battery that is what the phone draws, but while it charges it is what flows into
-the battery, and the phone's own draw comes from the charger, unseen. So a stretch where a phone
-charges counts nothing (a plugged rack's jobs show little or no energy: a USB power meter or a
+(V x |I|): on battery that is what the phone draws, but on external power (`charging`: the
+agent's "plugged in") it is what flows into the battery, and the phone's own draw comes from the
+charger, unseen. So a stretch on external power counts nothing (a plugged rack's jobs show little or no energy: a USB power meter or a
 smart plug measures those). Each phone counts from when it joined the job (its first mention in the job's events, else the
 job's start) to the job's end (or now): a phone that left mid-run keeps counting, an upper
 bound, exact for a job whose phones never changed. Power is linear between two samples of a
 phone and cut at the edges of what is asked (a job, a step), so a step shorter than the phones'
 reporting period gets its share; a gap longer than MAX_POWER_GAP_S is skipped (the phone was
-away). A value is final ("settled") once each phone has reported past its end (samples arrive
-with the next heartbeat, after the moment they describe) or has lost its lease.
+away). A value is final once each phone has reported past its end (samples arrive with the
+next heartbeat, after the moment they describe), or ENERGY_SETTLE_S after it; a step's value is
+shown before that if the phones yet to report have lost their lease.
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ def power_segments(samples: Iterable[Sample], windows: Mapping[str, Window] | No
 
 
 def battery_draw(power_w: float | None, charging: bool | None) -> float | None:
-    """What a sample says the phone drew from its battery: nothing known while it charges."""
+    """What a sample says the phone drew from its battery: nothing known on external power."""
     return None if charging else power_w
 
 
@@ -130,13 +131,20 @@ class JobPower:
     windows: dict[str, Window]
     samples: list[Sample]
     latest: dict[str, dt.datetime]  # each phone's newest sample among them
-    away: frozenset[str]  # phones whose lease has expired (dead, or gone): nothing to wait for
+    away: frozenset[str]  # phones whose lease has expired, or gone from the fleet
+
+    def final(self, until: dt.datetime, now: dt.datetime) -> bool:
+        """No sample still to arrive can change the energy up to `until`: each phone has
+        reported past it, or it is ENERGY_SETTLE_S ago."""
+        return (now - until).total_seconds() > ENERGY_SETTLE_S or self._reported(until)
 
     def settled(self, until: dt.datetime, now: dt.datetime) -> bool:
-        """No sample still to arrive can change the energy up to `until`."""
-        if (now - until).total_seconds() > ENERGY_SETTLE_S:
-            return True
-        return all(d in self.away or (d in self.latest and self.latest[d] >= min(until, end))
+        """Worth showing: final, or each phone that has not reported past `until` is away (a
+        dead phone is not waited for; one that comes back with buffered samples adds them)."""
+        return self.final(until, now) or self._reported(until, excused=self.away)
+
+    def _reported(self, until: dt.datetime, excused: frozenset[str] = frozenset()) -> bool:
+        return all(d in excused or (d in self.latest and self.latest[d] >= min(until, end))
                    for d, (start, end) in self.windows.items() if start < until)
 
 
@@ -158,33 +166,35 @@ def job_power(session: Session, job: Job, holders: Iterable[str], now: dt.dateti
                TelemetrySample.ts >= first - margin, TelemetrySample.ts <= last + margin)
         .order_by(TelemetrySample.device_id, TelemetrySample.ts)).all()
     samples = [(d, aware(ts), battery_draw(w, charging)) for d, ts, w, charging in rows]
-    away = session.scalars(select(Device.id).where(Device.id.in_(list(windows)),
-                                                   Device.state == DeviceState.NOT_READY.value))
+    present = session.scalars(select(Device.id).where(
+        Device.id.in_(list(windows)), Device.state != DeviceState.NOT_READY.value))
     return JobPower(windows, samples, {d: ts for d, ts, _ in samples},  # in time order per phone
-                    frozenset(away))
+                    frozenset(windows) - frozenset(present))
 
 
 @dataclass(frozen=True)
-class JobEnergy:
-    joules: float
-    settled: bool  # the job has ended and no sample still to arrive would change it
+class Energy:
+    joules: float | None  # None: not known yet (a phone may still report), or no longer
+    final: bool  # no sample still to arrive would change it: it may be kept
 
 
-def job_energy(session: Session, job: Job, holders: list[str], now: dt.datetime) -> JobEnergy:
-    """Joules drawn by the job's phones, each from when it joined to the job's end (or now)."""
+def job_energy(session: Session, job: Job, holders: list[str], now: dt.datetime) -> Energy:
+    """Joules drawn by the job's phones, each from when it joined to the job's end (or now);
+    final once the job has ended and every phone has reported past the end."""
     power = job_power(session, job, holders, now)
     end = aware(job.finished_at) if job.finished_at else None
-    settled = end is not None and power.settled(end, now)
-    return JobEnergy(integrate_power(power.samples, power.windows), settled)
+    return Energy(integrate_power(power.samples, power.windows),
+                  end is not None and power.final(end, now))
 
 
 def step_energy(session: Session, job: Job, begin: dt.datetime | None,
-                ends: Sequence[dt.datetime], now: dt.datetime) -> list[float | None]:
-    """Joules of each step whose commit was at `ends[i]` (the step ran from the previous
-    commit, `begin` for the first, or the job's start); None while a phone has not yet
-    reported past the step's end."""
+                ends: Sequence[dt.datetime], now: dt.datetime,
+                known_since: dt.datetime) -> list[Energy]:
+    """The energy of each step whose commit was at `ends[i]` (the step ran from the previous
+    commit, `begin` for the first, or the job's start): unknown while a phone may still report
+    past the step's end, and for a step older than `known_since` (its samples are pruned)."""
     if not ends or job.started_at is None:
-        return [None] * len(ends)
+        return [Energy(None, False)] * len(ends)
     edges = [aware(begin or job.started_at)]
     for ts in ends:  # replicas' clocks may differ by a little: never backwards
         edges.append(max(aware(ts), edges[-1]))
@@ -192,4 +202,6 @@ def step_energy(session: Session, job: Job, begin: dt.datetime | None,
                               .where(ShardAssignment.job_id == job.id).distinct())
     power = job_power(session, job, holders, now, between=(edges[0], edges[-1]))
     joules = energy_between(power.samples, power.windows, edges)
-    return [j if power.settled(edge, now) else None for j, edge in zip(joules, edges[1:])]
+    return [Energy(j, power.final(end, now)) if start >= known_since and power.settled(end, now)
+            else Energy(None, False)
+            for j, start, end in zip(joules, edges, edges[1:])]

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import bindparam, select, update
 from sqlalchemy.orm import Session
 
 from api.errors import Conflict, Invalid, NotFound
@@ -164,23 +164,39 @@ STEP_METRIC_FIELDS = tuple(column.key for column in StepMetric.__table__.columns
 
 
 def step_metrics(session: Session, job_id: str, principal: Principal, *, since_step: int,
-                 limit: int, now: dt.datetime) -> list[dict[str, Any]]:
+                 limit: int, now: dt.datetime, telemetry_kept_s: float) -> list[dict[str, Any]]:
     """The per-step curve from `since_step`, `limit` + 1 rows (the last says there are more).
-    A step's energy, not recorded by the commit (the phones' samples of it arrive later), is
-    its phones' power integrated over the step's time, once they have reported past it."""
+
+    A step's energy is not known at its commit (the phones' samples of it arrive with their
+    next heartbeats): it is their power integrated over the step's time (api.store.energy),
+    worked out here from the first step not kept yet, and kept in the row once final, so a
+    curve read again (the job page, every few seconds) and one read after the samples are
+    pruned (`telemetry_kept_s`) cost and say the same. The caller commits what is kept."""
     job = get_job(session, job_id, principal)
     rows = session.scalars(
         select(StepMetric).where(StepMetric.job_id == job_id, StepMetric.step >= since_step)
         .order_by(StepMetric.step).limit(limit + 1)).all()
     curve = [{key: getattr(row, key) for key in STEP_METRIC_FIELDS} for row in rows]
-    unrecorded = [point for point in curve if point["energy_j"] is None]
-    if unrecorded:
-        begin = session.scalar(select(StepMetric.ts).where(
-            StepMetric.job_id == job_id, StepMetric.step == curve[0]["step"] - 1))
-        joules = step_energy(session, job, begin, [point["ts"] for point in curve], now)
-        for point, value in zip(curve, joules):
-            if point["energy_j"] is None:
-                point["energy_j"] = value
+    first = next((i for i, point in enumerate(curve) if point["energy_j"] is None), None)
+    if first is None:
+        return curve
+    begin = curve[first - 1]["ts"] if first else session.scalar(select(StepMetric.ts).where(
+        StepMetric.job_id == job_id, StepMetric.step == curve[0]["step"] - 1))
+    todo = curve[first:]
+    energies = step_energy(session, job, begin, [point["ts"] for point in todo], now,
+                           known_since=now - dt.timedelta(seconds=telemetry_kept_s))
+    keep = []
+    for point, energy in zip(todo, energies):
+        if point["energy_j"] is None:
+            point["energy_j"] = energy.joules
+            if energy.final and energy.joules is not None:
+                keep.append({"j": job_id, "s": point["step"], "e": energy.joules})
+    if keep:
+        session.execute(update(StepMetric.__table__)
+                        .where(StepMetric.__table__.c.job_id == bindparam("j"),
+                               StepMetric.__table__.c.step == bindparam("s"),
+                               StepMetric.__table__.c.energy_j.is_(None))
+                        .values(energy_j=bindparam("e")), keep)
     return curve
 
 

@@ -11,12 +11,12 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
-from sqlalchemy import insert
+from sqlalchemy import delete, insert
 
 from api.main import create_app
 from api.store.energy import integrate_power
 from api.store.events import event_row
-from api.store.models import Device, Event, Job, ShardAssignment, StepMetric
+from api.store.models import Device, Event, Job, ShardAssignment, StepMetric, TelemetrySample
 from tests.api.conftest import make_settings, sample
 from tests.support.env import ADMIN_TOKEN as ADMIN
 from tests.support.server import start_server
@@ -225,6 +225,15 @@ def test_each_steps_energy_is_its_phones_power_over_the_steps_time(api) -> None:
     assert energy()[2] == pytest.approx(2 * 3.8 + 2 * 4.0 + 2 * 5.0)  # what is known of it
     report(second, 5.0)  # back, with its buffered sample
     assert energy()[2] == pytest.approx(2 * 3.8 + 2 * 4.0 + 4 * 5.0)
+
+    # final values are kept in the steps' rows: they outlive the samples (pruned after the
+    # retention); a step nobody read before its samples went says it is not known, not 0 J
+    kept = energy()
+    with api.app.state.session_factory() as session, session.begin():
+        session.execute(delete(TelemetrySample))
+        session.add(StepMetric(job_id=job["id"], step=3, ts=at(16), samples=64))
+    api.clock.advance(api.settings.telemetry_retention_s + 60)
+    assert energy() == pytest.approx([*kept, None])
 
 def test_request_counts_add_up_across_two_worker_processes(pg_url: str, redis_url: str,
                                                             tmp_path: Path) -> None:
