@@ -19,7 +19,7 @@ from prometheus_client.registry import Collector
 from sqlalchemy import func, or_, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from api.store.energy import aware, job_energy
+from api.store.energy import job_energy
 from api.store.models import Device, Event, Job, ShardAssignment, StepMetric
 from api.store.state_names import DeviceState
 from api.store.states import ACTIVE_STATES, DEVICE_STATES, JOB_STATES
@@ -229,7 +229,7 @@ def _job_values(session: Session, job: Job, devices: list[str],
         "phalanx_job_step_seconds": rates.step_seconds,
         "phalanx_job_devices": len(devices),
         "phalanx_job_energy_joules": energy,
-        "phalanx_job_last_progress_timestamp_seconds": aware(moved).timestamp() if moved else None,
+        "phalanx_job_last_progress_timestamp_seconds": moved.timestamp() if moved else None,
     }
 
 

@@ -4,8 +4,10 @@ for its per-step curve (`GET /v1/jobs/{id}/metrics`, the job report and page).
 It is the energy drawn from the phones' batteries. A sample's `power_w` is the battery's
 (V x |I|): on battery that is what the phone draws, but on external power (`charging`: the
 agent's "plugged in") it is what flows into the battery, and the phone's own draw comes from the
-charger, unseen. So a stretch on external power counts nothing (a plugged rack's jobs show little or no energy: a USB power meter or a
-smart plug measures those). Each phone counts from when it joined the job (its first mention in the job's events, else the
+charger, unseen. So a stretch on external power counts nothing (a plugged rack's jobs show
+little or no energy: a USB power meter or a smart plug measures those).
+
+Each phone counts from when it joined the job (its first mention in the job's events, else the
 job's start) to the job's end (or now): a phone that left mid-run keeps counting, an upper
 bound, exact for a job whose phones never changed. Power is linear between two samples of a
 phone and cut at the edges of what is asked (a job, a step), so a step shorter than the phones'
@@ -13,6 +15,8 @@ reporting period gets its share; a gap longer than MAX_POWER_GAP_S is skipped (t
 away). A value is final once each phone has reported past its end (samples arrive with the
 next heartbeat, after the moment they describe), or ENERGY_SETTLE_S after it; a step's value is
 shown before that if the phones yet to report have lost their lease.
+
+Times come from the store as UTC-aware datetimes (`api.store.models.UTCDateTime`).
 """
 
 from __future__ import annotations
@@ -104,14 +108,10 @@ def energy_between(samples: Iterable[Sample], windows: Mapping[str, Window],
     return out
 
 
-def aware(ts: dt.datetime) -> dt.datetime:
-    return ts if ts.tzinfo else ts.replace(tzinfo=dt.timezone.utc)
-
-
 def device_starts(session: Session, job: Job, holders: Iterable[str]) -> dict[str, dt.datetime]:
     """When each phone began working for the job: its first mention in the job's events
     (`device_id`, or `data["devices"]` of Scheduled/ShardsMoved), else the job's start."""
-    began = aware(job.started_at or job.created)
+    began = job.started_at or job.created
     starts = {device: began for device in holders}
     rows = session.execute(select(Event.ts, Event.device_id, Event.data)
                            .where(Event.job_id == job.id).order_by(Event.ts)).all()
@@ -120,7 +120,7 @@ def device_starts(session: Session, job: Job, holders: Iterable[str]) -> dict[st
         listed = (data or {}).get("devices") if isinstance(data, dict) else None
         for device in [device_id, *(listed if isinstance(listed, list) else [])]:
             if isinstance(device, str) and device not in named:
-                named[device] = max(aware(ts), began)
+                named[device] = max(ts, began)
     return {**starts, **named}
 
 
@@ -153,7 +153,7 @@ def job_power(session: Session, job: Job, holders: Iterable[str], now: dt.dateti
     """`between`: only the samples needed for that stretch of the job."""
     if job.started_at is None:
         return JobPower({}, [], {}, frozenset())
-    end = aware(job.finished_at) if job.finished_at else now
+    end = job.finished_at or now
     windows = {d: (start, end) for d, start in device_starts(session, job, holders).items()}
     if not windows:
         return JobPower({}, [], {}, frozenset())
@@ -165,7 +165,7 @@ def job_power(session: Session, job: Job, holders: Iterable[str], now: dt.dateti
         .where(TelemetrySample.device_id.in_(list(windows)),
                TelemetrySample.ts >= first - margin, TelemetrySample.ts <= last + margin)
         .order_by(TelemetrySample.device_id, TelemetrySample.ts)).all()
-    samples = [(d, aware(ts), battery_draw(w, charging)) for d, ts, w, charging in rows]
+    samples = [(d, ts, battery_draw(w, charging)) for d, ts, w, charging in rows]
     present = session.scalars(select(Device.id).where(
         Device.id.in_(list(windows)), Device.state != DeviceState.NOT_READY.value))
     return JobPower(windows, samples, {d: ts for d, ts, _ in samples},  # in time order per phone
@@ -182,9 +182,8 @@ def job_energy(session: Session, job: Job, holders: list[str], now: dt.datetime)
     """Joules drawn by the job's phones, each from when it joined to the job's end (or now);
     final once the job has ended and every phone has reported past the end."""
     power = job_power(session, job, holders, now)
-    end = aware(job.finished_at) if job.finished_at else None
     return Energy(integrate_power(power.samples, power.windows),
-                  end is not None and power.final(end, now))
+                  job.finished_at is not None and power.final(job.finished_at, now))
 
 
 def step_energy(session: Session, job: Job, begin: dt.datetime | None,
@@ -195,9 +194,9 @@ def step_energy(session: Session, job: Job, begin: dt.datetime | None,
     past the step's end, and for a step older than `known_since` (its samples are pruned)."""
     if not ends or job.started_at is None:
         return [Energy(None, False)] * len(ends)
-    edges = [aware(begin or job.started_at)]
+    edges = [begin or job.started_at]
     for ts in ends:  # replicas' clocks may differ by a little: never backwards
-        edges.append(max(aware(ts), edges[-1]))
+        edges.append(max(ts, edges[-1]))
     holders = session.scalars(select(ShardAssignment.device_id)
                               .where(ShardAssignment.job_id == job.id).distinct())
     power = job_power(session, job, holders, now, between=(edges[0], edges[-1]))

@@ -114,8 +114,7 @@ def start_server(
     repository. `tls`: (certificate, key), self-signed: https, checked against the certificate.
 
     Ports it picks itself are picked again when the server finds one taken: a port free when
-    asked can be taken before the server binds it (by another test's server, or as the local
-    port of any outgoing connection: both draw from the same ephemeral range)."""
+    asked can be taken before the server binds it (another test's server picked it too)."""
     chosen = dict(database_url=database_url, data_dir=data_dir, admin_token=admin_token,
                   redis_url=redis_url, extra_env=extra_env, args=args, timeout_s=timeout_s,
                   python=python, cwd=cwd, tls=tls)
@@ -125,7 +124,7 @@ def start_server(
         except PortTaken:
             if port is not None:
                 raise
-    return _start_server(port=port, **chosen)
+    return _start_server(port=port, **chosen)  # the last try: its failure is the caller's
 
 
 PORT_TRIES = 4
@@ -173,12 +172,11 @@ def _start_server(*, database_url: str, data_dir: Path, admin_token: str, redis_
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            log = server.log()
             # "address already in use" (one process) or "Address already in use" (--workers N);
             # a taken bulk or peer port is only a warning: the server goes on without it
-            this_start = log.encode()[logged_before:].decode(errors="replace").lower()
-            taken = PortTaken if "address already in use" in this_start else RuntimeError
-            raise taken(f"phalanx server exited with {proc.returncode}:\n{log}")
+            this_start = log_path.read_bytes()[logged_before:].lower()
+            taken = PortTaken if b"address already in use" in this_start else RuntimeError
+            raise taken(f"phalanx server exited with {proc.returncode}:\n{server.log()}")
         try:
             if httpx.get(f"{server.url}/healthz", timeout=1,
                          verify=trusting(server.ca_file)).status_code == 200:
