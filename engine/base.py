@@ -14,6 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from engine.kernels import CLASS, Kernels
+
 DROPOUT_TAG = 0xD809  # keeps dropout streams apart from init and sampler streams
 
 
@@ -72,7 +74,8 @@ def _end(slots: list[Slot]) -> int:
 
 @dataclass
 class Ctx:
-    """Per-call context: mode, the seeds of dropout masks, buffers in, batch statistics out."""
+    """Per-call context: mode, the seeds of dropout masks, buffers in, batch statistics out,
+    and the kernels that multiply and sum (engine.kernels: the job's exactness)."""
 
     training: bool
     seed: int = 0
@@ -80,6 +83,7 @@ class Ctx:
     shard: int = 0
     buffers: dict[str, Any] = field(default_factory=dict)
     stats: dict[str, Any] = field(default_factory=dict)
+    kernels: Kernels = CLASS
 
     def rng(self, layer_index: int) -> np.random.Generator:
         words = [self.seed, self.step, self.shard, layer_index, DROPOUT_TAG]

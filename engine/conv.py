@@ -84,8 +84,9 @@ class Conv2d(Layer):
         k, s, p = self.k, self.s, self.p
         ho, wo = _out(h, k, s, p), _out(w, k, s, p)
         wm = P[self.w].transpose(2, 3, 1, 0).reshape(k * k * c, self.cout)
+        mm = ctx.kernels.matmul
         if self._pointwise():
-            y = x.reshape(n * h * w, c) @ wm
+            y = mm(x.reshape(n * h * w, c), wm)
             src = x
         else:
             src = _pad(x, p)
@@ -94,28 +95,28 @@ class Conv2d(Layer):
             buf = None
             for a, b in _chunks(n, ho * wo, k * k * c):
                 buf = _take(win[a:b], buf)
-                np.matmul(buf.reshape(-1, k * k * c), wm, out=y[a * ho * wo : b * ho * wo])
+                mm(buf.reshape(-1, k * k * c), wm, out=y[a * ho * wo : b * ho * wo])
         if self.bias:
             y += P[self.b]
-        return y.reshape(n, ho, wo, self.cout), (src, wm, x.shape)
+        return y.reshape(n, ho, wo, self.cout), (src, wm, x.shape, ctx.kernels)
 
     def backward(self, dy, cache, P, G, need_dx=True):
-        src, wm, shape = cache
+        src, wm, shape, kern = cache
         c = shape[3]
         k = self.k
         dy2 = dy.reshape(-1, self.cout)
         if self.bias:
-            G[self.b][...] = dy2.sum(axis=0)
+            G[self.b][...] = kern.colsum(dy2)
         if self._pointwise():
-            dwm = src.reshape(-1, c).T @ dy2
-            dx = (dy2 @ wm.T).reshape(shape) if need_dx else None
+            dwm = kern.matmul(src.reshape(-1, c).T, dy2)
+            dx = kern.matmul(dy2, wm.T).reshape(shape) if need_dx else None
         else:
             dwm, dx = self._backward_chunked(dy2, src, wm, shape, dy.shape[1], dy.shape[2],
-                                             need_dx)
+                                             need_dx, kern)
         G[self.w][...] = dwm.reshape(k, k, c, self.cout).transpose(3, 2, 0, 1)
         return dx
 
-    def _backward_chunked(self, dy2, xp, wm, shape, ho, wo, need_dx):
+    def _backward_chunked(self, dy2, xp, wm, shape, ho, wo, need_dx, kern):
         n, h, w, c = shape
         k, s, p = self.k, self.s, self.p
         kc = k * k * c
@@ -125,15 +126,16 @@ class Conv2d(Layer):
         buf = None
         for a, b in _chunks(n, ho * wo, kc):
             buf = _take(win[a:b], buf)
-            dwm += np.matmul(buf.reshape(-1, kc).T, dy2[a * ho * wo : b * ho * wo], out=part)
+            # chunks in a fixed order (their size depends on the shapes alone)
+            dwm += kern.matmul(buf.reshape(-1, kc).T, dy2[a * ho * wo : b * ho * wo], out=part)
         if not need_dx:
             return dwm, None
         dy = dy2.reshape(n, ho, wo, self.cout)
         if s == 1 and p <= k - 1:
-            return dwm, self._dx_as_conv(dy, wm, shape)
-        return dwm, self._dx_col2im(dy, wm, shape, xp.shape)
+            return dwm, self._dx_as_conv(dy, wm, shape, kern)
+        return dwm, self._dx_col2im(dy, wm, shape, xp.shape, kern)
 
-    def _dx_as_conv(self, dy, wm, shape):
+    def _dx_as_conv(self, dy, wm, shape, kern):
         """Stride 1: dx is dy, padded by k-1-p, convolved with the flipped kernel (channels
         swapped): the same chunked im2col + GEMM as forward, written straight into dx."""
         n, h, w, c = shape
@@ -146,10 +148,10 @@ class Conv2d(Layer):
         buf = None
         for a, b in _chunks(n, h * w, k * k * self.cout):
             buf = _take(win[a:b], buf)
-            np.matmul(buf.reshape(-1, k * k * self.cout), wfm, out=dx[a * h * w : b * h * w])
+            kern.matmul(buf.reshape(-1, k * k * self.cout), wfm, out=dx[a * h * w : b * h * w])
         return dx.reshape(shape)
 
-    def _dx_col2im(self, dy, wm, shape, padded_shape):
+    def _dx_col2im(self, dy, wm, shape, padded_shape, kern):
         """Strided convs: scatter each kernel offset's columns back with one strided add."""
         n, h, w, c = shape
         k, s, p = self.k, self.s, self.p
@@ -159,7 +161,7 @@ class Conv2d(Layer):
         dxp = np.zeros(padded_shape, dtype=dy.dtype)
         part = np.empty((n * ho * wo, c), dtype=dy.dtype)
         for i, j, sl in _offsets(k, s, ho, wo):
-            np.matmul(dy2, w_off[i, j].T, out=part)  # contiguous, so the add walks long runs
+            kern.matmul(dy2, w_off[i, j].T, out=part)  # contiguous, so the add walks long runs
             dxp[sl] += part.reshape(n, ho, wo, c)
         return dxp[:, p : p + h, p : p + w, :] if p else dxp
 
@@ -215,23 +217,22 @@ class DepthwiseConv2d(Layer):
                     np.multiply(xc[sl], wk[0, 0], out=yc)
                 else:
                     yc += np.multiply(xc[sl], wk[i, j], out=tmp)
-        return y, (xp, wk, x.shape)
+        return y, (xp, wk, x.shape, ctx.kernels)
 
     def backward(self, dy, cache, P, G, need_dx=True):
-        xp, wk, shape = cache
+        xp, wk, shape, kern = cache
         n, h, w, c = shape
         k, s, p = self.k, self.s, self.p
         ho, wo = dy.shape[1], dy.shape[2]
         dw = np.zeros((k, k, c), dtype=dy.dtype)
         dxp = np.zeros(xp.shape, dtype=dy.dtype) if need_dx else None
-        tmp = ones = None
+        tmp = None
         for a, b in self._chunks(xp, ho, wo):
             xc, dyc = xp[a:b], dy[a:b]
             if tmp is None or tmp.shape != dyc.shape:
                 tmp = np.empty_like(dyc)
-                ones = np.ones((b - a) * ho * wo, dtype=dy.dtype)
             for i, j, sl in _offsets(k, s, ho, wo):
-                dw[i, j] += ones @ np.multiply(dyc, xc[sl], out=tmp).reshape(-1, c)
+                dw[i, j] += kern.colsum(np.multiply(dyc, xc[sl], out=tmp).reshape(-1, c))
                 if need_dx:
                     dxp[a:b][sl] += np.multiply(dyc, wk[i, j], out=tmp)
         G[self.w][...] = dw.transpose(2, 0, 1)[:, None]

@@ -7,7 +7,9 @@ from typing import Any
 
 import numpy as np
 
+from engine import portable
 from engine.base import Builder, Ctx, Layer, Slot, to_nhwc
+from engine.kernels import CLASS, Kernels
 from engine.layers import softmax_cross_entropy
 
 _INIT_TAG = 0x1417
@@ -139,19 +141,21 @@ class Model:
 
     def loss_and_grad(self, params: np.ndarray, buffers: np.ndarray, x: np.ndarray,
                       y: np.ndarray, seed: int = 0, step: int = 0, shard: int = 0,
-                      label_smoothing: float = 0.0) -> LossGrad:
-        """Summed loss over the micro-batch x (NCHW) and its gradient (numpy backend)."""
-        ctx = Ctx(True, seed, step, shard, self.named(buffers, "buffers"))
+                      label_smoothing: float = 0.0, kernels: Kernels = CLASS) -> LossGrad:
+        """Summed loss over the micro-batch x (NCHW) and its gradient (numpy backend), its
+        products and sums made by `kernels` (engine.kernels)."""
+        ctx = Ctx(True, seed, step, shard, self.named(buffers, "buffers"), kernels=kernels)
         P = self.named(params)
         logits, caches = self.net.forward(to_nhwc(x.astype(params.dtype, copy=False)), P, ctx)
-        loss_sum, correct, dlogits = softmax_cross_entropy(logits, y, label_smoothing)
+        loss_sum, correct, dlogits = softmax_cross_entropy(logits, y, label_smoothing, kernels)
         grad = np.zeros_like(params)
         self.net.backward(dlogits, caches, P, self.named(grad), need_dx=False)
         return LossGrad(grad, loss_sum, correct, len(y), self._stats_vector(ctx, params.dtype))
 
-    def logits(self, params: np.ndarray, buffers: np.ndarray, x: np.ndarray) -> np.ndarray:
+    def logits(self, params: np.ndarray, buffers: np.ndarray, x: np.ndarray,
+               kernels: Kernels = CLASS) -> np.ndarray:
         """Evaluation-mode forward: running BN statistics, no dropout."""
-        ctx = Ctx(False, buffers=self.named(buffers, "buffers"))
+        ctx = Ctx(False, buffers=self.named(buffers, "buffers"), kernels=kernels)
         out, _ = self.net.forward(to_nhwc(x.astype(params.dtype, copy=False)),
                                   self.named(params), ctx)
         return out
@@ -164,8 +168,8 @@ class Model:
 
 
 def _init_values(s: Slot, rng: np.random.Generator) -> np.ndarray:
-    if s.init == "he":
-        return rng.standard_normal(s.shape) * np.sqrt(2.0 / s.fan_in)
+    if s.init == "he":  # engine.portable's normal draws: the same on every machine
+        return portable.normal(rng, s.shape) * np.sqrt(2.0 / s.fan_in)
     if s.init == "glorot":
         limit = np.sqrt(6.0 / (s.fan_in + s.fan_out))
         return rng.uniform(-limit, limit, s.shape)

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from engine.base import Builder, Ctx, Layer
+from engine.kernels import CLASS, Kernels
 
 
 class Dense(Layer):
@@ -25,12 +26,16 @@ class Dense(Layer):
         return (self.units,)
 
     def forward(self, x, P, ctx):
-        return x @ P[self.w].T + P[self.b], x
+        k = ctx.kernels
+        y = k.matmul(x, P[self.w].T)
+        y += P[self.b]
+        return y, (x, k)
 
-    def backward(self, dy, x, P, G, need_dx=True):
-        G[self.w][...] = dy.T @ x
-        G[self.b][...] = dy.sum(axis=0)
-        return dy @ P[self.w] if need_dx else None
+    def backward(self, dy, cache, P, G, need_dx=True):
+        x, k = cache
+        G[self.w][...] = k.matmul(dy.T, x)
+        G[self.b][...] = k.colsum(dy)
+        return k.matmul(dy, P[self.w]) if need_dx else None
 
     def torch_forward(self, x, P, ctx):
         import torch.nn.functional as F
@@ -158,7 +163,9 @@ class GlobalAvgPool(Layer):
         return (in_shape[0],)
 
     def forward(self, x, P, ctx):
-        return x.mean(axis=(1, 2)), x.shape
+        n, h, w, c = x.shape
+        total = ctx.kernels.sum_axis(x.reshape(n, h * w, c), 1)
+        return total / np.asarray(h * w, dtype=x.dtype), x.shape
 
     def backward(self, dy, shape, P, G, need_dx=True):
         n, h, w, c = shape
@@ -223,26 +230,26 @@ class Dropout(Layer):
         return x * torch.from_numpy(m).to(x.dtype)
 
 
-def softmax_cross_entropy(logits: np.ndarray, y: np.ndarray,
-                          smoothing: float = 0.0) -> tuple[float, int, np.ndarray]:
+def softmax_cross_entropy(logits: np.ndarray, y: np.ndarray, smoothing: float = 0.0,
+                          kernels: Kernels = CLASS) -> tuple[float, int, np.ndarray]:
     """Summed loss, correct count and d(loss_sum)/d(logits). With label smoothing e (torch's
     `label_smoothing`), the target is (1 - e) on the label plus e / K on every class."""
     z = logits - logits.max(axis=1, keepdims=True)
-    e = np.exp(z)
-    total = e.sum(axis=1, keepdims=True)
+    e = kernels.exp(z)
+    total = kernels.sum_axis(e, 1)[:, None]
     rows = np.arange(len(y))
-    log_total = np.log(total[:, 0])
+    log_total = kernels.log(total[:, 0])
     logp = z[rows, y] - log_total
     grad = e / total
     if smoothing:
         k = logits.shape[1]
-        mean_logp = z.mean(axis=1) - log_total
-        loss = -((1.0 - smoothing) * logp.astype(np.float64)
-                 + smoothing * mean_logp.astype(np.float64)).sum()
+        mean_logp = kernels.sum_axis(z, 1) / np.asarray(k, z.dtype) - log_total
+        loss = -kernels.total((1.0 - smoothing) * logp.astype(np.float64)
+                              + smoothing * mean_logp.astype(np.float64))
         grad -= smoothing / k
         grad[rows, y] -= 1.0 - smoothing
     else:
-        loss = -logp.astype(np.float64).sum()
+        loss = -kernels.total(logp.astype(np.float64))
         grad[rows, y] -= 1
     correct = int((logits.argmax(axis=1) == y).sum())
     return float(loss), correct, grad

@@ -39,27 +39,26 @@ class BatchNorm(Layer):
             y = x2 * scale + (P[self.b] - ctx.buffers[self.rm] * scale).astype(x.dtype)
             return y.reshape(x.shape), ("eval", scale)
         n = x2.shape[0]
-        ones = np.ones(n, dtype=x.dtype)
-        mean = (ones @ x2) / n  # column sums as a GEMV: one fast pass
+        kern = ctx.kernels
+        mean = kern.colsum(x2) / np.asarray(n, x.dtype)
         xhat = x2 - mean
-        var = np.einsum("ij,ij->j", xhat, xhat) / n
+        var = kern.colsum(xhat * xhat) / np.asarray(n, x.dtype)
         inv = 1.0 / np.sqrt(var + EPS)
         xhat *= inv
         ctx.stats[self.sm] = mean
         ctx.stats[self.sv] = var * (n / (n - 1)) if n > 1 else var
         y = xhat * P[self.g]
         y += P[self.b]
-        return y.reshape(x.shape), ("train", xhat, inv)
+        return y.reshape(x.shape), ("train", xhat, inv, kern)
 
     def backward(self, dy, cache, P, G, need_dx=True):
         c = dy.shape[-1]
         dy2 = dy.reshape(-1, c)
         if cache[0] == "eval":
             raise RuntimeError("batch norm backward needs a training-mode forward")
-        _, xhat, inv = cache
-        ones = np.ones(dy2.shape[0], dtype=dy2.dtype)
-        dbeta = ones @ dy2
-        dgamma = np.einsum("ij,ij->j", dy2, xhat)
+        _, xhat, inv, kern = cache
+        dbeta = kern.colsum(dy2)
+        dgamma = kern.colsum(dy2 * xhat)
         G[self.g][...] = dgamma
         G[self.b][...] = dbeta
         if not need_dx:

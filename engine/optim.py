@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from engine import portable
 from engine.base import Slot
 from engine.spec import TrainSpec
 
@@ -76,10 +77,12 @@ def lr_at(spec: TrainSpec, step: int) -> float:
         return base
     if spec.schedule == "step":
         epoch = step / spe
-        return base * spec.decay_factor ** sum(1 for e in spec.decay_epochs if e <= epoch)
+        return base * portable.powi(spec.decay_factor,
+                                    sum(1 for e in spec.decay_epochs if e <= epoch))
     span = max(total - warmup, 1.0)
     progress = min(max((step - warmup) / span, 0.0), 1.0)
-    return base * 0.5 * (1.0 + math.cos(math.pi * progress))
+    # the platform's math.cos differs in its last bit between libms: ours is + - x / alone
+    return base * 0.5 * (1.0 + portable.cos(math.pi * progress))
 
 
 # Elements per block: each float64 temporary is 512 KB, so a block's working set stays in the
@@ -313,8 +316,8 @@ def _adamw_block(block: slice, g: np.ndarray, params: np.ndarray, state: np.ndar
     b1, b2 = hp.betas
     m = b1 * state[block].astype(np.float64) + (1.0 - b1) * g
     v = b2 * state[second].astype(np.float64) + (1.0 - b2) * (g * g)
-    denom = np.sqrt(v) / math.sqrt(1.0 - b2**hp.t) + hp.eps
-    new_params[block] = p - (hp.lr / (1.0 - b1**hp.t)) * (m / denom)
+    denom = np.sqrt(v) / math.sqrt(1.0 - portable.powi(b2, hp.t)) + hp.eps
+    new_params[block] = p - (hp.lr / (1.0 - portable.powi(b1, hp.t))) * (m / denom)
     new_state[block] = m
     new_state[second] = v
 
@@ -334,9 +337,9 @@ def _lars(grads: GradBlocks, params: np.ndarray, state: np.ndarray,
         if not s.decay:
             continue
         part = slice(s.offset, s.offset + s.size)
-        # np.add.reduce: numpy's pairwise sum, the same on every machine (BLAS's dot may not be)
-        w_norm = math.sqrt(float(np.add.reduce(p[part] * p[part])))
-        g_norm = math.sqrt(float(np.add.reduce(g[part] * g[part])))
+        # sums in engine.portable's fixed order (BLAS's dot and numpy's SIMD loops vary)
+        w_norm = math.sqrt(float(portable.fold(p[part] * p[part])))
+        g_norm = math.sqrt(float(portable.fold(g[part] * g[part])))
         if w_norm > 0 and g_norm > 0:
             d[part] *= hp.trust_coefficient * w_norm / (
                 g_norm + hp.weight_decay * w_norm + hp.eps)

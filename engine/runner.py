@@ -19,6 +19,7 @@ import numpy as np
 
 from engine.augment import augment
 from engine.graph import Model
+from engine.kernels import kernels_for
 from engine.models import build_model
 from engine.sampler import microbatch
 from engine.spec import TrainSpec
@@ -89,7 +90,8 @@ def final_metrics(job: JobModel, state: TrainState, last_epoch_losses: Sequence[
     if validated is not None:
         out.update(val_loss=validated[0], val_accuracy=validated[1])
     elif len(y_val):
-        ev = evaluate(job.model, state.params, state.buffers, x_val, y_val)
+        ev = evaluate(job.model, state.params, state.buffers, x_val, y_val,
+                      kernels=kernels_for(job.spec.exactness))
         out.update(val_loss=ev.loss, val_accuracy=ev.accuracy)
     out["params_sha256"] = params_digest(state)
     return out

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.kernels import DEFAULT_EXACTNESS, EXACTNESS
 from engine.sampler import steps_per_epoch as _steps_per_epoch
 from engine.slices import MAX_SLICES
 
@@ -44,6 +45,7 @@ class TrainSpec:
     trust_coefficient: float = 0.001  # lars (eta)
     label_smoothing: float = 0.0
     upload_precision: str = "float32"  # engine.precision: how shard gradients travel
+    exactness: str = DEFAULT_EXACTNESS  # engine.kernels: portable (any CPU) or class
     slices: int = 1  # engine.slices: the vector's parts applied apart
     crop_padding: int = 0  # augment: random crop after zero-padding by this much
     horizontal_flip: bool = False  # augment: mirror half the samples
@@ -95,6 +97,7 @@ class TrainSpec:
             trust_coefficient=_read(opt, "trust_coefficient", 0.001, float, "optimizer."),
             label_smoothing=_read(spec, "label_smoothing", 0.0, float),
             upload_precision=str(spec.get("upload_precision", "float32")),
+            exactness=str(spec.get("exactness", DEFAULT_EXACTNESS)),
             slices=_read(spec, "slices", 1, int),
             crop_padding=_read(aug, "crop_padding", 0, int, "augment."),
             horizontal_flip=_read(aug, "horizontal_flip", False, bool, "augment."),
@@ -134,6 +137,8 @@ class TrainSpec:
             raise SpecError("optimizer.beta1 and optimizer.beta2 must be in [0, 1)")
         if self.upload_precision not in UPLOAD_PRECISIONS:
             raise SpecError(f"upload_precision must be one of {', '.join(UPLOAD_PRECISIONS)}")
+        if self.exactness not in EXACTNESS:
+            raise SpecError(f"exactness must be one of {', '.join(EXACTNESS)}")
         if not 1 <= self.slices <= MAX_SLICES:
             raise SpecError(f"slices must be in [1, {MAX_SLICES}]")
         if not 0 <= self.crop_padding <= 64:

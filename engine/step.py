@@ -24,6 +24,8 @@ import numpy as np
 
 from engine import tree
 from engine.graph import Model
+from engine.kernels import CLASS, Kernels, kernels_for
+from engine.layers import softmax_cross_entropy
 from engine.optim import STATE_SLOTS, BlockDone, Hyper, optimizer_step, thread_scratch
 from engine.precision import can_pre_add, node_precision, round_to
 from engine.slices import Bounds, slots_within
@@ -79,10 +81,12 @@ def compute_shard(model: Model, params: np.ndarray, buffers: np.ndarray, x_shard
                   y_shard: np.ndarray, spec: TrainSpec, step: int, shard: int,
                   backend: str = "numpy") -> ShardResult:
     """Gradient sum of shard `shard` at `step`. x_shard/y_shard: this step's micro-batch
-    (`sampler.select_microbatch` picks it out of the shard's data)."""
-    if backend == "numpy":
+    (`sampler.select_microbatch` picks it out of the shard's data). A `portable` job's shard
+    is computed with numpy's portable kernels whatever `backend` says (torch's bits, like
+    BLAS's, depend on the CPU: engine.kernels)."""
+    if backend == "numpy" or spec.exactness == "portable":
         r = model.loss_and_grad(params, buffers, x_shard, y_shard, spec.seed, step, shard,
-                                spec.label_smoothing)
+                                spec.label_smoothing, kernels_for(spec.exactness))
     elif backend == "torch":
         from engine import torch_backend
 
@@ -273,17 +277,16 @@ EVAL_BYTES = 256 << 20
 
 
 def evaluate(model: Model, params: np.ndarray, buffers: np.ndarray, x: np.ndarray,
-             y: np.ndarray, batch_size: int = 512) -> EvalMetrics:
+             y: np.ndarray, batch_size: int = 512, kernels: Kernels = CLASS) -> EvalMetrics:
     """Mean loss and accuracy in evaluation mode (running BN statistics, no dropout); batches
     sized so the biggest layer output stays under EVAL_BYTES (the sums do not depend on it)."""
-    from engine.layers import softmax_cross_entropy
-
     batch_size = max(1, min(batch_size, EVAL_BYTES // (8 * max(model.largest_activation, 1))))
 
     loss, correct = 0.0, 0
     for start in range(0, len(y), batch_size):
-        logits = model.logits(params, buffers, x[start : start + batch_size])
-        batch_loss, batch_correct, _ = softmax_cross_entropy(logits, y[start : start + batch_size])
+        logits = model.logits(params, buffers, x[start : start + batch_size], kernels)
+        batch_loss, batch_correct, _ = softmax_cross_entropy(logits, y[start : start + batch_size],
+                                                             kernels=kernels)
         loss += batch_loss
         correct += batch_correct
     n = max(len(y), 1)

@@ -18,6 +18,7 @@ import numpy as np
 
 from engine.checkpoint import save_npz, state_to_arrays
 from engine.data import load_dataset
+from engine.kernels import kernels_for
 from engine.runner import final_metrics, job_model, shard_gradient
 from engine.sampler import shard_indices
 from engine.step import apply_step, evaluate, initial_state
@@ -98,7 +99,8 @@ def _epoch_row(model, state, data, epoch, losses, accs, ts, spe, t0) -> EpochRow
     seconds = time.perf_counter() - t0
     val_loss = val_acc = None
     if len(data.y_val):
-        ev = evaluate(model, state.params, state.buffers, data.x_val, data.y_val)
+        ev = evaluate(model, state.params, state.buffers, data.x_val, data.y_val,
+                      kernels=kernels_for(ts.exactness))
         val_loss, val_acc = ev.loss, ev.accuracy
     from engine.optim import lr_at
 

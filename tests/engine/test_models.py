@@ -99,7 +99,7 @@ def test_numpy_gradients_equal_torch_autograd(arch):
 def test_model_gradient_matches_finite_differences(arch):
     shape = (2, 6, 6)
     model = build_model(arch, shape, 4, SMALL)
-    params, buffers = model.init(2)
+    params, buffers = model.init(4)  # seed 2 puts a mobilenet_v1 relu6 input within eps of 6
     p = params.astype(np.float64)
     x, y = _batch(shape, n=5, k=4)
     grad = model.loss_and_grad(p, buffers, x, y, 1, 2, 3).grad_sum

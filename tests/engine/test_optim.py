@@ -273,7 +273,8 @@ def test_lars_equals_the_layer_wise_rule_on_torch_sgd():
                   trust_coefficient=0.02)
     plain = _ours("lars", model, params, grads, lrs, weight_decay=0.0, momentum=0.9,
                   trust_coefficient=0.02)
-    np.testing.assert_allclose(s.view(again), s.view(plain), rtol=1e-5)
+    # atol: an element that momentum and decay bring near 0 keeps the absolute error only
+    np.testing.assert_allclose(s.view(again), s.view(plain), rtol=1e-5, atol=1e-8)
     others = np.ones(model.n_params, bool)
     others[s.offset : s.offset + s.size] = False
     assert np.array_equal(again[others], plain[others])  # per tensor: nothing else moved
