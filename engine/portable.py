@@ -48,11 +48,12 @@ def operand_bits(k: int) -> tuple[int, int]:
 def _scaled_integers(m: np.ndarray, axis: int, bits: int) -> tuple[np.ndarray, np.ndarray]:
     """m as float64 integers of at most `bits` bits, each line along `axis` (the product's K)
     scaled by its own power of two; and the powers of two that scale them back."""
-    amax = np.max(np.abs(m), axis=axis, keepdims=True) if m.size else np.zeros((1, 1))
-    _, e = np.frexp(amax.astype(np.float64))  # |line| < 2^e (e = 0 for a line of zeros)
-    up = _pow2(bits - e)
-    out = m.astype(np.float64)
-    out *= up  # a power of two: exact
+    if m.size:  # the largest magnitude per line, without a temporary |m|
+        amax = np.maximum(m.max(axis=axis, keepdims=True), -m.min(axis=axis, keepdims=True))
+    else:
+        amax = np.zeros((1, 1), m.dtype)
+    _, e = np.frexp(amax)  # |line| < 2^e (e = 0 for a line of zeros)
+    out = np.multiply(m, _pow2(bits - e), dtype=np.float64)  # a power of two: exact
     np.rint(out, out=out)  # to the nearest integer, ties to even
     return out, _pow2(e - bits)
 
@@ -72,10 +73,9 @@ def matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None) -> np.nd
     bi, b_scale = _scaled_integers(b, 0, q)  # b_scale (1, N)
     c = ai @ bi  # integers below 2^53: exact, whatever the kernel
     c *= a_scale
-    c *= b_scale
     if out is None:
-        return c.astype(np.result_type(a.dtype, b.dtype))
-    out[...] = c
+        out = np.empty(c.shape, np.result_type(a.dtype, b.dtype))
+    np.multiply(c, b_scale, out=out, casting="unsafe")  # exact, then rounded once to out's type
     return out
 
 
@@ -105,10 +105,10 @@ _EXP_TERMS = 14  # r^14 / 14! < 2^-60 for |r| <= 0.35
 
 def exp(x: np.ndarray) -> np.ndarray:
     """e^x in float64 for float32 or float64 x, within about 2 ulp of float64; inputs below
-    -745 give 0 and above 709 give inf, as float64 would. Round to float32 at the caller."""
+    -746 give 0 and above 709 give inf, as float64 would. Round to float32 at the caller."""
     x = np.asarray(x, dtype=np.float64)
     big = x > 709.0
-    xc = np.clip(x, -745.0, 709.0)
+    xc = np.clip(np.nan_to_num(x, nan=0.0), -746.0, 709.0)  # NaN set back below
     k = np.rint(xc * INV_LN2)
     r = xc - k * LN2_HI
     r -= k * LN2_LO
@@ -116,7 +116,7 @@ def exp(x: np.ndarray) -> np.ndarray:
     for i in range(_EXP_TERMS - 1, -1, -1):
         poly *= r
         poly += 1.0 / math.factorial(i)
-    # 2^k in two halves so that k down to -1075 never leaves float64's normal range early
+    # 2^k in two halves so that k down to -1077 never leaves float64's normal range early
     half = np.floor(k * 0.5)
     out = poly * _pow2(half)
     out *= _pow2(k - half)
