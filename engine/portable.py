@@ -53,9 +53,18 @@ def _scaled_integers(m: np.ndarray, axis: int, bits: int) -> tuple[np.ndarray, n
     else:
         amax = np.zeros((1, 1), m.dtype)
     _, e = np.frexp(amax)  # |line| < 2^e (e = 0 for a line of zeros)
-    out = np.multiply(m, _pow2(bits - e), dtype=np.float64)  # a power of two: exact
-    np.rint(out, out=out)  # to the nearest integer, ties to even
-    return out, _pow2(e - bits)
+    up = bits - e.astype(np.int64)
+    if m.dtype == np.float32 and up.min(initial=0) >= -126 and up.max(initial=0) <= 127:
+        # in float32, then widened (half the bytes to pass over): a power-of-two scaling is
+        # exact, except that an element below 2^-126 after it loses bits, and such an
+        # element rounds to the integer 0 in any case; above 2^24 every float32 is an integer
+        scaled = m * _pow2(up).astype(np.float32)
+        np.rint(scaled, out=scaled)
+        out = scaled.astype(np.float64)
+    else:
+        out = np.multiply(m, _pow2(up), dtype=np.float64)  # a power of two: exact
+        np.rint(out, out=out)  # to the nearest integer, ties to even
+    return out, _pow2(-up)
 
 
 def _pow2(e: np.ndarray) -> np.ndarray:
@@ -81,19 +90,24 @@ def matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None) -> np.nd
 
 def fold(x: np.ndarray, axis: int = 0) -> np.ndarray:
     """The sum along `axis` of x, in x's dtype: rows [0, h) and [h, n) added element-wise,
-    h = ceil(n / 2), until one is left. The pairs depend on the length only."""
+    h = ceil(n / 2), until one is left (an odd count's middle row goes up as it is). The pairs
+    depend on the length only. One scratch array: each level adds into its own first rows."""
     x = np.moveaxis(np.asarray(x), axis, 0)
     n = x.shape[0]
-    if n == 0:
-        return np.zeros(x.shape[1:], x.dtype)
+    if n <= 1:
+        return x[0].copy() if n else np.zeros(x.shape[1:], x.dtype)
+    h = (n + 1) // 2
+    acc = np.empty((h, *x.shape[1:]), x.dtype)
+    np.add(x[: n - h], x[h:n], out=acc[: n - h])
+    if h > n - h:
+        acc[n - h] = x[n - h]
+    n = h
     while n > 1:
         h = (n + 1) // 2
-        y = np.empty((h, *x.shape[1:]), x.dtype)
-        np.add(x[: n - h], x[h:n], out=y[: n - h])
-        if h > n - h:  # an odd count: the middle row goes up as it is
-            y[n - h :] = x[n - h : h]
-        x, n = y, h
-    return x[0].copy()
+        # writes rows [0, n - h), reads rows [h, n): apart, since n - h <= h
+        np.add(acc[: n - h], acc[h:n], out=acc[: n - h])
+        n = h
+    return acc[0].copy()
 
 
 # exp: x = k ln2 + r, |r| <= ln2 / 2, ln2 in two parts (fdlibm's) so k x LN2_HI is exact
