@@ -90,3 +90,10 @@ def test_bad_specs_exit_with_the_reason(tmp_path, spec, needle):
     path.write_text(json.dumps(spec))
     result = CliRunner().invoke(_cli(), ["train", "--local", str(path), "--quiet"])
     assert result.exit_code == 2 and needle in result.output
+
+
+def test_the_design_cnn_spec_reaches_97_percent_in_portable_too():
+    from phalanx.train_local import run_reference
+
+    metrics = run_reference({**DESIGN_SPEC, "exactness": "portable"}, None, progress=False)
+    assert metrics["val_accuracy"] >= 0.97 and metrics["steps"] == 100
