@@ -8,7 +8,15 @@ from collections.abc import Callable
 from typing import Any
 
 from agent import __version__
-from agent.client import RETRYABLE, Backoff, Client, StatusError, Unauthorized, revoked_message
+from agent.client import (
+    RETRYABLE,
+    Backoff,
+    Client,
+    Conflict,
+    StatusError,
+    Unauthorized,
+    revoked_message,
+)
 from agent.probes import to_sample
 from agent.runtime.buffer import TelemetryBuffer
 from agent.runtime.monitor import Monitor
@@ -85,6 +93,19 @@ class HeartbeatLoop:
                 self.upgrade_asked = cmd
         self.state.draining = drain  # lifted when the server no longer asks for it
 
+    def _rotate(self) -> None:
+        """Rotate the device token; a token the server says was superseded (409: a rotation
+        whose answer this agent never saved) can never rotate, so it stops asking: the token
+        works until its grace period ends, then the phone must be enrolled again."""
+        assert self.rotate_token is not None
+        try:
+            self.rotate_token()
+        except Conflict as exc:
+            self.rotate_token = None
+            log.error("this device token cannot be rotated: %s. It keeps working until the "
+                      "server's grace period ends; enroll this phone again before then",
+                      exc.detail)
+
     def run(self, stop: threading.Event) -> None:
         while not stop.is_set() and self.state.fatal is None:
             self.sample()
@@ -93,7 +114,7 @@ class HeartbeatLoop:
                 self.backoff.reset()
                 wait = self.interval_s
                 if self.rotation_asked and self.rotate_token is not None:
-                    self.rotate_token()  # a failure is retried: the server asks again
+                    self._rotate()  # a failure is retried: the server asks again
                 if self.logs_asked and self.ship_logs is not None:
                     self.ship_logs()  # likewise: asked again until the lines arrive
                 if self.upgrader is not None:

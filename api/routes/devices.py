@@ -43,12 +43,13 @@ def register_device(body: DeviceRegister, request: Request, session: SessionDep,
             "lease_grace_s": settings.lease_grace_s}
 
 
-@router.post("/{device_id}/token", response_model=DeviceTokenRotated)
+@router.post("/{device_id}/token", response_model=DeviceTokenRotated, responses=errors(409))
 def rotate_token(device_id: str, principal: DeviceDep, session: SessionDep,
                  settings: SettingsDep, clock: ClockDep):
     """A device replaces its own token (its heartbeat says when: `rotate_token`), no
     re-enrolment; the token it asked with keeps working for
-    `PHALANX_DEVICE_TOKEN_ROTATION_GRACE_S`, then no more."""
+    `PHALANX_DEVICE_TOKEN_ROTATION_GRACE_S`, then no more. Only the device's newest token
+    rotates: one already superseded (in its grace period) gets 409."""
     with session.begin():
         secret, ends = tokens.rotate_device_token(session, principal, clock(),
                                                   settings.device_token_rotation_grace_s)

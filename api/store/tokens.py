@@ -12,7 +12,7 @@ from typing import Any
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
-from api.errors import Forbidden, NotFound, Unauthorized
+from api.errors import Conflict, Forbidden, NotFound, Unauthorized
 from api.store.models import ApiToken, EnrollmentToken
 
 PREFIXES = {"admin": "phx-adm-", "user": "phx-usr-", "device": "phx-dev-", "enrollment": "phx-enr-"}
@@ -110,27 +110,50 @@ def create_api_token(session: Session, *, kind: str, name: str | None,
 def rotate_device_token(session: Session, principal: Principal, now: dt.datetime,
                         grace_s: float) -> tuple[str, dt.datetime]:
     """A new token for the asking device; the one it asked with ends after `grace_s` (its
-    requests in flight still land), or at its earlier end. The new secret is returned once."""
-    old = session.get(ApiToken, principal.token_id, with_for_update=True)
+    requests in flight still land), or at its earlier end. The new secret is returned once.
+
+    Only the device's one open token (no end yet) may rotate. A superseded token (one a
+    rotation gave an end) still authenticates the device's ordinary calls until that end, so
+    a phone whose rotation answer was lost keeps working through the grace, but it can never
+    rotate again: `Conflict` (409). Otherwise whoever kept an old token could mint a fresh
+    one with no end and end the phone's (issue 42, item 7)."""
+    old = session.get(ApiToken, principal.token_id)
     if old is None or old.kind != "device" or old.device_id != principal.device_id:
         raise Forbidden("only a device's own token can be rotated by the device")
-    # checked on the row itself, not a cache: a revoked or ended token mints nothing
-    if old.revoked:
-        raise Unauthorized("bearer token revoked")
-    if old.expires_at is not None and old.expires_at <= now:
-        raise Unauthorized("bearer token expired")
     ends = now + dt.timedelta(seconds=grace_s)
-    # every token of the device gets an end, the one asking too: the new token is then the
-    # device's only open one (a successor whose answer was lost does not live on)
-    others = session.scalars(select(ApiToken).where(
-        ApiToken.device_id == old.device_id, ApiToken.kind == "device",
-        ApiToken.revoked.is_(False)).with_for_update())
-    for token in others:
-        if token.expires_at is None or token.expires_at > ends:
-            token.expires_at = ends
+    # the asking token gets its end in one guarded UPDATE: of two rotations with one token
+    # (two requests at once, or a phone and whoever copied its token), exactly one wins, on
+    # Postgres and on SQLite alike; the row is judged as it is now, not as a cache saw it
+    won = session.execute(
+        update(ApiToken).where(ApiToken.id == old.id, ApiToken.revoked.is_(False),
+                               ApiToken.expires_at.is_(None))
+        .values(expires_at=ends), execution_options={"synchronize_session": False})
+    if won.rowcount != 1:  # type: ignore[attr-defined]
+        session.refresh(old)
+        raise _not_rotatable(old, now)
+    # every other token of the device ends too (never later than it already would): the new
+    # token is then the device's only open one
+    session.execute(
+        update(ApiToken).where(ApiToken.device_id == old.device_id, ApiToken.kind == "device",
+                               ApiToken.id != old.id, ApiToken.revoked.is_(False),
+                               (ApiToken.expires_at.is_(None)) | (ApiToken.expires_at > ends))
+        .values(expires_at=ends), execution_options={"synchronize_session": False})
     _, secret = create_api_token(session, kind="device", name=old.name, device_id=old.device_id,
                                  now=now)
-    return secret, old.expires_at or ends
+    return secret, ends
+
+
+def _not_rotatable(token: ApiToken, now: dt.datetime) -> Exception:
+    """Why a device token that did not get its end from this rotation cannot rotate."""
+    if token.revoked:
+        return Unauthorized("bearer token revoked")
+    if token.expires_at is not None and token.expires_at <= now:
+        return Unauthorized("bearer token expired")
+    return Conflict(
+        "this device token was superseded by a rotation: it works for the device's calls "
+        f"until {token.expires_at.isoformat() if token.expires_at else 'its end'}, but only "
+        "the newest token may rotate. Use the token the rotation answered with; a phone that "
+        "lost it must be enrolled again")
 
 
 def list_api_tokens(session: Session, limit: int, offset: int,
