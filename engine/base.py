@@ -9,6 +9,7 @@ PyTorch order (OIHW weights, NCHW data), so the torch backend reads the same vec
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,7 +34,7 @@ class Slot:
 
     @property
     def size(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64))
+        return math.prod(self.shape)
 
     def view(self, flat: Any) -> Any:
         """A shaped view of this slot in `flat` (numpy or torch)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +23,7 @@ class Sequential(Layer):
     def build(self, in_shape, b):
         for layer in self.layers:
             in_shape = layer.build(in_shape, b)
-            b.largest_activation = max(b.largest_activation, int(np.prod(in_shape)))
+            b.largest_activation = max(b.largest_activation, math.prod(in_shape))
         return in_shape
 
     def forward(self, x, P, ctx):

@@ -6,6 +6,7 @@ so nothing is gathered with fancy indexing and backward never needs np.add.at.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -179,7 +180,7 @@ class Flatten(Layer):
     """To (N, C*H*W) in canonical NCHW order, so a dense weight means the same in torch."""
 
     def build(self, in_shape, b):
-        return (int(np.prod(in_shape)),)
+        return (math.prod(in_shape),)
 
     def forward(self, x, P, ctx):
         if x.ndim == 2:

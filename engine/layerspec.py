@@ -9,11 +9,10 @@ it records what the plan needs (parameters, multiply-adds and activations per sa
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
-
-import numpy as np
 
 from engine.base import Builder, Layer
 from engine.conv import Conv2d, DepthwiseConv2d
@@ -33,6 +32,9 @@ from engine.norm import BatchNorm
 MAX_LAYERS = 2000  # every layer object, nested ones included (resnet50 has 228)
 MAX_DEPTH = 8  # residual blocks inside residual blocks
 MAX_INT = 2**31 - 1  # any size option; how big a model may be is MAX_PARAMS's to say
+# elements of one layer's output for one sample (256 MiB of float32; resnet50 at 224x224 has
+# 802,816): sizes are Python integers, checked before anything is allocated or admitted
+MAX_ACTIVATION = 2**26
 
 
 class LayerError(ValueError):
@@ -135,9 +137,12 @@ class _Walk:
         _check_input(kind, shape, o, where)
         before = len(self.scratch.params)
         out = layer.build(shape, self.scratch)
+        if math.prod(out) > MAX_ACTIVATION:
+            raise LayerError(f"{where}: its output {out} has {math.prod(out):,} elements per "
+                             f"sample; at most {MAX_ACTIVATION:,}")
         params = sum(s.size for s in self.scratch.params[before:])
         macs = _macs(kind, shape, out, o)
-        self.infos.append(LayerInfo(loc, kind, out, params, macs, int(np.prod(out))))
+        self.infos.append(LayerInfo(loc, kind, out, params, macs, math.prod(out)))
         return layer, out, macs
 
     def residual(self, o: dict[str, Any], shape: tuple[int, ...], loc: str, name: str,
@@ -154,9 +159,9 @@ class _Walk:
             raise LayerError(f"{where}: the body gives shape {out} but {what} {out_s}: add a "
                              f"'shortcut' projection (e.g. a 1x1 conv2d with the same stride)")
         block = Residual(body.layers, short.layers)
-        self.infos.append(LayerInfo(loc, "residual", out, 0, int(np.prod(out)),
-                                    int(np.prod(out))))
-        return block, out, m1 + m2 + int(np.prod(out))
+        self.infos.append(LayerInfo(loc, "residual", out, 0, math.prod(out),
+                                    math.prod(out)))
+        return block, out, m1 + m2 + math.prod(out)
 
 
 def _options(spec: dict[str, Any], kind: str, where: str) -> dict[str, Any]:
@@ -222,14 +227,14 @@ def _padding(o: dict[str, Any]) -> int:
 
 def _macs(kind: str, shape: tuple[int, ...], out: tuple[int, ...], o: dict[str, Any]) -> int:
     if kind == "conv2d":
-        return int(np.prod(out)) * shape[0] * o["kernel"] ** 2
+        return math.prod(out) * shape[0] * o["kernel"] ** 2
     if kind == "depthwise_conv2d":
-        return int(np.prod(out)) * o["kernel"] ** 2
+        return math.prod(out) * o["kernel"] ** 2
     if kind == "dense":
         return shape[0] * out[0]
     if kind in ("maxpool", "avgpool"):
-        return int(np.prod(out)) * o["kernel"] ** 2
-    return int(np.prod(shape))  # element-wise layers: one operation per input element
+        return math.prod(out) * o["kernel"] ** 2
+    return math.prod(shape)  # element-wise layers: one operation per input element
 
 
 _Maker = Callable[[dict[str, Any], str, bool], Layer]

@@ -210,7 +210,7 @@ def normal(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
     square, kept inside the unit circle, scaled by sqrt(-2 log(s) / s). The uniforms are
     numpy's portable doubles (53 bits of the generator's integers) and the log is ours, so
     the draws are the same on every machine."""
-    size = int(np.prod(shape, dtype=object)) if shape else 1
+    size = math.prod(shape)
     out = np.empty(size, np.float64)
     filled = 0
     while filled < size:

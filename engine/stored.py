@@ -15,6 +15,7 @@ stored bytes itself all get the same float32 values.
 from __future__ import annotations
 
 import functools
+import math
 import os
 import shutil
 import zipfile
@@ -293,7 +294,7 @@ def _check_features(folder: Path, key: str, scan: bool = True
     if kind == "f" and scan:
         path = folder / f"{key}.npy"
         view = Samples(path, count, shape, StoredArray.of(path))
-        per_block = max(1, CHECK_BLOCK_BYTES // max(1, 4 * int(np.prod(shape))))
+        per_block = max(1, CHECK_BLOCK_BYTES // max(1, 4 * math.prod(shape)))
         for block in view.blocks(per_block):
             if not np.isfinite(block.astype(np.float32)).all():
                 raise DatasetError(f"{key} has NaN or infinite values (or values beyond "

@@ -88,6 +88,10 @@ def test_a_built_in_architecture_is_the_same_model_when_written_as_layers():
      r"model.layers\[1\] \(conv2d\): the name 'c' is taken by model.layers\[0\]"),
     ([{"type": "relu", "name": "layers.1"}, {"type": "relu"}],
      r"model.layers\[1\] \(relu\): the name 'layers.1' is taken by model.layers\[0\]"),
+    # sizes are Python integers: 2^64 elements no longer wrap to a small plan (issue 42 item 6)
+    ([{"type": "conv2d", "out_channels": 4, "padding": 2147483644}],
+     r"model.layers\[0\] \(conv2d\): its output \(4, 4294967294, 4294967294\) has "
+     r"73,786,976,226,118,729,744 elements per sample; at most 67,108,864"),
     ([], r"model.layers must be a non-empty list"),
     (["conv2d"], r"model.layers\[0\] must be an object with a 'type'"),
 ])
@@ -144,3 +148,15 @@ def test_the_graphs_in_docs_models_md_build_on_their_datasets():
     for block, shape in zip(blocks, shapes):
         model = build_model("custom", shape, 10, block["model"])
         assert model.n_params > 0
+
+
+def test_a_layer_output_is_capped_at_its_boundary():
+    from engine.layerspec import MAX_ACTIVATION
+
+    def graph(channels: int) -> list:
+        return [{"type": "conv2d", "out_channels": channels}, {"type": "global_avgpool"},
+                {"type": "dense", "units": 3}]
+
+    network(graph(MAX_ACTIVATION // 64), (2, 8, 8), 3)  # exactly the limit: built
+    with pytest.raises(LayerError, match="elements per sample; at most 67,108,864"):
+        network(graph(MAX_ACTIVATION // 64 + 1), (2, 8, 8), 3)
