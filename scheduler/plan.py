@@ -9,10 +9,14 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from api.store.compute_class import label
+from api.store.models import Device
 from scheduler.policy.filters import fits_no_phone, run_filters
-from scheduler.policy.types import PlacementRequest
+from scheduler.policy.placement import compute_classes
+from scheduler.policy.types import DeviceView, PlacementRequest
 from scheduler.store_ops import all_device_views
 
 LISTED = 100  # devices named per answer; the counts cover the whole fleet
@@ -32,17 +36,34 @@ def refusal(session: Session, req: PlacementRequest) -> str | None:
 def eligibility(session: Session, req: PlacementRequest) -> dict[str, Any]:
     """Every device through the placement filters: the ones that could take the job now, and
     for the others the first reason each fails on."""
-    eligible: list[str] = []
+    eligible: list[DeviceView] = []
     refused: list[dict[str, str]] = []
     reasons: Counter[str] = Counter()
     for device in all_device_views(session):
         status = run_filters(device, req)
         if status.ok:
-            eligible.append(device.id)
+            eligible.append(device)
             continue
         reasons[status.reason] += 1
         if len(refused) < LISTED:
             refused.append({"device": device.id, "reason": status.reason})
-    return {"eligible": len(eligible), "eligible_devices": eligible[:LISTED],
-            "ineligible": sum(reasons.values()), "ineligible_devices": refused,
-            "reasons": dict(reasons.most_common())}
+    answer: dict[str, Any] = {
+        "exactness": req.exactness, "eligible": len(eligible),
+        "eligible_devices": [d.id for d in eligible[:LISTED]],
+        "ineligible": sum(reasons.values()), "ineligible_devices": refused,
+        "reasons": dict(reasons.most_common())}
+    if req.pinned:
+        answer["compute_classes"] = classes_of(session, req, eligible)
+    return answer
+
+
+def classes_of(session: Session, req: PlacementRequest, eligible: list[DeviceView]
+               ) -> list[dict[str, Any]]:
+    """A `class` job's choice now: each compute class of the eligible devices, the one its
+    first placement would take first (placement.compute_classes)."""
+    ranked = compute_classes(req, eligible)[:LISTED]
+    holders = {fp: next(d.id for d in eligible if d.compute_class == fp) for fp, _, _ in ranked}
+    facts = {d.id: (d.capabilities or {}).get("compute_class") for d in session.scalars(
+        select(Device).where(Device.id.in_(list(holders.values()))))}
+    return [{"fingerprint": fp, "label": label(facts.get(holders[fp])), "devices": n,
+             "speed": round(speed, 3)} for fp, n, speed in ranked]

@@ -13,6 +13,7 @@ from typing import Any
 from sqlalchemy import delete, select, update
 from sqlalchemy.orm import Session
 
+from api.store.compute_class import fingerprint_of
 from api.store.models import Device, Event, Job, ShardAssignment
 from api.store.state_names import FINISHED_STATES
 from api.store.states import Event as StateEvent
@@ -57,6 +58,7 @@ def device_view(device: Device, job_id: str | None) -> DeviceView:
         speeds=MappingProxyType(speeds),
         job_id=job_id,
         upgrading=device.upgrade_to is not None,
+        compute_class=fingerprint_of(caps if isinstance(caps, dict) else None),
     )
 
 

@@ -11,6 +11,7 @@ fake `termux-battery-status`.
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -40,7 +41,39 @@ from agent.slots import Slots
 log = logging.getLogger(__name__)
 ARCHS = ["logreg", "mlp", "cnn", "mobilenet_v1", "resnet", "resnet18", "resnet50",
          "mobilenet_v2"]
-FEATURES = ("augment", "label_smoothing", "upload_precision")
+# `portable`: this agent computes a job's portable shards (engine.kernels), the same bits on
+# any CPU; an older one computes only the `class` path
+FEATURES = ("augment", "label_smoothing", "upload_precision", "portable")
+FACT_MAX = 64  # the control plane's bound on one compute-class fact (api.schemas.devices)
+
+
+def compute_class() -> dict[str, Any] | None:
+    """This machine's compute class (engine.compute_class.describe(), ~20 ms the first time,
+    then cached there), its facts cut to what the control plane takes; None when the engine
+    cannot say (a heartbeat without it still goes: placement keeps class jobs off this phone)."""
+    try:
+        from engine.compute_class import describe
+
+        facts = describe()
+    except Exception:  # noqa: BLE001 - a probe: a phone without it still serves portable jobs
+        log.warning("could not tell this machine's compute class", exc_info=True)
+        return None
+
+    fingerprint = facts.get("fingerprint")
+    if not isinstance(fingerprint, str) or not re.fullmatch(r"[0-9a-f]{16}", fingerprint):
+        log.warning("compute class fingerprint %r is not 16 hex digits: not reported",
+                    fingerprint)
+        return None
+
+    def fact(value: Any) -> str | None:
+        return None if value is None else str(value)[:FACT_MAX]
+
+    blas = facts.get("blas") if isinstance(facts.get("blas"), dict) else {}
+    return {"machine": fact(facts.get("machine")) or "", "numpy": fact(facts.get("numpy")) or "",
+            "blas": {k: fact(blas.get(k)) for k in ("library", "version", "kernel")},
+            "simd": fact(facts.get("simd")),
+            "simd_features": min(1024, max(0, int(facts.get("simd_features") or 0))),
+            "fingerprint": fingerprint}
 
 
 class AgentStopped(Exception):
@@ -68,6 +101,7 @@ class AgentRuntime:
                              socket_buffer_bytes=cfg.socket_buffer_bytes,
                              ca_file=cfg.ca_file or None)
         self.backends = [b for b in installed_backends() if not cfg.backends or b in cfg.backends]
+        self._compute_class: dict[str, Any] | None = None  # computed at the first heartbeat
         # power is sampled while profiling only when a limit makes it matter: each reading
         # runs termux-battery-status, which costs a phone ~0.5 s
         metered = cfg.power_limit_w is not None
@@ -132,8 +166,14 @@ class AgentRuntime:
         # `self_upgrade`: started by launch.sh, it can install a rollout and roll it back
         # (an agent started otherwise, or older, is never told to upgrade)
         upgrade = ["self_upgrade"] if self.upgrader.slots is not None else []
-        return {"backends": self.backends, "archs": [*archs, CUSTOM],
-                "features": [*FEATURES, *upgrade]}
+        caps: dict[str, Any] = {"backends": self.backends, "archs": [*archs, CUSTOM],
+                                "features": [*FEATURES, *upgrade]}
+        # `compute_class`: the machine a `class` job's shards must share (computed once)
+        if self._compute_class is None:
+            self._compute_class = compute_class() or {}
+        if self._compute_class:
+            caps["compute_class"] = self._compute_class
+        return caps
 
     def run(self, stop: threading.Event | None = None, shutdown_grace_s: float = 5.0) -> None:
         """Run until `stop` is set; raises AgentStopped if the control plane cut us off.

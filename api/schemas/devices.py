@@ -5,9 +5,18 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    computed_field,
+    field_validator,
+)
 
 from api.schemas.common import Labels, ReadModel, RequestModel, check_labels
+from api.store import compute_class
 from api.store.states import DeviceState
 
 MAX_SAMPLES_PER_HEARTBEAT = 1000
@@ -24,6 +33,56 @@ class DeviceSpec(BaseModel):
     ram_mb: int | None = Field(default=None, ge=1, le=10_000_000)
     clusters: list[Any] | None = None
     backends: list[str] | None = None
+
+
+FACT_MAX = 64  # characters of one compute-class fact
+
+
+class BlasFacts(BaseModel):
+    """The BLAS numpy calls (threadpoolctl's view; null where the agent could not tell)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    library: str | None = Field(None, max_length=FACT_MAX, examples=["openblas"])
+    version: str | None = Field(None, max_length=FACT_MAX, examples=["0.3.31"])
+    kernel: str | None = Field(None, max_length=FACT_MAX, examples=["SkylakeX"])
+
+
+class ComputeClass(BaseModel):
+    """A machine's compute class (engine.compute_class.describe()): two devices whose `class`
+    shards give the same bits share the fingerprint. Keys a later agent adds are ignored."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    machine: str = Field(max_length=FACT_MAX, examples=["aarch64"])
+    numpy: str = Field(max_length=FACT_MAX, examples=["2.1.3"])
+    blas: BlasFacts | None = None
+    simd: str | None = Field(None, max_length=FACT_MAX, description="numpy's highest SIMD "
+                             "feature", examples=["ASIMDHP"])
+    simd_features: int = Field(ge=0, le=1024, description="how many numpy SIMD features "
+                               "the CPU has")
+    fingerprint: str = Field(pattern=compute_class.FINGERPRINT_PATTERN, description="16 "
+                             "lowercase hex digits: the digest of a fixed shard computed with "
+                             "the class kernels", examples=["be23673d0b4b503b"])
+
+
+class Capabilities(BaseModel):
+    """What the agent computes. `compute_class` is typed; the other keys (backends, archs,
+    features) are kept as sent."""
+
+    model_config = ConfigDict(extra="allow")
+
+    compute_class: ComputeClass | None = None
+
+
+class CapabilitiesRead(Capabilities):
+    @field_validator("compute_class", mode="wrap")
+    @classmethod
+    def _as_stored(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        try:  # every stored one was checked at its heartbeat; one from before shows as null
+            return handler(value)
+        except ValidationError:
+            return None
 
 
 class DeviceRegister(RequestModel):
@@ -65,11 +124,19 @@ class DeviceRead(ReadModel):
         default=None, description="the agent build it was told to install, until it runs it")
     upgrade_failed: str | None = Field(
         default=None, description="the last agent version it could not install")
-    capabilities: dict[str, Any]
+    capabilities: CapabilitiesRead
     profiles: dict[str, Any]
     latest_telemetry: dict[str, Any]
     latest_telemetry_at: dt.datetime | None
     created: dt.datetime
+
+    @computed_field(description="its compute class in short: machine, BLAS library and "
+                    "kernel, SIMD level, the fingerprint's first 8 digits; null when the agent "
+                    "does not report one")  # type: ignore[prop-decorator]
+    @property
+    def compute_class(self) -> str | None:
+        facts = self.capabilities.compute_class
+        return compute_class.label(facts.model_dump()) if facts else None
 
 
 class TelemetrySampleIn(RequestModel):
@@ -99,7 +166,7 @@ class Pause(RequestModel):
 class HeartbeatIn(RequestModel):
     telemetry: list[TelemetrySampleIn] = Field(max_length=MAX_SAMPLES_PER_HEARTBEAT)
     agent_version: str | None = Field(default=None, max_length=40)
-    capabilities: dict[str, Any] | None = None
+    capabilities: Capabilities | None = None
     profiles: dict[str, Any] | None = None
     pause: Pause | None = None
 

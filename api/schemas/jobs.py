@@ -5,10 +5,19 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    Field,
+    ValidationInfo,
+    computed_field,
+    field_validator,
+    model_validator,
+)
 
 from api.schemas.common import Labels, ReadModel, RequestModel
 from api.store.states import JobState
+from engine import compute_class as server_class
+from engine.kernels import DEFAULT_EXACTNESS
 from engine.models import ARCHS as BUILTIN_ARCHS
 from engine.models import CUSTOM
 from engine.slices import MAX_SLICES
@@ -117,6 +126,12 @@ class JobCreate(RequestModel):
     label_smoothing: float = Field(0.0, ge=0, lt=1, description="the target is (1 - e) on the "
                                    "label plus e / classes on every class (torch's)")
     checkpoint_every: int = Field(50, ge=1, le=100000)
+    exactness: Literal["portable", "class"] = Field(
+        DEFAULT_EXACTNESS, description="portable: every shard gives the same bits on any CPU "
+        "(x86 or ARM, whatever BLAS kernel), so any phone whose agent computes the portable path "
+        "may take it and the run equals phalanx train --local anywhere; class: float32 BLAS, "
+        "faster, but its bits are those of one compute class, so the job's shards are kept on "
+        "devices of the class its first placement chose (docs/api.md)")
 
     @field_validator("shards")
     @classmethod
@@ -170,11 +185,31 @@ class JobRead(ReadModel):
                               "null: an admin")
     plan: dict[str, Any] | None = Field(None, description="the estimate made at submit: "
                                         "parameters, FLOPs, memory per phone, bytes per step")
+    compute_class: str | None = Field(None, description="a `class` job's compute class (its "
+                                      "fingerprint), chosen at its first placement; null for "
+                                      "a portable job or before")
     devices: list[str] = []  # every device holding a shard (primary or a straggler's backup)
     shards: dict[str, list[int]] = {}  # device id -> the shards it owns (primary)
     created: dt.datetime
     started_at: dt.datetime | None
     finished_at: dt.datetime | None
+
+    @computed_field(description="portable (the same bits on any CPU) or class (kept on one "
+                    "compute class)")  # type: ignore[prop-decorator]
+    @property
+    def exactness(self) -> str:
+        return str(self.spec.get("exactness", DEFAULT_EXACTNESS))
+
+    @computed_field(description="whether phalanx train --local on this server computes this "
+                    "job's bits: always for a portable job; for a class job, whether the "
+                    "server's compute class is the job's (null until it is placed)")  # type: ignore[prop-decorator]
+    @property
+    def server_is_reference(self) -> bool | None:
+        if self.exactness != "class":
+            return True
+        if self.compute_class is None:
+            return None
+        return server_class.fingerprint() == self.compute_class
 
 
 class StepMetricRead(ReadModel):

@@ -116,6 +116,8 @@ def merge_batch(items: list[tuple[str, str, HeartbeatIn]]) -> list[DeviceBatch]:
             value = getattr(body, name)
             if value is not None:
                 setattr(entry, name, value)
+        if body.capabilities is not None:  # a column of JSON: the typed parts as plain values
+            entry.capabilities = body.capabilities.model_dump(mode="json", exclude_unset=True)
         entry.pause = body.pause
     return list(merged.values())
 

@@ -205,6 +205,9 @@ class Job(Base):
     # engine.plan's estimate at submit (parameters, FLOPs, memory per phone); placement keeps
     # the job off phones without the memory. None: submitted before plans
     plan: Mapped[dict[str, Any] | None] = mapped_column(default=None)
+    # a `class` job's compute class (the fingerprint of engine.compute_class), chosen at its
+    # first placement: its shards stay on devices that report it. None: portable, or not placed
+    compute_class: Mapped[str | None] = mapped_column(String(16), default=None)
     started_at: Mapped[dt.datetime | None] = mapped_column(default=None)
     finished_at: Mapped[dt.datetime | None] = mapped_column(default=None)
     # when the current step's work was handed out (stall and straggler detection)

@@ -13,6 +13,7 @@ What it reports: requests, requests/s, errors by kind, latency percentiles, per 
 from __future__ import annotations
 
 import asyncio
+import functools
 import random
 import threading
 import time
@@ -24,9 +25,12 @@ from typing import Any
 import httpx
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_fixed
 
+from agent.runtime.agent import FEATURES, compute_class
 from phalanx.sim.compute import take_work
 from phalanx.sim.model import PhoneModel
 from phalanx.sim.profiles import fleet_mix
+
+this_class = functools.cache(compute_class)  # the simulated phones' (this machine's): once
 
 
 @dataclass
@@ -183,8 +187,12 @@ class LightPhone:
         self.model.advance(self.interval_s, self.load)
         body: dict[str, Any] = {"telemetry": [self.sample()], "agent_version": "sim"}
         if self.fleet.opts.compute:
+            # the simulated phones compute with the real engine in this process: its compute
+            # class (and its portable path) is this machine's
             body["capabilities"] = {"backends": ["numpy"], "archs": ["logreg", "mlp", "cnn"],
-                                    "features": ["augment", "label_smoothing", "upload_precision"]}
+                                    "features": list(FEATURES)}
+            if (facts := this_class()) is not None:
+                body["capabilities"]["compute_class"] = facts
             if self.profiles:
                 body["profiles"] = self.profiles
         headers = {"Authorization": f"Bearer {self.token}"}
@@ -278,7 +286,8 @@ class Fleet:
         report = self.stats.report()
         if job_id:
             report["job"] = {k: (job or {}).get(k) for k in
-                             ("id", "state", "reason", "step", "total_steps", "metrics")}
+                             ("id", "state", "reason", "step", "total_steps", "metrics",
+                              "exactness", "compute_class")}
             report["job"]["id"] = job_id
             report["computed_shards"] = sum(p.computed_shards for p in self.phones)
         if self.opts.cleanup and self.opts.admin_token:

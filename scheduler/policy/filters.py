@@ -89,6 +89,22 @@ def capability(device: DeviceView, req: PlacementRequest) -> FilterStatus:
     return OK
 
 
+def same_compute_class(device: DeviceView, req: PlacementRequest) -> FilterStatus:
+    """A `class` job's shards stay on one compute class (invariant 1): its bits are those of
+    the float32 kernels of one machine kind, so a shard computed on another would be another
+    function. Before the job's first placement any device that reports a class passes (the
+    placement then settles on one: `placement.choose_compute_class`); an agent that reports no
+    class (older) never takes a class job's shard. A portable job passes everywhere."""
+    if not req.pinned:
+        return OK
+    if device.compute_class is None:
+        return FilterStatus(UNRESOLVABLE, "agent reports no compute class (upgrade it)")
+    if req.compute_class is not None and device.compute_class != req.compute_class:
+        return FilterStatus(UNRESOLVABLE, f"another compute class (the job's is "
+                            f"#{req.compute_class[:8]})")
+    return OK
+
+
 # Of a phone's RAM, what a training agent may count on: Android keeps the system, the launcher
 # and recent apps resident, and kills the biggest process first when memory runs short.
 USABLE_RAM_SHARE = 0.5
@@ -128,12 +144,13 @@ Filter = Callable[[DeviceView, PlacementRequest], FilterStatus]
 
 # Cheap and decisive first: most devices of a big fleet fail on the first two.
 FILTERS: tuple[Filter, ...] = (
-    ready, schedulable, not_paused, not_upgrading, label_selector, capability, memory, battery,
-    temperature, free,
+    ready, schedulable, not_paused, not_upgrading, label_selector, capability,
+    same_compute_class, memory, battery, temperature, free,
 )
 # What keeps a device in a job it already runs: only what the device or an admin said.
-# Battery and heat are the agent's to judge (it pauses itself and reports pause_reason).
-KEEP_FILTERS: tuple[Filter, ...] = (ready, schedulable, not_paused)
+# Battery and heat are the agent's to judge (it pauses itself and reports pause_reason); a
+# device that now reports another compute class (its numpy or BLAS changed) leaves a class job.
+KEEP_FILTERS: tuple[Filter, ...] = (ready, schedulable, not_paused, same_compute_class)
 
 
 def run_filters(

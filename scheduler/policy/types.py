@@ -8,6 +8,7 @@ from types import MappingProxyType
 from typing import Any, Protocol
 
 from api.store.state_names import DeviceState
+from engine.kernels import DEFAULT_EXACTNESS
 
 EMPTY: Mapping[str, str] = MappingProxyType({})
 
@@ -34,16 +35,27 @@ class DeviceView:
     speeds: Mapping[str, float] = field(default_factory=lambda: EMPTY)
     job_id: str | None = None  # the job this device already holds shards of
     upgrading: bool = False  # installing a new agent (scheduler.policy.upgrades)
+    # the fingerprint of its compute class (engine.compute_class): a `class` job's shards stay
+    # on one; None: an agent that does not report it (older), which never takes a class job
+    compute_class: str | None = None
 
 
 def job_features(spec: Mapping[str, Any]) -> frozenset[str]:
     """What a job asks of a phone's agent beyond computing its arch: an agent that does not say
-    it computes these would compute another function (and break invariant 1)."""
+    it computes these would compute another function (and break invariant 1). `portable`: the
+    job's shards must give the same bits on any CPU, and an older agent computes only the
+    `class` path."""
     augment = spec.get("augment") or {}
     wanted = {"augment": bool(augment.get("crop_padding") or augment.get("horizontal_flip")),
               "label_smoothing": bool(spec.get("label_smoothing")),
-              "upload_precision": spec.get("upload_precision", "float32") != "float32"}
+              "upload_precision": spec.get("upload_precision", "float32") != "float32",
+              "portable": job_exactness(spec) == "portable"}
     return frozenset(name for name, needed in wanted.items() if needed)
+
+
+def job_exactness(spec: Mapping[str, Any]) -> str:
+    """`portable` (the same bits on any CPU) or `class` (bits of one compute class)."""
+    return str(spec.get("exactness", DEFAULT_EXACTNESS))
 
 
 class JobLike(Protocol):
@@ -51,6 +63,7 @@ class JobLike(Protocol):
     spec: Mapping[str, Any]
     priority: int
     plan: Mapping[str, Any] | None
+    compute_class: str | None
 
 
 @dataclass(frozen=True)
@@ -67,17 +80,22 @@ class PlacementRequest:
     priority: int = 0
     memory_mb: float | None = None  # a phone's need for one micro-batch (engine.plan)
     features: frozenset[str] = frozenset()  # what its phones must compute (job_features)
+    exactness: str = DEFAULT_EXACTNESS  # engine.kernels: portable or class
+    # a `class` job's compute class (fingerprint), chosen at its first placement; None before
+    compute_class: str | None = None
 
     @classmethod
     def for_job(cls, job: JobLike) -> PlacementRequest:
         plan = job.plan or {}
         need = plan.get("memory_per_device_bytes")
         return cls.from_spec(job.id, job.spec, job.priority,
-                             memory_mb=need / 2**20 if isinstance(need, (int, float)) else None)
+                             memory_mb=need / 2**20 if isinstance(need, (int, float)) else None,
+                             compute_class=job.compute_class)
 
     @classmethod
     def from_spec(cls, job_id: str, spec: Mapping[str, Any], priority: int = 0,
-                  memory_mb: float | None = None) -> PlacementRequest:
+                  memory_mb: float | None = None,
+                  compute_class: str | None = None) -> PlacementRequest:
         placement = spec.get("placement") or {}
         return cls(
             job_id=job_id,
@@ -92,7 +110,14 @@ class PlacementRequest:
             priority=int(spec.get("priority", priority)),
             memory_mb=memory_mb,
             features=job_features(spec),
+            exactness=job_exactness(spec),
+            compute_class=compute_class,
         )
+
+    @property
+    def pinned(self) -> bool:
+        """A `class` job: its shards stay on one compute class."""
+        return self.exactness == "class"
 
     @property
     def wanted_devices(self) -> int:

@@ -12,6 +12,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from functools import partial
+from typing import Any
 
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
@@ -26,7 +27,13 @@ from scheduler import store_ops
 from scheduler.context import SchedulerContext
 from scheduler.policy import quota
 from scheduler.policy.eviction import EvictionLimits, allowed_evictions, prune
-from scheduler.policy.placement import feasible, keepable, place_gang, rebalance
+from scheduler.policy.placement import (
+    choose_compute_class,
+    feasible,
+    keepable,
+    place_gang,
+    rebalance,
+)
 from scheduler.policy.preemption import plan_preemption
 from scheduler.policy.types import DeviceView, PlacementRequest, RunningJob
 
@@ -120,6 +127,7 @@ def keep_running(ctx: SchedulerContext, session: Session, job: Job, fleet: Fleet
                  budget: EvictionBudget, now: dt.datetime, result: PassResult) -> None:
     req = PlacementRequest.for_job(job)
     holders = fleet.of(job.id)
+    req = settle_running_class(session, job, req, holders, now)
     current = store_ops.primaries(session, job.id)
     leaving = {d.id for d in holders if not keepable(req, d)}
     # lease loss is rate limited (a network blip is not a dead fleet); pause/drain/cordon is not
@@ -150,6 +158,24 @@ def keep_running(ctx: SchedulerContext, session: Session, job: Job, fleet: Fleet
         data={"shards": moved, "from": sorted(gone), "devices": list(plan.devices),
               "step": job.step, "counts": store_ops.shard_counts(plan.shards)},
     )
+
+
+def settle_running_class(session: Session, job: Job, req: PlacementRequest,
+                         holders: list[DeviceView], now: dt.datetime) -> PlacementRequest:
+    """A running `class` job without a compute class (placed before jobs had one) settles on
+    its holders' best class now; holders of another class then leave it like any other."""
+    if not req.pinned or req.compute_class is not None:
+        return req
+    chosen = choose_compute_class(req, [d for d in holders if keepable(req, d)])
+    if chosen is None or not store_ops.guarded_job_update(
+            session, job.id, {"state": JobState.RUNNING.value, "compute_class": None},
+            compute_class=chosen):
+        return req
+    store_ops.record_event(session, "ComputeClassChosen",
+                           f"its shards stay on compute class #{chosen} from step {job.step}",
+                           now=now, job_id=job.id, data={"compute_class": chosen,
+                                                         "step": job.step})
+    return replace(req, compute_class=chosen)
 
 
 def to_pending(session: Session, job: Job, reason: str, now: dt.datetime, event: str,
@@ -189,14 +215,20 @@ def place_pending(ctx: SchedulerContext, session: Session, job: Job, fleet: Flee
             store_ops.guarded_job_update(session, job.id, {"state": "Pending"}, reason=plan.reason)
         return
     total = job.total_steps or info.total_steps
+    data: dict[str, Any] = {"devices": list(plan.devices), "step": job.step,
+                            "counts": store_ops.shard_counts(plan.shards)}
+    pinned: dict[str, str] = {}  # a class job keeps the compute class its first placement chose
+    if req.pinned and plan.compute_class is not None:
+        pinned = {"compute_class": plan.compute_class}
+        data["compute_class"] = plan.compute_class
     scheduled = StateEvent(
         "Scheduled", f"placed on {len(plan.devices)} device(s) at step {job.step}: "
-        + ", ".join(f"{d}={n}" for d, n in sorted(store_ops.shard_counts(plan.shards).items())),
-        data={"devices": list(plan.devices), "step": job.step,
-              "counts": store_ops.shard_counts(plan.shards)})
+        + ", ".join(f"{d}={n}" for d, n in sorted(store_ops.shard_counts(plan.shards).items()))
+        + (f"; compute class #{plan.compute_class}" if pinned else ""), data=data)
     if not transition(session, job.id, JobState.RUNNING, scheduled, now=now,
-                      expect={"step": job.step}, reason=None, started_at=job.started_at or now,
-                      step_started_at=now, total_steps=total):
+                      expect={"step": job.step, "compute_class": job.compute_class},
+                      reason=None, started_at=job.started_at or now, step_started_at=now,
+                      total_steps=total, **pinned):
         return
     store_ops.set_primaries(session, job.id, plan.shards, since_step=job.step)
     fleet.assign(job.id, plan.devices)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import platform
 import signal
 import subprocess
 import sys
@@ -18,6 +19,7 @@ import httpx
 import numpy as np
 import pytest
 
+from engine.compute_class import fingerprint
 from phalanx.train_local import run_reference
 from tests.agent import live, phone
 from tests.agent.helpers import REPO, agent_process
@@ -87,6 +89,11 @@ def test_enroll_heartbeat_kill_restart(server: LiveServer, tmp_path: Path, cool_
             and d["latest_telemetry"].get("battery_pct") == 87 and d), on_fail=log.read_text)
         assert ready["latest_telemetry"]["cpu_temp_c"] == 40.0
         assert ready["agent_version"] and "numpy" in ready["capabilities"]["backends"]
+        # its compute class (a class job's shards stay on one) and its portable path
+        facts = ready["capabilities"]["compute_class"]
+        assert facts["fingerprint"] == fingerprint() and facts["machine"] == platform.machine()
+        assert ready["compute_class"].endswith(f" #{fingerprint()[:8]}")
+        assert "portable" in ready["capabilities"]["features"]
         proc.send_signal(signal.SIGKILL)  # Android's phantom process killer
         proc.wait(timeout=10)
         wait_for("NotReady after the kill",

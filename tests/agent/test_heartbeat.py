@@ -144,3 +144,27 @@ def test_commands_from_the_control_plane_are_obeyed() -> None:
     # unknown commands are ignored (there is no `stop`: a deleted device gets 401, below)
     hb.handle({"state": "Ready", "commands": [{"type": "stop", "reason": "device deleted"}]})
     assert state.fatal is None and not state.draining
+
+
+def test_the_compute_class_is_reported_bounded_or_not_at_all(monkeypatch) -> None:
+    """The agent's `capabilities.compute_class`: this machine's facts, each cut to what the
+    control plane takes; a fingerprint that is not 16 hex digits (or an engine that cannot
+    tell) leaves it out, so the heartbeat itself is never refused for it."""
+    import engine.compute_class
+    from agent.runtime import agent
+
+    facts = agent.compute_class()
+    assert facts is not None and facts["fingerprint"] == engine.compute_class.fingerprint()
+    long = {**engine.compute_class.describe(), "numpy": "2." + "9" * 100, "simd_features": 5000}
+    monkeypatch.setattr(engine.compute_class, "describe", lambda: long)
+    cut = agent.compute_class()
+    assert cut is not None and len(cut["numpy"]) == 64 and cut["simd_features"] == 1024
+    monkeypatch.setattr(engine.compute_class, "describe", lambda: {**long, "fingerprint": "XY"})
+    assert agent.compute_class() is None
+
+    def broken() -> dict:
+        raise RuntimeError("no BLAS")
+
+    monkeypatch.setattr(engine.compute_class, "describe", broken)
+    assert agent.compute_class() is None
+    assert "portable" in agent.FEATURES

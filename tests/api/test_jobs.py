@@ -7,6 +7,7 @@ import io
 import numpy as np
 import pytest
 
+from agent.runtime.agent import FEATURES, compute_class
 from api.store.models import Checkpoint, Event, Job, ShardAssignment, StepMetric
 
 SPEC = {"name": "digits-cnn", "model": {"arch": "cnn"}, "dataset": "digits",
@@ -57,6 +58,7 @@ def test_submit_returns_201_with_the_job_and_defaults_filled_in(api):
     ("optimizer.lr", 0, "optimizer.lr"),
     ("optimizer.momentum", 1.5, "optimizer.momentum"),
     ("optimizer.schedule", "linear", "optimizer.schedule"),
+    ("exactness", "fast", "exactness"),
     ("optimizer.warmup_epochs", 20, ""),
     ("optimizer.beta", 0.9, "optimizer.beta"),
     ("placement.min_devices", 9, "placement.max_devices"),
@@ -212,9 +214,11 @@ def test_a_users_own_layer_graph_is_accepted_as_custom_and_a_bad_one_names_its_l
 
 
 def test_a_dry_run_answers_the_plan_and_where_it_could_run_and_creates_nothing(api):
-    api.register("roomy", labels={"rack": "a"}, ram_mb=8000)
-    api.register("tiny", labels={"rack": "a"}, ram_mb=100)
-    api.register("elsewhere", labels={"rack": "b"}, ram_mb=8000)
+    for name, rack, ram_mb in (("roomy", "a", 8000), ("tiny", "a", 100),
+                               ("elsewhere", "b", 8000)):  # agents of today (test_compute_class)
+        api.heartbeat(api.register(name, labels={"rack": rack}, ram_mb=ram_mb),
+                      {"telemetry": [], "capabilities": {"features": list(FEATURES),
+                                                         "compute_class": compute_class()}})
     events = api.count(Event)
     resp = api.post("/v1/jobs?dry_run=true", json=SPEC)
     assert resp.status_code == 200, resp.text

@@ -10,7 +10,7 @@ from typing import Any
 from fastapi.testclient import TestClient
 from sqlalchemy import select
 
-from agent.runtime.agent import FEATURES
+from agent.runtime.agent import FEATURES, compute_class
 from api.settings import Settings
 from api.steps.protocol import store_results
 from api.store.db import make_engine, make_session_factory, transaction
@@ -31,6 +31,12 @@ from wire.messages import decode_results, encode_results
 
 NOW = dt.datetime(2026, 12, 2, 12, 0, tzinfo=dt.timezone.utc)
 TINY = "synthetic:1x4x4:3:64"  # 64 samples of 1x4x4, 3 classes: steps take milliseconds
+
+
+def capabilities() -> dict[str, Any]:
+    """What an agent of today on this machine reports: every feature a job may ask for
+    (upload_precision, portable, ...) and this machine's compute class (class jobs)."""
+    return {"features": list(FEATURES), "compute_class": compute_class()}
 
 
 class Clock:
@@ -95,7 +101,7 @@ def run_to(ctx: SchedulerContext, job_id: str, step: int) -> None:
 def add_devices(ctx: SchedulerContext, n: int, prefix: str = "dev", **fields: Any) -> list[str]:
     """Ready devices whose agents compute every feature this agent does (unless `fields` say)."""
     ids = [f"{prefix}-{i:02d}" for i in range(n)]
-    fields.setdefault("capabilities", {"features": list(FEATURES)})
+    fields.setdefault("capabilities", capabilities())
     with transaction(ctx.session_factory) as s:
         for device_id in ids:
             s.add(Device(id=device_id, name=device_id, state="Ready",
@@ -191,10 +197,9 @@ def enroll(client: TestClient, name: str) -> tuple[str, dict[str, str]]:
     assert reg.status_code == 201, reg.text
     body = reg.json()
     headers = {"Authorization": f"Bearer {body['device_token']}"}
-    # an agent of today: it computes every feature a job may ask for (upload_precision, ...)
+    # an agent of today: every feature a job may ask for, and this machine's compute class
     hb = client.post(f"/v1/devices/{body['device_id']}/heartbeat",
-                     json={"telemetry": [], "capabilities": {"features": list(FEATURES)}},
-                     headers=headers)
+                     json={"telemetry": [], "capabilities": capabilities()}, headers=headers)
     assert hb.status_code == 200, hb.text
     return body["device_id"], headers
 

@@ -56,7 +56,8 @@ APPLY_STEPS = textwrap.dedent("""
             "global_batch_size": 32, "shards": 8, "epochs": 100, "seed": 0,
             "checkpoint_every": 100000, "placement": {"min_devices": 1, "max_devices": 1}}
     with transaction(ctx.session_factory) as s:
-        s.add(Device(id="dev-m", name="m", state="Ready", lease_renewed_at=ctx.clock()))
+        s.add(Device(id="dev-m", name="m", state="Ready", lease_renewed_at=ctx.clock(),
+                     capabilities={"compute_class": {"fingerprint": "0123456789abcdef"}}))
         job = Job(name="m", spec=spec, state="Pending", total_steps=job_info("m", spec, root).total_steps)
         s.add(job)
         s.flush()

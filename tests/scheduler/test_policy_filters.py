@@ -17,7 +17,8 @@ from scheduler.policy.types import DeviceView, PlacementRequest
 
 REQ = PlacementRequest(job_id="job-a", arch="cnn", shards=8, min_battery=20, max_temp_c=45,
                        selector={"rack": "a"}, memory_mb=1500)
-BASE = DeviceView(id="dev-1", labels={"rack": "a"}, battery_pct=80, charging=False, temp_c=35)
+BASE = DeviceView(id="dev-1", labels={"rack": "a"}, battery_pct=80, charging=False, temp_c=35,
+                  compute_class="be23673d0b4b503b")
 
 FILTER_CASES = {
     "a healthy phone in the right rack passes": (BASE, None),
@@ -49,7 +50,7 @@ FILTER_CASES = {
         DeviceView(**{**BASE.__dict__, "ram_mb": 2000}), UNRESOLVABLE),
     "a 4 GB phone can": (DeviceView(**{**BASE.__dict__, "ram_mb": 4000}), None),
     "a phone with no telemetry yet is not refused for it": (
-        DeviceView(id="dev-2", labels={"rack": "a"}), None),
+        DeviceView(id="dev-2", labels={"rack": "a"}, compute_class="be23673d0b4b503b"), None),
 }
 
 
@@ -87,18 +88,20 @@ def test_a_job_needing_what_an_old_agent_does_not_compute_is_kept_off_it() -> No
     assert job_features(spec) == {"augment", "upload_precision"}
     assert job_features({"augment": {"crop_padding": 0}, "label_smoothing": 0.0}) == set()
     req = PlacementRequest(job_id="j", arch="cnn", shards=4, features=job_features(spec))
-    old = DeviceView(id="old")  # says nothing of features: computes none of them
+    # says nothing of features: computes none of them
+    old = DeviceView(id="old", compute_class=BASE.compute_class)
     status = run_filters(old, req)
     assert status.code == UNRESOLVABLE
     assert status.reason == "agent lacks augment, upload_precision (upgrade it)"
     new = DeviceView(id="new", features=frozenset({"augment", "label_smoothing",
-                                                   "upload_precision"}))
+                                                   "upload_precision"}),
+                     compute_class=BASE.compute_class)
     assert run_filters(new, req).ok
     # what the current agent says it computes covers everything a job can ask
     from agent.runtime.agent import FEATURES
 
     everything = {"augment": {"crop_padding": 4}, "label_smoothing": 0.1,
-                  "upload_precision": "float16"}
+                  "upload_precision": "float16", "exactness": "portable"}
     assert job_features(everything) == set(FEATURES)
 
 

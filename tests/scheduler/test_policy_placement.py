@@ -17,9 +17,13 @@ from scheduler.policy.straggler import (
 )
 from scheduler.policy.types import DeviceView, PlacementRequest, RunningJob
 
+CLASS_A = "a1" * 8  # a compute class's fingerprint
+
 
 def phone(i: int | str, speed: float = 100.0, **kw) -> DeviceView:
+    """A phone of compute class A (unless `compute_class` says), as an agent of today reports."""
     ident = i if isinstance(i, str) else f"dev-{i:03d}"
+    kw.setdefault("compute_class", CLASS_A)
     return DeviceView(id=ident, speeds={"cnn": speed}, battery_pct=90, temp_c=30, **kw)
 
 

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
+from engine.compute_class import fingerprint
 from phalanx.cli.main import app
 from phalanx.sim.fleet import Backoff, FleetOptions, run_fleet
 from phalanx.train_local import run_reference
@@ -109,14 +110,20 @@ def test_without_an_admin_or_enrollment_token_sim_says_what_it_needs(server: Liv
     assert "admin token" in result.stderr
 
 
-def test_light_phones_train_a_job_to_the_reference_trainers_result(server: LiveServer) -> None:
+@pytest.mark.parametrize("exactness", ["class", "portable"])
+def test_light_phones_train_a_job_to_the_reference_trainers_result(server: LiveServer,
+                                                                   exactness: str) -> None:
+    """Light phones report this machine's compute class and the portable path: a job of
+    either exactness runs on them (a class job pinned to this machine's class)."""
     job = {"name": "sim-logreg", "model": {"arch": "logreg"}, "dataset": "digits",
-           "global_batch_size": 64, "shards": 8, "epochs": 1,
-           "placement": {"min_devices": 2, "max_devices": 8, "selector": {"pool": "sim"}}}
+           "global_batch_size": 64, "shards": 8, "epochs": 1, "exactness": exactness,
+           "placement": {"min_devices": 2, "max_devices": 8,
+                         "selector": {"pool": f"sim-{exactness}"}}}
     report = run_fleet(FleetOptions(server=server.url, phones=8, duration_s=120, interval_s=1,
                                     admin_token=ADMIN_TOKEN, compute=True, job=job,
-                                    labels={"pool": "sim"}))
+                                    labels={"pool": f"sim-{exactness}"}))
     assert report["job"]["state"] == "Succeeded", report
+    assert report["job"]["compute_class"] == (fingerprint() if exactness == "class" else None)
     assert report["job"]["step"] == report["job"]["total_steps"]
     reference = run_reference(job, None, progress=False)  # `phalanx train --local`
     assert report["job"]["metrics"]["val_accuracy"] == pytest.approx(reference["val_accuracy"],
