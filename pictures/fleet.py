@@ -73,7 +73,8 @@ def fleet(devices: Sequence[dict[str, Any]], jobs: Sequence[dict[str, Any]],
                     f"<td>{_e(None if battery is None else f'{battery:.0f}%')}"
                     f"{' ⚡' if tel.get('charging') else ''}</td>"
                     f"<td>{held.get(str(d.get('id')), 0)}</td><td>{_e(labels)}</td>"
-                    f"<td>{_e(d.get('agent_version'))}</td></tr>")
+                    f"<td>{_e(d.get('agent_version'))}</td>"
+                    f"<td>{_e(d.get('compute_class'))}</td></tr>")
     job_rows = []
     for j in jobs:
         m = j.get("metrics") or {}
@@ -91,7 +92,7 @@ def fleet(devices: Sequence[dict[str, Any]], jobs: Sequence[dict[str, Any]],
             f'every {refresh_s} s · <a href="/ui/logout">log out</a></nav>'
             f"<h2>Fleet</h2><table class=\"list fleet\"><tr><th>phone</th><th>state</th>"
             f"<th>paused</th><th>°C</th><th>battery</th><th>shards</th><th>labels</th>"
-            f"<th>agent</th></tr>{''.join(rows)}</table>"
+            f"<th>agent</th><th>compute class</th></tr>{''.join(rows)}</table>"
             f"<h2>Jobs</h2><table class=\"list jobs\"><tr><th>job</th><th>state</th>"
             f"<th>step</th><th>loss</th><th>val acc</th><th>phones</th><th>reason</th></tr>"
             f"{''.join(job_rows)}</table>")

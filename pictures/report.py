@@ -208,6 +208,20 @@ table.events td { padding: 1px 10px 1px 0; vertical-align: top; } .Warning { col
 """
 
 
+def _compute_class(job: dict[str, Any]) -> str | None:
+    """A `class` job's compute class, and whether the server is of it (so whether `phalanx
+    train --local` there gives the job's bits); None for a portable job."""
+    if (job.get("exactness") or (job.get("spec") or {}).get("exactness")) != "class":
+        return None
+    fingerprint = job.get("compute_class")
+    if not fingerprint:
+        return "not chosen yet (at its first placement)"
+    same = job.get("server_is_reference")
+    where = {True: "the server's own: phalanx train --local there is its reference",
+             False: "not the server's: phalanx train --local there is not its reference"}
+    return f"#{fingerprint}" + (f" ({where[same]})" if same in where else "")
+
+
 def render(job: dict[str, Any], metrics: Sequence[dict[str, Any]],
            events: Sequence[dict[str, Any]], names: dict[str, str] | None = None,
            refresh_s: int | None = None) -> str:
@@ -219,6 +233,8 @@ def render(job: dict[str, Any], metrics: Sequence[dict[str, Any]],
              ("model", (spec.get("model") or {}).get("arch")), ("dataset", spec.get("dataset")),
              ("train loss", m.get("train_loss")), ("val accuracy", m.get("val_accuracy")),
              ("parameters", (job.get("plan") or {}).get("parameters")),
+             ("exactness", job.get("exactness") or spec.get("exactness")),
+             ("compute class", _compute_class(job)),
              ("reason", job.get("reason"))]
     rows = "".join(f"<tr><td>{html.escape(k)}</td><td>{html.escape(str(v))}</td></tr>"
                    for k, v in facts if v is not None)

@@ -99,7 +99,8 @@ def device_table(devices: list[dict[str, Any]], shards: dict[str, int | None] | 
                  notes: dict[str, str] | None = None, title: str | None = None,
                  show_id: bool = True, arch: str | None = None, wide: bool = False) -> Table:
     """One row per device; with `arch`, the speed the agent measured for that model; `wide`
-    adds the labels and the agent's version."""
+    adds the labels, the agent's version and the compute class (what a `class` job's shards
+    must share: machine, BLAS library and kernel, SIMD level, #fingerprint)."""
     table = Table(title=title, title_justify="left", header_style="bold")
     cols = ["ID", "NAME", "STATE", "MODEL", "BATTERY", "TEMP", "FREQ", "SHARDS", "SEEN"]
     if arch:
@@ -107,8 +108,8 @@ def device_table(devices: list[dict[str, Any]], shards: dict[str, int | None] | 
     for col in cols if show_id else cols[1:]:
         table.add_column(col, no_wrap=True)
     if wide:
-        for col in ("LABELS", "AGENT"):
-            table.add_column(col)
+        for col in ("LABELS", "AGENT", "COMPUTE CLASS"):
+            table.add_column(col, no_wrap=col == "COMPUTE CLASS")
     if notes is not None:
         table.add_column("NOTE")
     for dev in devices:
@@ -136,11 +137,20 @@ def device_table(devices: list[dict[str, Any]], shards: dict[str, int | None] | 
         if wide:
             labels = dev.get("labels") or {}
             row += [",".join(f"{k}={v}" for k, v in sorted(labels.items())) or "-",
-                    agent_cell(dev)]
+                    agent_cell(dev), dash(dev.get("compute_class"))]
         if notes is not None:
             row.append(notes.get(str(dev.get("id")), ""))
         table.add_row(*row)
     return table
+
+
+def exactness_cell(job: dict[str, Any]) -> str:
+    """`portable`, or `class #be23673d` (the job's compute class; `class` before it is placed)."""
+    exactness = job.get("exactness") or (job.get("spec") or {}).get("exactness")
+    fingerprint = job.get("compute_class")
+    if exactness and isinstance(fingerprint, str):
+        return f"{exactness} #{fingerprint[:8]}"
+    return dash(exactness)
 
 
 def metric(job: dict[str, Any], *names: str) -> float | None:
@@ -152,10 +162,11 @@ def metric(job: dict[str, Any], *names: str) -> float | None:
 
 
 def job_table(jobs: list[dict[str, Any]], wide: bool = False) -> Table:
-    """One row per job; `wide` adds its priority, model, dataset and why it waits or ended."""
+    """One row per job; `wide` adds its priority, model, dataset, exactness and why it waits
+    or ended."""
     table = Table(header_style="bold")
     cols = ["ID", "NAME", "OWNER", "STATE", "STEP", "LOSS", "VAL ACC", "DEVICES", "AGE"]
-    for col in cols + (["PRIORITY", "MODEL", "DATASET", "REASON"] if wide else []):
+    for col in cols + (["PRIORITY", "MODEL", "DATASET", "EXACTNESS", "REASON"] if wide else []):
         table.add_column(col, no_wrap=col != "REASON")
     for job in jobs:
         row = [dash(job.get("id")), dash(job.get("name")), job.get("owner") or "(admin)",
@@ -166,7 +177,7 @@ def job_table(jobs: list[dict[str, Any]], wide: bool = False) -> Table:
         if wide:
             spec = job.get("spec") or {}
             row += [str(job.get("priority", 0)), dash((spec.get("model") or {}).get("arch")),
-                    dash(spec.get("dataset")), dash(job.get("reason"))]
+                    dash(spec.get("dataset")), exactness_cell(job), dash(job.get("reason"))]
         table.add_row(*row)
     return table
 
@@ -200,12 +211,21 @@ def plan_view(answer: dict[str, Any]) -> Table:
             ("total steps", dash(answer.get("total_steps"))),
             ("bytes per step", f"{si(plan.get('bytes_per_step'), 'B')} "
                                f"({dash(plan.get('devices_counted'))} devices)"),
+            ("exactness", dash(placement.get("exactness") or
+                               (answer.get("spec") or {}).get("exactness"))),
             ("eligible devices now", dash(placement.get("eligible")))]
     if (plan.get("slices") or 1) > 1:  # the vector applied in slices (engine.slices)
         rows.insert(-1, ("slices", f"{plan['slices']} (the largest "
                                    f"{plan.get('largest_slice_parameters', 0):,} parameters)"))
     for reason, count in (placement.get("reasons") or {}).items():
         rows.append((f"  not: {reason}", str(count)))
+    # a class job: the compute classes it could go on, the one it would take first
+    for i, cls in enumerate(placement.get("compute_classes") or []):
+        rows.append((f"  class {'(first choice)' if i == 0 else ''}".rstrip(),
+                     f"{cls.get('label') or '#' + str(cls.get('fingerprint'))[:8]}: "
+                     f"{cls.get('devices')} device(s), {si(cls.get('speed'))} samples/s"))
+    if placement.get("exactness") == "class" and not placement.get("compute_classes"):
+        rows.append(("  class", "none: no eligible device reports a compute class"))
     for row in rows:
         table.add_row(*row)
     return table

@@ -382,6 +382,34 @@ def test_reads_filter_on_the_server_and_print_yaml_and_wide(cli: Cli, register_d
     assert "PRIORITY" in cli("jobs", "ls", "-o", "wide").stdout
 
 
+def test_a_phones_compute_class_in_the_wide_list_and_describe_and_a_jobs_exactness(
+        cli: Cli, register_device, tmp_path: Path) -> None:
+    facts = {"machine": "x86_64", "numpy": "2.4.6",
+             "blas": {"library": "openblas", "version": "0.3.31.188.0", "kernel": "SkylakeX"},
+             "simd": "X86_V4", "simd_features": 42, "fingerprint": "be23673d0b4b503b"}
+    phone = register_device("classy", {"cc": "yes"})
+    beat = httpx.post(f"{cli.server.url}/v1/devices/{phone['device_id']}/heartbeat",
+                      json={"telemetry": [], "capabilities": {"compute_class": facts}},
+                      headers={"Authorization": f"Bearer {phone['device_token']}"}, timeout=30)
+    assert beat.status_code == 200, beat.text
+    register_device("classless", {"cc": "yes"})
+    wide = cli("devices", "ls", "-l", "cc", "-o", "wide").stdout
+    assert "COMPUTE CLASS" in wide and "COMPUTE CLASS" not in cli("devices", "ls").stdout
+    (row,) = [line for line in wide.splitlines() if "classy" in line]
+    assert "x86_64 openblas SkylakeX X86_V4 #be23673d" in row
+    described = cli("devices", "describe", phone["device_id"]).stdout
+    assert "fingerprint: be23673d0b4b503b" in described and "version: 0.3.31.188.0" in described
+    job = cli.json("jobs", "submit", "-f", str(write_spec(tmp_path, {**SMALL_JOB,
+                                                                     "exactness": "class"})))
+    assert "exactness: class" in cli("jobs", "describe", job["id"]).stdout
+    (line,) = [ln for ln in cli("jobs", "ls", "-o", "wide").stdout.splitlines() if job["id"] in ln]
+    assert " class " in line
+    here = {**SMALL_JOB, "exactness": "class", "placement": {"selector": {"cc": "yes"}}}
+    plan = cli("jobs", "submit", "-f", str(write_spec(tmp_path, here)), "--dry-run").stdout
+    assert re.search(r"exactness +class", plan) and "x86_64 openblas SkylakeX X86_V4 #be23673d: 1 device(s)" in plan
+    cli("jobs", "cancel", job["id"])
+
+
 def test_piped_tables_keep_each_row_on_one_line(cli: Cli, register_device) -> None:
     """`phalanx devices ls -o wide | grep ...`: the real process, its stdout a pipe, a narrow
     COLUMNS; rich would wrap the table to it and cut the labels a script greps for."""
