@@ -148,6 +148,15 @@ class JobCreate(RequestModel):
                              f"be < epochs ({self.epochs})")
         return self
 
+    @model_validator(mode="after")
+    def _portable_on_numpy(self) -> JobCreate:
+        # torch's kernels, like BLAS's, give other bits per CPU: a portable shard is numpy's
+        if self.exactness == "portable" and self.placement.backend == "torch":
+            raise ValueError("exactness portable computes every shard with numpy's portable "
+                             "kernels: placement.backend torch cannot apply (use any or numpy, "
+                             "or exactness class)")
+        return self
+
     def spec(self) -> dict[str, Any]:
         """The spec a job keeps: every field with its default, a model's unset `layers` left out."""
         out = self.model_dump()

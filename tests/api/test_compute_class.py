@@ -85,6 +85,11 @@ def test_exactness_is_portable_or_class_and_anything_else_is_a_422_naming_it(api
         made = api.post("/v1/jobs", json={**SPEC, "exactness": value})
         assert made.status_code == 201 and made.json()["spec"]["exactness"] == value, made.text
     assert api.count(Job) == 2
+    torch = {**SPEC, "exactness": "portable", "placement": {"backend": "torch"}}
+    resp = api.post("/v1/jobs", json=torch)
+    assert resp.status_code == 422 and "placement.backend torch cannot apply" in resp.text
+    made = api.post("/v1/jobs", json={**torch, "exactness": "class"})
+    assert made.status_code == 201, made.text
 
 
 def test_a_job_shows_its_exactness_and_a_class_jobs_class_with_whether_the_server_is_of_it(api):
