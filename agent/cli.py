@@ -13,7 +13,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from agent import __version__
+from agent import __version__, release
 from agent.client import Client, ClientError, StatusError
 from agent.config import AgentConfig, ConfigError, resolve_path, save
 from agent.hardware import collect_spec
@@ -88,7 +88,18 @@ def cmd_install_launcher(args: argparse.Namespace) -> int:
     """Copy this agent's launch.sh to the agent home (where runit's run script finds it), and
     forget any upgraded slot: after a (re)install, the installed agent runs."""
     home = Path(args.home or os.environ.get(HOME_ENV) or DEFAULT_HOME).expanduser()
+    pin = None
+    if args.release_key:
+        try:
+            pin = release.parse_key(args.release_key)
+        except ValueError as exc:
+            print(f"--release-key: {exc}", file=sys.stderr)
+            return 2
     home.mkdir(parents=True, exist_ok=True)
+    if pin is not None:  # the key upgrades must be signed by, besides the package's own
+        tmp = home / f".{release.PINNED_FILE}.tmp"
+        tmp.write_text(pin.hex() + "\n")
+        os.replace(tmp, home / release.PINNED_FILE)
     target = home / "launch.sh"
     tmp = home / ".launch.sh.tmp"
     tmp.write_bytes((Path(__file__).resolve().parent / "launch.sh").read_bytes())
@@ -101,6 +112,10 @@ def cmd_install_launcher(args: argparse.Namespace) -> int:
 
 def cmd_probe(args: argparse.Namespace) -> int:
     out: dict[str, Any] = {"reading": Probes().read(), "spec": collect_spec()}
+    home = os.environ.get(HOME_ENV)
+    # the keys an upgrade must be signed by (fingerprints): compare with `phalanx agents key`
+    out["release_keys"] = [release.fingerprint(k) for k in release.trusted_keys(
+        Path(home).expanduser() if home else Path(DEFAULT_HOME).expanduser())]
     if args.config and Path(args.config).expanduser().exists():
         out["config"] = str(resolve_path(args.config))
     print(json.dumps(out, indent=2, sort_keys=True, default=str))
@@ -128,6 +143,10 @@ def parser() -> argparse.ArgumentParser:
     launcher = sub.add_parser("install-launcher", help="copy launch.sh (starts the current "
                               "build, rolls back a failed upgrade) to the agent home")
     launcher.add_argument("--home", help=f"agent home (default ${HOME_ENV} or {DEFAULT_HOME})")
+    launcher.add_argument("--release-key", metavar="HEX", help="pin the server's release key "
+                          "(`phalanx agents key`) in the agent home: upgrades signed by it are "
+                          "installed (an agent installed from the server's archive already "
+                          "carries it)")
     launcher.set_defaults(func=cmd_install_launcher)
     probe = sub.add_parser("probe", help="print one reading of every probe as JSON")
     probe.add_argument("--config", help=help_config)

@@ -57,7 +57,8 @@ class Unauthorized(StatusError):
 def revoked_message(exc: Unauthorized) -> str:
     """What a person must read when the control plane refuses this device's token."""
     return (f"the control plane refused this device's token ({exc.detail}): the token was "
-            "revoked or the device deleted; enroll again with `phalanx-agent enroll`")
+            "revoked, ended (replaced by a rotation this agent never saved), or the device "
+            "deleted; enroll again with `phalanx-agent enroll`")
 
 
 class Conflict(StatusError):
@@ -162,11 +163,22 @@ class Client:
                           json_body={"version": version, "outcome": outcome,
                                      "detail": detail[:2000]}).json()
 
-    def agent_archive(self, path: str, max_bytes: int) -> bytes:
-        """The agent archive a rollout names, from this server only (a path, not a URL)."""
+    def agent_archive(self, path: str, max_bytes: int) -> tuple[bytes, str | None]:
+        """The agent archive a rollout names, from this server only (a path, not a URL), and
+        its release signature (header X-Phalanx-Release-Signature; None when absent): the
+        upgrader checks both before anything is unpacked (agent.release)."""
         if not path.startswith("/") or path.startswith("//"):
             raise ValueError(f"agent archive path {path!r}: must be a path on this server")
-        return bytes(self._send("GET", path, max_bytes=max_bytes).body)  # hashed, unpacked
+        resp = self._send("GET", path, max_bytes=max_bytes)
+        signature = {k.lower(): v for k, v in resp.headers.items()}.get(
+            "x-phalanx-release-signature")
+        return bytes(resp.body), signature
+
+    @property
+    def over_https(self) -> bool:
+        """Whether this client talks to its server over TLS (the server's certificate then
+        authenticates what it answers)."""
+        return urllib.parse.urlsplit(self.base_url).scheme.lower() == "https"
 
     def work(self, device_id: str, wait_s: float) -> Assignment | None:
         """This step's work for the device, or None; an assignment this agent cannot read is

@@ -6,7 +6,7 @@
 #   (the control plane serves this script and /agent.tar.gz, the agent's sources, without auth;
 #   `phalanx tokens create --enroll` prints this line with both hashes filled in)
 #   bash deploy/termux/install.sh --server URL --token TOKEN [--name N] [--label k=v]... \
-#        [--source PIP-SPEC] [--sha256 HEX] [--ca-file PEM] [--torch] [--no-enroll]
+#        [--source PIP-SPEC] [--sha256 HEX] [--release-key HEX] [--ca-file PEM] [--torch] [--no-enroll]
 #
 # What it does: pkg install python python-numpy termux-api termux-services (python-torch and
 # python-psutil on request / when available), pip install the agent (numpy comes from pkg:
@@ -14,7 +14,7 @@
 # agent when Android kills it, termux-wake-lock, and a Termux:Boot script.
 set -euo pipefail
 
-SERVER="" TOKEN="" NAME="" SOURCE="" SHA256="" CA_FILE="" TORCH=0 ENROLL=1
+SERVER="" TOKEN="" NAME="" SOURCE="" SHA256="" RELEASE_KEY="" CA_FILE="" TORCH=0 ENROLL=1
 LABELS=()
 here="$(cd "$(dirname "${BASH_SOURCE[0]:-$0}")" 2>/dev/null && pwd || echo .)"
 
@@ -27,6 +27,7 @@ while [ $# -gt 0 ]; do
     --label) LABELS+=(--label "$2"); shift 2 ;;
     --source) SOURCE="$2"; shift 2 ;;
     --sha256) SHA256="$2"; shift 2 ;;
+    --release-key) RELEASE_KEY="$2"; shift 2 ;;  # `phalanx agents key`: upgrades signed by it
     --ca-file) CA_FILE="$(cd "$(dirname "$2")" && pwd)/$(basename "$2")"; shift 2 ;;
     --torch) TORCH=1; shift ;;
     --no-enroll) ENROLL=0; shift ;;
@@ -101,7 +102,8 @@ fi
 echo "== runit service"
 # launch.sh starts the agent's current build and rolls a failed upgrade back (agent/slots.py)
 AGENT_HOME="$HOME/.local/share/phalanx-agent"
-phalanx-agent install-launcher --home "$AGENT_HOME"
+# --release-key: for an agent not from the server's archive (which carries the key itself)
+phalanx-agent install-launcher --home "$AGENT_HOME" ${RELEASE_KEY:+--release-key "$RELEASE_KEY"}
 SV="$PREFIX/var/service/phalanx-agent"
 LOGDIR="$PREFIX/var/log/sv/phalanx-agent"
 mkdir -p "$SV/log" "$LOGDIR"

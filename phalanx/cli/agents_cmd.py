@@ -60,6 +60,22 @@ def agents_stop(server: ServerOpt = None, token: TokenOpt = None,
     emit(status, output, rollout_table)
 
 
+@agents_app.command("key")
+def agents_key(server: ServerOpt = None, token: TokenOpt = None,
+               output: OutputOpt = Output.table) -> None:
+    """The key this server signs agent builds with. Phones installed with the install line
+    carry it; pin it on others: `install.sh --release-key KEY` (or `phalanx-agent
+    install-launcher --release-key KEY`). `phalanx-agent probe` on a phone lists the
+    fingerprints it trusts."""
+    with connect(server, token) as client:
+        key = client.json("GET", "/v1/agent/release-key")
+    if output is Output.table:
+        # one line, never wrapped: it is pasted onto phones
+        typer.echo(f"{key['algorithm']} {key['public_key']}  (fingerprint {key['fingerprint']})")
+    else:
+        emit(key, output, lambda k: k)
+
+
 def register(app: typer.Typer) -> None:
     """Mount this module's commands on the root app."""
     app.add_typer(agents_app, name="agents")

@@ -30,8 +30,20 @@ def serving(tmp_path: Path, version: str, *, broken: bool = False) -> LiveServer
                         extra_env=live.SERVER_ENV, cwd=tree)
 
 
-def supervised(p: live.Phone, home: Path) -> subprocess.Popen[bytes]:
+def pin_release_key(server: LiveServer, home: Path) -> str:
+    """The server's release key, pinned in the agent home: these phones run the checkout's
+    agent, which (not installed from the server's archive) carries no key of its own, and
+    over plain http an agent without one refuses every upgrade (agent/release.py)."""
+    with server.client() as c:
+        key = c.get("/v1/agent/release-key").json()["public_key"]
+    (home / "release_key").write_text(key + "\n")
+    return key
+
+
+def supervised(p: live.Phone, home: Path, *, pin: bool = True) -> subprocess.Popen[bytes]:
     install_launcher(home)
+    if pin:
+        pin_release_key(p.server, home)
     env = without_settings() | {"PHALANX_AGENT_HOME": str(home), "PYTHONUNBUFFERED": "1",
                                 "PHALANX_AGENT_PYTHON": sys.executable,
                                 "PHALANX_SYSFS_ROOT": str(p.root)}

@@ -120,4 +120,4 @@ def test_the_matrix_covers_every_operation(api) -> None:
                            ("get", "/v1/devices/{device_id}/events"),
                            ("get", "/v1/devices/{device_id}/telemetry"),
                            ("get", "/v1/jobs"), ("post", "/v1/jobs"),
-                           ("get", "/v1/agent/rollout")}
+                           ("get", "/v1/agent/rollout"), ("get", "/v1/agent/release-key")}
