@@ -84,39 +84,45 @@ class Conv2d(Layer):
         k, s, p = self.k, self.s, self.p
         ho, wo = _out(h, k, s, p), _out(w, k, s, p)
         wm = P[self.w].transpose(2, 3, 1, 0).reshape(k * k * c, self.cout)
-        mm = ctx.kernels.matmul
+        kern = ctx.kernels
+        # the input as the left factor of the forward's products and the weight gradient's
+        src, how = kern.operand(x, max(k * k * c, n * ho * wo))
         if self._pointwise():
-            y = mm(x.reshape(n * h * w, c), wm)
-            src = x
+            y = kern.product(src.reshape(n * h * w, c), how, wm)
         else:
-            src = _pad(x, p)
+            src = _pad(src, p)
             y = np.empty((n * ho * wo, self.cout), dtype=x.dtype)
             win = _windows(src, k, s, ho, wo)
             buf = None
             for a, b in _chunks(n, ho * wo, k * k * c):
-                buf = _take(win[a:b], buf)
-                mm(buf.reshape(-1, k * k * c), wm, out=y[a * ho * wo : b * ho * wo])
+                buf = _take(win[a:b], buf, kern.window_dtype(src.dtype))
+                kern.product(buf.reshape(-1, k * k * c), how, wm,
+                             out=y[a * ho * wo : b * ho * wo])
         if self.bias:
             y += P[self.b]
-        return y.reshape(n, ho, wo, self.cout), (src, wm, x.shape, ctx.kernels)
+        return y.reshape(n, ho, wo, self.cout), (src, how, wm, x.shape, kern)
 
     def backward(self, dy, cache, P, G, need_dx=True):
-        src, wm, shape, kern = cache
+        src, how, wm, shape, kern = cache
         c = shape[3]
         k = self.k
         dy2 = dy.reshape(-1, self.cout)
         if self.bias:
             G[self.b][...] = kern.colsum(dy2)
         if self._pointwise():
-            dwm = kern.matmul(src.reshape(-1, c).T, dy2)
-            dx = kern.matmul(dy2, wm.T).reshape(shape) if need_dx else None
+            dwm = kern.product(src.reshape(-1, c).T, how, dy2)
+            if need_dx:
+                dyq, dy_how = kern.operand(dy2, self.cout)
+                dx = kern.product(dyq, dy_how, wm.T).reshape(shape)
+            else:
+                dx = None
         else:
-            dwm, dx = self._backward_chunked(dy2, src, wm, shape, dy.shape[1], dy.shape[2],
+            dwm, dx = self._backward_chunked(dy2, src, how, wm, shape, dy.shape[1], dy.shape[2],
                                              need_dx, kern)
         G[self.w][...] = dwm.reshape(k, k, c, self.cout).transpose(3, 2, 0, 1)
         return dx
 
-    def _backward_chunked(self, dy2, xp, wm, shape, ho, wo, need_dx, kern):
+    def _backward_chunked(self, dy2, xp, how, wm, shape, ho, wo, need_dx, kern):
         n, h, w, c = shape
         k, s, p = self.k, self.s, self.p
         kc = k * k * c
@@ -125,9 +131,10 @@ class Conv2d(Layer):
         part = np.empty_like(dwm)
         buf = None
         for a, b in _chunks(n, ho * wo, kc):
-            buf = _take(win[a:b], buf)
+            buf = _take(win[a:b], buf, kern.window_dtype(xp.dtype))
             # chunks in a fixed order (their size depends on the shapes alone)
-            dwm += kern.matmul(buf.reshape(-1, kc).T, dy2[a * ho * wo : b * ho * wo], out=part)
+            dwm += kern.product(buf.reshape(-1, kc).T, how, dy2[a * ho * wo : b * ho * wo],
+                                out=part)
         if not need_dx:
             return dwm, None
         dy = dy2.reshape(n, ho, wo, self.cout)
@@ -143,12 +150,14 @@ class Conv2d(Layer):
         # wm rows are (i, j, c); the flipped kernel wants rows (k-1-i, k-1-j, cout)
         wf = wm.reshape(k, k, c, self.cout)[::-1, ::-1].transpose(0, 1, 3, 2)
         wfm = np.ascontiguousarray(wf).reshape(k * k * self.cout, c)
-        win = _windows(_pad(dy, q), k, 1, h, w)
+        dyq, how = kern.operand(dy, k * k * self.cout)
+        win = _windows(_pad(dyq, q), k, 1, h, w)
         dx = np.empty((n * h * w, c), dtype=dy.dtype)
         buf = None
         for a, b in _chunks(n, h * w, k * k * self.cout):
-            buf = _take(win[a:b], buf)
-            kern.matmul(buf.reshape(-1, k * k * self.cout), wfm, out=dx[a * h * w : b * h * w])
+            buf = _take(win[a:b], buf, kern.window_dtype(dyq.dtype))
+            kern.product(buf.reshape(-1, k * k * self.cout), how, wfm,
+                         out=dx[a * h * w : b * h * w])
         return dx.reshape(shape)
 
     def _dx_col2im(self, dy, wm, shape, padded_shape, kern):
@@ -156,12 +165,15 @@ class Conv2d(Layer):
         n, h, w, c = shape
         k, s, p = self.k, self.s, self.p
         ho, wo = dy.shape[1], dy.shape[2]
-        dy2 = dy.reshape(-1, self.cout)
+        dy2, how = kern.operand(dy.reshape(-1, self.cout), self.cout)
+        if dy2.dtype != kern.window_dtype(dy2.dtype):  # widened once, not per offset
+            dy2 = dy2.astype(kern.window_dtype(dy2.dtype))
         w_off = wm.reshape(k, k, c, self.cout)
         dxp = np.zeros(padded_shape, dtype=dy.dtype)
         part = np.empty((n * ho * wo, c), dtype=dy.dtype)
         for i, j, sl in _offsets(k, s, ho, wo):
-            kern.matmul(dy2, w_off[i, j].T, out=part)  # contiguous, so the add walks long runs
+            # contiguous, so the add walks long runs
+            kern.product(dy2, how, w_off[i, j].T, out=part)
             dxp[sl] += part.reshape(n, ho, wo, c)
         return dxp[:, p : p + h, p : p + w, :] if p else dxp
 
@@ -171,10 +183,11 @@ class Conv2d(Layer):
         return F.conv2d(x, P[self.w], P[self.b] if self.bias else None, self.s, self.p)
 
 
-def _take(win: np.ndarray, buf: np.ndarray | None) -> np.ndarray:
-    """Copy a window view into a reused buffer (a fresh one when the chunk size changes)."""
+def _take(win: np.ndarray, buf: np.ndarray | None, dtype: np.dtype) -> np.ndarray:
+    """Copy a window view into a reused buffer of `dtype` (a fresh one when the chunk size
+    changes)."""
     if buf is None or buf.shape != win.shape:
-        buf = np.empty(win.shape, dtype=win.dtype)
+        buf = np.empty(win.shape, dtype=dtype)
     np.copyto(buf, win)
     return buf
 

@@ -45,6 +45,21 @@ class Kernels(Protocol):
     def log(self, x: np.ndarray) -> np.ndarray:
         """log x in x's dtype."""
 
+    def operand(self, x: np.ndarray, k: int) -> tuple[np.ndarray, Operand]:
+        """x made ready to be the left factor of products over at most k terms, whole or by
+        rows of its windows (conv's im2col): its values and how to read them."""
+
+    def product(self, a: np.ndarray, how: Operand, b: np.ndarray,
+                out: np.ndarray | None = None) -> np.ndarray:
+        """a @ b for `a` made by `operand` (or rows of its windows copied as `window_dtype`)."""
+
+    def window_dtype(self, dtype: np.dtype) -> np.dtype:
+        """What im2col copies windows of an operand of `dtype` into."""
+
+
+# how to read an operand's values: (scale, bits); the class kernels' operand is x itself
+Operand = tuple[float, int]
+
 
 class ClassKernels:
     name = "class"
@@ -67,6 +82,15 @@ class ClassKernels:
     def log(self, x):
         return np.log(x)
 
+    def window_dtype(self, dtype):
+        return dtype
+
+    def operand(self, x, k):
+        return x, (1.0, 0)
+
+    def product(self, a, how, b, out=None):
+        return np.matmul(a, b, out=out)
+
 
 class PortableKernels:
     name = "portable"
@@ -88,6 +112,16 @@ class PortableKernels:
 
     def log(self, x):
         return portable.log(x).astype(x.dtype)
+
+    def window_dtype(self, dtype):
+        return np.dtype(np.float64)  # the GEMM's own: windows are copied once, widened
+
+    def operand(self, x, k):
+        ints, scale, bits = portable.whole_integers(x, k)
+        return ints, (scale, bits)
+
+    def product(self, a, how, b, out=None):
+        return portable.matmul_scaled(a, how[0], how[1], b, out)
 
 
 CLASS = ClassKernels()

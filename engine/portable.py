@@ -88,6 +88,44 @@ def matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None) -> np.nd
     return out
 
 
+# Integers held in float32 are exact up to 2^24: a whole-tensor operand (below) keeps at most
+# this many bits, so a conv's input can stay float32 in its cache and in im2col's windows
+FLOAT32_INT_BITS = 24
+
+
+def whole_integers(x: np.ndarray, k: int) -> tuple[np.ndarray, float, int]:
+    """x (float32) as integers of at most p bits kept in float32, one power-of-two scale for
+    the whole tensor, for products over at most `k` terms: (integers, scale, p). A conv's
+    input made so once serves every window of im2col (each window a row of integers sharing
+    the scale), so the big column matrix is copied, never scanned and rounded."""
+    p = min(FLOAT32_INT_BITS, operand_bits(k)[0])
+    amax = max(float(x.max()), -float(x.min())) if x.size else 0.0
+    _, e = math.frexp(amax)  # |x| < 2^e
+    if -126 <= p - e <= 127:  # the power of two is a float32: scale in float32 (exact)
+        ints = x * np.float32(2.0 ** (p - e))
+        np.rint(ints, out=ints)
+    else:
+        ints = np.rint(x.astype(np.float64) * 2.0 ** (p - e)).astype(np.float32)
+    return ints, 2.0 ** (e - p), p
+
+
+def matmul_scaled(a: np.ndarray, a_scale: float, a_bits: int, b: np.ndarray,
+                  out: np.ndarray | None = None) -> np.ndarray:
+    """(a x a_scale) @ b as float32, a made by `whole_integers` (or a copy of its windows, in
+    any float dtype); b's columns scaled and rounded here to what the bits leave."""
+    k = a.shape[1]
+    q = min(MAX_OPERAND_BITS, MANTISSA_BITS - max(k - 1, 0).bit_length() - a_bits)
+    if q < 8:
+        raise ValueError(f"a product over {k:,} terms leaves too few bits for exact sums")
+    bi, b_scale = _scaled_integers(b, 0, q)
+    c = (a if a.dtype == np.float64 else a.astype(np.float64)) @ bi  # exact, as in matmul
+    c *= a_scale
+    if out is None:
+        out = np.empty(c.shape, np.float32)
+    np.multiply(c, b_scale, out=out, casting="unsafe")
+    return out
+
+
 def fold(x: np.ndarray, axis: int = 0) -> np.ndarray:
     """The sum along `axis` of x, in x's dtype: rows [0, h) and [h, n) added element-wise,
     h = ceil(n / 2), until one is left (an odd count's middle row goes up as it is). The pairs
