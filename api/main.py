@@ -22,6 +22,7 @@ from starlette.types import ASGIApp
 from api import metrics, metrics_tasks
 from api.app_state import AppState
 from api.auth import Authenticator, ensure_admin_token
+from api.body_auth import AuthBeforeBody
 from api.error_responses import HANDLED, error_response
 from api.fast_path import FastPath
 from api.heartbeat_writer_pg import AsyncPgHeartbeatWriter
@@ -159,6 +160,7 @@ class _UploadPaths(tuple):
 
 def _asgi_chain(app: FastAPI, state: AppState, settings: Settings) -> None:
     """A request passes, outermost first: RequestMetrics (counts every answer, 500s included)
+    -> AuthBeforeBody (a request with a body and no valid token: 401 before any of it is read)
     -> WholeBodyReader (a gradient upload's body, read only for a valid device token) ->
     FastPath (heartbeat and work long poll without FastAPI's routing) -> Starlette's
     ServerErrorMiddleware -> BodySizeLimit -> ExceptionMiddleware -> the routes."""
@@ -171,7 +173,7 @@ def _asgi_chain(app: FastAPI, state: AppState, settings: Settings) -> None:
         inner = FastPath(starlette_stack(), state, settings.max_body_bytes)
         inner = WholeBodyReader(inner, is_gradient_upload, settings.max_upload_bytes,
                                 partial(carries_device_token, state))
-        return metrics.RequestMetrics(inner)
+        return metrics.RequestMetrics(AuthBeforeBody(inner, state.authenticator))
 
     app.build_middleware_stack = build  # type: ignore[method-assign]
 

@@ -90,6 +90,10 @@ class Settings(BaseSettings):
     user_max_running_jobs: int | None = Field(None, ge=1, description="running jobs per user")
     user_max_devices: int | None = Field(None, ge=1, description="devices held by one user's "
                                          "running jobs together")
+    # bytes one user's datasets take on the server's disk, unpacked, all together; an upload
+    # past it is 413 (admins' uploads are not limited)
+    user_max_dataset_bytes: int | None = Field(None, ge=1, description="bytes one user's "
+                                               "datasets may take on disk, unpacked")
     work_long_poll_max_s: float = 30.0
     # how long a Python thread of the server may hold the GIL while others wait (CPython's
     # default is 5 ms): the step's data-plane threads wake for every socket read and write

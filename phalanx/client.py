@@ -377,6 +377,17 @@ class PhalanxClient:
     def datasets(self) -> list[dict[str, Any]]:
         return self.pages("/v1/datasets", "datasets")
 
+    def dataset(self, name: str) -> dict[str, Any]:
+        return self.json("GET", f"/v1/datasets/{name}")
+
+    def delete_dataset(self, name: str) -> dict[str, Any]:
+        """Remove one of your datasets (an admin: any), its files too."""
+        return self.json("DELETE", f"/v1/datasets/{name}")
+
+    def share_dataset(self, name: str, public: bool = True) -> dict[str, Any]:
+        """Let every user see and train on a dataset, or no longer (admin)."""
+        return self.json("PATCH", f"/v1/datasets/{name}", json={"public": public})
+
     def upload_resumable(self, name: str, data: bytes | Path,
                          on_progress: Callable[[int], None] | None = None,
                          attempts: int = 6, chunk_bytes: int = 4 << 20) -> dict[str, Any]:

@@ -31,9 +31,10 @@ def submit_job(body: JobCreate, request: Request, principal: UserDep, settings: 
     """Validate completely (the dataset and the model too), then queue as Pending; 422 when no
     phone of the fleet has the memory for the job's micro-batch."""
     spec = body.spec()
-    plan = jobs.plan_summary(spec, jobs.check_spec(spec, settings.data_dir))
-    req = placement_plan.request_for(spec, plan["memory_per_device_bytes"])
-    with session.begin():
+    with session.begin():  # the dataset must be one this token may use: 404 otherwise
+        plan = jobs.plan_summary(spec, jobs.check_spec(spec, settings.data_dir, session,
+                                                        principal))
+        req = placement_plan.request_for(spec, plan["memory_per_device_bytes"])
         if dry_run:
             return JSONResponse(JobDryRun(
                 name=spec["name"], spec=spec, total_steps=plan["total_steps"],

@@ -234,30 +234,3 @@ class StepMetricRead(ReadModel):
     step_seconds: float | None
     devices: int
     energy_j: float | None
-
-
-class DatasetRead(BaseModel):
-    name: str
-    builtin: bool
-    n_train: int | None = None
-    n_val: int | None = None
-    input_shape: list[int] | None = None
-    num_classes: int | None = None
-    size_bytes: int | None = None
-    sha256: str | None = None
-    created: dt.datetime | None = None
-
-
-class UploadOpen(RequestModel):
-    name: str = Field(min_length=1, max_length=64, description="the dataset's name")
-    size: int = Field(ge=1, description="the file's size in bytes")
-    sha256: str = Field(description="the file's SHA-256, 64 lowercase hex digits; checked at "
-                        "completion")
-
-
-class UploadRead(BaseModel):
-    id: str
-    name: str
-    size: int
-    offset: int = Field(description="bytes received: where the next chunk starts")
-    chunk_max_bytes: int

@@ -12,7 +12,7 @@ from sqlalchemy import bindparam, select, update
 from sqlalchemy.orm import Session
 
 from api.errors import Conflict, Invalid, NotFound
-from api.store import events
+from api.store import datasets, events, owners
 from api.store.energy import step_energy
 from api.store.models import Checkpoint, Job, ShardAssignment, StepMetric
 from api.store.states import JOB_STATES, JobState, transition
@@ -32,9 +32,12 @@ def dataset_facts(name: str, data_dir: Path) -> Any:
         raise Invalid("dataset", str(exc)) from exc
 
 
-def check_spec(spec: dict[str, Any], data_dir: Path) -> ModelPlan:
-    """The cross-checks that need the dataset (shards fit, at least one step per epoch, the
-    model builds on its samples and is not too large), and the job's plan."""
+def check_spec(spec: dict[str, Any], data_dir: Path, session: Session,
+               principal: Principal) -> ModelPlan:
+    """The cross-checks that need the dataset (one `principal` may use: 404 for another
+    user's, as for none; shards fit, at least one step per epoch, the model builds on its
+    samples and is not too large), and the job's plan."""
+    datasets.require_usable(session, spec["dataset"], principal)
     info = dataset_facts(spec["dataset"], data_dir)
     if spec["shards"] > info.n_train:
         raise Invalid("shards", f"shards ({spec['shards']}) must be <= the {info.n_train} "
@@ -74,15 +77,18 @@ def submit_job(session: Session, spec: dict[str, Any], *, plan: dict[str, Any],
 
 def get_job(session: Session, job_id: str, principal: Principal | None = None) -> Job:
     """The job, for a principal allowed to see it: an admin sees every job, a user only their
-    own (another user's job is answered as not found: its existence is not theirs to know)."""
-    job = session.get(Job, job_id)
-    if job is None or (principal is not None and not may_see(job, principal)):
-        raise NotFound(f"job {job_id} not found")
-    return job
+    own (another user's job is answered as not found: its existence is not theirs to know;
+    api.store.owners, the one rule of every user-created resource)."""
+    if principal is None:
+        job = session.get(Job, job_id)
+        if job is None:
+            raise NotFound(f"job {job_id} not found")
+        return job
+    return owners.find(session, Job, job_id, principal, f"job {job_id}")
 
 
 def may_see(job: Job, principal: Principal) -> bool:
-    return principal.is_admin or (job.owner is not None and job.owner == principal.user)
+    return owners.may_see(job, principal)
 
 
 @dataclass
@@ -125,9 +131,8 @@ def parse_job_states(state: str | None) -> list[str]:
 def list_jobs(session: Session, *, principal: Principal, states: list[str], limit: int,
               offset: int) -> Sequence[Job]:
     """Newest first: every job for an admin, a user's own for a user."""
-    query = select(Job).order_by(Job.created.desc(), Job.id)
-    if not principal.is_admin:
-        query = query.where(Job.owner == principal.user)
+    query = select(Job).where(owners.visible(Job, principal)).order_by(Job.created.desc(),
+                                                                        Job.id)
     if states:
         query = query.where(Job.state.in_(states))
     return session.scalars(query.limit(limit + 1).offset(offset)).all()

@@ -23,6 +23,7 @@ from sqlalchemy import (
     String,
     Text,
     UniqueConstraint,
+    false,
     func,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
@@ -282,7 +283,9 @@ class Checkpoint(Base):
 
 
 class Dataset(Base):
-    """An uploaded dataset (built-ins such as `digits` are not rows)."""
+    """An uploaded dataset (built-ins such as `digits` are not rows). Owned (api.store.owners):
+    `owner` is the uploading user's token id, None for an admin's; `public` (set by an admin
+    only) lets every user see and use it."""
 
     __tablename__ = "datasets"
 
@@ -293,3 +296,7 @@ class Dataset(Base):
     num_classes: Mapped[int] = mapped_column(Integer)
     sha256: Mapped[str] = mapped_column(String(64))
     size_bytes: Mapped[int] = mapped_column(BigInteger)
+    owner: Mapped[str | None] = mapped_column(String(200), default=None, index=True)
+    public: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
+    # what it takes on the server's disk, unpacked (what the per-user quota counts)
+    stored_bytes: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")

@@ -7,6 +7,11 @@ it stands; `POST /v1/datasets/uploads/{id}/complete` checks the size and the SHA
 the .npz and stores it as a dataset. The parts live on disk under `<data_dir>/uploads/` (shared
 by the replicas, as the datasets are), never whole in a process's memory (completion hashes
 and unpacks them in blocks); an upload is its opener's only, and one left alone for UPLOAD_TTL_S is dropped at the next open.
+
+Completing is one request at a time per upload, on every replica (`completing`: a lock on the
+upload's record): another complete while one runs is 409, and one after it stored the dataset
+is 409 naming it (a record in `completed/` says so for UPLOAD_TTL_S) - never a 500 from parts
+removed under it.
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ import os
 import re
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -57,6 +64,22 @@ def _paths(data_dir: Path, upload_id: str) -> tuple[Path, Path]:
     return folder / f"{upload_id}.json", folder / f"{upload_id}.part"
 
 
+def _done_path(data_dir: Path, upload_id: str) -> Path:
+    return _folder(data_dir) / "completed" / f"{upload_id}.json"
+
+
+def _size(path: Path) -> int:
+    """A part's size; 0 once it is gone (a completion may remove it at any moment)."""
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
+def _owns(upload: Upload, principal: Principal) -> bool:
+    return upload.owner == (principal.token_id or "admin") or principal.is_admin
+
+
 def open_upload(data_dir: Path, name: str, size: int, sha256: str, principal: Principal,
                 max_bytes: int) -> Upload:
     if size > max_bytes:
@@ -81,10 +104,57 @@ def find(data_dir: Path, upload_id: str, principal: Principal) -> tuple[Upload, 
         raise NotFound(f"upload {upload_id} not found")
     meta, part = _paths(data_dir, upload_id)
     upload = _read(meta)
-    if upload is None or (upload.owner != (principal.token_id or "admin")
-                          and not principal.is_admin):
+    if upload is None or not _owns(upload, principal):
         raise NotFound(f"upload {upload_id} not found")
-    return upload, part.stat().st_size if part.exists() else 0
+    return upload, _size(part)
+
+
+def find_to_complete(data_dir: Path, upload_id: str, principal: Principal) -> Upload:
+    """`find`, for a completion: an upload completed already is 409 naming its dataset."""
+    try:
+        return find(data_dir, upload_id, principal)[0]
+    except NotFound:
+        raise _finished(data_dir, upload_id, principal) from None
+
+
+@contextmanager
+def completing(data_dir: Path, upload: Upload, principal: Principal) -> Iterator[None]:
+    """Hold the upload's completion: one at a time, across threads, processes and replicas
+    sharing the data dir (an exclusive lock on its record). 409 at once when another
+    completion holds it, and when the upload was completed while this one waited."""
+    meta, _ = _paths(data_dir, upload.id)
+    try:
+        fh = meta.open("rb")
+    except FileNotFoundError:
+        raise _finished(data_dir, upload.id, principal) from None
+    with fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise Conflict(f"upload {upload.id} is being completed by another request: the "
+                           f"dataset {upload.name!r} is there once it answers") from None
+        if os.fstat(fh.fileno()).st_nlink == 0:  # completed (or dropped) before the lock
+            raise _finished(data_dir, upload.id, principal)
+        yield
+
+
+def finish(data_dir: Path, upload: Upload) -> None:
+    """The dataset is stored: remember that (a late or repeated complete is told, 409), then
+    drop the parts."""
+    done = _done_path(data_dir, upload.id)
+    done.parent.mkdir(exist_ok=True)
+    done.write_text(json.dumps(asdict(upload)))
+    close(data_dir, upload.id)
+
+
+def _finished(data_dir: Path, upload_id: str, principal: Principal) -> Exception:
+    """What a complete of an upload no longer open is told: 409 when it was completed (its
+    opener only), 404 otherwise (never opened, another's, or refused and dropped)."""
+    done = _read(_done_path(data_dir, upload_id)) if _ID.match(upload_id) else None
+    if done is not None and _owns(done, principal):
+        return Conflict(f"upload {upload_id} was completed already: it is the dataset "
+                        f"{done.name!r}")
+    return NotFound(f"upload {upload_id} not found")
 
 
 def append(data_dir: Path, upload: Upload, offset: int, chunk: bytes) -> int:
@@ -109,7 +179,7 @@ def assembled(data_dir: Path, upload: Upload) -> Path:
     """The file's path, once every byte is there and its SHA-256 (read in blocks) is the one
     announced."""
     _, part = _paths(data_dir, upload.id)
-    size = part.stat().st_size if part.exists() else 0
+    size = _size(part)
     if size != upload.size:
         raise Conflict(f"the upload holds {size} of {upload.size} bytes: send the rest first")
     digest = hashlib.sha256()
@@ -140,10 +210,24 @@ def close(data_dir: Path, upload_id: str) -> None:
 
 
 def drop_stale(data_dir: Path, now: float) -> None:
-    """Drop the uploads nobody added to for UPLOAD_TTL_S."""
-    for part in _folder(data_dir).glob("upl-*.part"):
+    """Drop the uploads nobody added to for UPLOAD_TTL_S (but one being completed), and the
+    records of completed ones as old."""
+    folder = _folder(data_dir)
+    for path in [*folder.glob("upl-*.part"), *folder.glob("completed/upl-*.json")]:
         try:
-            if now - part.stat().st_mtime > UPLOAD_TTL_S:
-                close(data_dir, part.stem)
-        except OSError:
+            if now - path.stat().st_mtime <= UPLOAD_TTL_S:
+                continue
+            if path.suffix == ".json":
+                path.unlink(missing_ok=True)
+                continue
+            meta, _ = _paths(data_dir, path.stem)
+            try:
+                fh = meta.open("rb")
+            except FileNotFoundError:  # a part without its record
+                close(data_dir, path.stem)
+                continue
+            with fh:
+                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)  # busy: being completed
+                close(data_dir, path.stem)
+        except OSError:  # gone meanwhile, or being completed (BlockingIOError): left
             pass

@@ -596,7 +596,7 @@ def _dataset_table(items: list[dict[str, Any]]) -> Any:
     from rich.table import Table
 
     table = Table(header_style="bold")
-    for col in ("NAME", "SAMPLES", "INPUT", "CLASSES", "SIZE"):
+    for col in ("NAME", "SAMPLES", "INPUT", "CLASSES", "SIZE", "SHARED"):
         table.add_column(col)
     for ds in items:
         shape = ds.get("input_shape")
@@ -604,7 +604,8 @@ def _dataset_table(items: list[dict[str, Any]]) -> Any:
                       view.dash(ds.get("n_samples", ds.get("n_train"))),
                       "x".join(str(d) for d in shape) if isinstance(shape, list) else "-",
                       view.dash(ds.get("num_classes")),
-                      view.dash(ds.get("size_bytes"), "{} B"))
+                      view.dash(ds.get("size_bytes"), "{} B"),
+                      "yes" if ds.get("public", True) else "no")
     return table
 
 
@@ -630,10 +631,38 @@ def upload_with_progress(client: PhalanxClient, name: str, data: bytes | Path
 @datasets_app.command("ls")
 def datasets_ls(server: ServerOpt = None, token: TokenOpt = None,
                 output: OutputOpt = Output.table) -> None:
-    """List datasets (digits is always there)."""
+    """List the datasets you may train on: digits, yours, and those an admin shared (an
+    admin: every one). SHARED: every user sees it."""
     with connect(server, token) as client:
         items = client.datasets()
     emit(items, output, _dataset_table)
+
+
+DatasetArg = Annotated[str, typer.Argument(help="the dataset's name")]
+
+
+@datasets_app.command("rm")
+def datasets_rm(name: DatasetArg, server: ServerOpt = None, token: TokenOpt = None) -> None:
+    """Remove one of your datasets and its files (an admin: anyone's). Refused while a job
+    that has not finished trains on it."""
+    with connect(server, token) as client:
+        client.delete_dataset(name)
+    out.print(f"dataset {name} removed", highlight=False)
+
+
+@datasets_app.command("share")
+def datasets_share(
+    name: DatasetArg,
+    unshare: Annotated[bool, typer.Option("--unshare", help="stop sharing it: its owner's "
+                                          "(and admins') only again")] = False,
+    server: ServerOpt = None, token: TokenOpt = None,
+) -> None:
+    """Let every user see and train on a dataset (admin): an upload is its uploader's
+    until an admin shares it."""
+    with connect(server, token) as client:
+        client.share_dataset(name, public=not unshare)
+    out.print(f"dataset {name} {'no longer shared' if unshare else 'shared with every user'}",
+              highlight=False)
 
 
 @datasets_app.command("upload")

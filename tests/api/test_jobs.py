@@ -47,7 +47,6 @@ def test_submit_returns_201_with_the_job_and_defaults_filled_in(api):
     ("model.arch", "transformer", "model.arch"),
     ("model.width", 8, "model.width"),
     ("model.depth", 3, "model.depth"),
-    ("dataset", "imagenet", "dataset"),
     ("global_batch_size", 0, "global_batch_size"),
     ("global_batch_size", "big", "global_batch_size"),
     ("shards", 7, "shards"),  # 256 % 7

@@ -10,8 +10,9 @@ from typing import Any
 
 import pytest
 
-from api.store.models import ApiToken, Device, Job
+from api.store.models import ApiToken, Dataset, Device, Job
 from tests.api.test_jobs import SPEC
+from tests.support.arrays import npz_bytes
 
 PUBLIC = {("get", "/healthz"), ("get", "/readyz"), ("get", "/install.sh"),
           ("get", "/agent.tar.gz"), ("post", "/v1/devices/register")}
@@ -31,23 +32,34 @@ ADMIN_ONLY = {("get", "/v1/enrollment-tokens"), ("post", "/v1/enrollment-tokens"
               ("post", "/v1/devices/{device_id}/drain"),
               ("post", "/v1/devices/{device_id}/logs/request"),
               ("get", "/v1/devices/{device_id}/logs"),
-              ("put", "/v1/agent/rollout"), ("delete", "/v1/agent/rollout")}
+              ("put", "/v1/agent/rollout"), ("delete", "/v1/agent/rollout"),
+              ("patch", "/v1/datasets/{name}")}
 OWNED_JOB = {("get", "/v1/jobs/{job_id}"), ("post", "/v1/jobs/{job_id}/cancel"),
              ("get", "/v1/jobs/{job_id}/events"), ("get", "/v1/jobs/{job_id}/metrics"),
              ("get", "/v1/jobs/{job_id}/checkpoint")}
+# alice's private dataset (api.store.owners): to another user, as if it were not there
+OWNED_DATASET = {("get", "/v1/datasets/{name}"), ("delete", "/v1/datasets/{name}")}
 
 
 @pytest.fixture
 def world(api) -> dict[str, Any]:
-    """Alice's job, two phones, a user token each for alice and bob, an enrollment token."""
+    """Alice's job and dataset, two phones, a user token each for alice and bob, an
+    enrollment token."""
+    import numpy as np
+
     alice, bob = api.user_token("alice"), api.user_token("bob")
     phone_a, phone_b = api.register("a", labels={"rack": "a"}), api.register("b")
     job = api.post("/v1/jobs", json=SPEC, token=alice).json()["id"]
+    data = npz_bytes(x=np.zeros((8, 3), np.float32), y=np.arange(8) % 2)
+    uploaded = api.post("/v1/datasets", token=alice, data={"name": "alices"},
+                        files={"file": ("alices.npz", data, "application/octet-stream")})
+    assert uploaded.status_code == 201, uploaded.text
     enrollment = api.post("/v1/enrollment-tokens", json={}).json()["id"]
     return {"alice": alice, "bob": bob, "a": phone_a, "b": phone_b, "job": job,
             "enrollment": enrollment,
             "params": {"device_id": phone_b["device_id"], "job_id": job, "token_id": enrollment,
-                       "step": "0", "shard": "0", "upload_id": "upl-" + "0" * 32}}
+                       "step": "0", "shard": "0", "upload_id": "upl-" + "0" * 32,
+                       "name": "alices"}}
 
 
 def operations(api) -> list[tuple[str, str]]:
@@ -73,7 +85,8 @@ def snapshot(api, world: dict[str, Any]) -> tuple:
         devices = sorted((d.id, d.state, d.cordoned, dict(d.labels or {}))
                          for d in s.query(Device).all())
         tokens = sorted((t.id, t.revoked) for t in s.query(ApiToken).all())
-        return (job.state, job.reason, devices, tokens)
+        datasets = sorted((d.name, d.owner, d.public) for d in s.query(Dataset).all())
+        return (job.state, job.reason, devices, tokens, datasets)
 
 
 def test_every_operation_refuses_every_wrong_token_and_changes_nothing(api, world) -> None:
@@ -91,7 +104,7 @@ def test_every_operation_refuses_every_wrong_token_and_changes_nothing(api, worl
         if op in DEVICE_ONLY:
             cases.append(("a user", world["bob"], {403}))
             cases.append(("the admin", api.settings.admin_token.get_secret_value(), {403}))
-        if op in OWNED_JOB:  # another user's job: as if it were not there
+        if op in OWNED_JOB | OWNED_DATASET:  # another user's: as if it were not there
             cases.append(("another user", world["bob"], {404}))
         for who, token, wanted in cases:
             answer = ask(api, method, path, world["params"], token)
@@ -108,7 +121,7 @@ def test_every_operation_refuses_every_wrong_token_and_changes_nothing(api, worl
 def test_the_matrix_covers_every_operation(api) -> None:
     """A new route must be placed in a class above (or be a user's read): this lists the
     operations the matrix checks for more than a missing token."""
-    classified = PUBLIC | DEVICE_ONLY | ADMIN_ONLY | OWNED_JOB
+    classified = PUBLIC | DEVICE_ONLY | ADMIN_ONLY | OWNED_JOB | OWNED_DATASET
     users_reads = {op for op in operations(api) if op not in classified}
     # resumable uploads: any user opens one, only its opener sees it (tests/api/test_datasets.py)
     assert users_reads == {("get", "/v1/datasets"), ("post", "/v1/datasets"),
