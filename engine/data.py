@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from engine.dataset import Dataset, DatasetError, DatasetInfo
-from engine.stored import open_folder
+from engine.stored import ByteCache, dataset_bytes, open_folder
 from engine.upload import validate_file, validate_npz
 
 __all__ = ["Dataset", "DatasetInfo", "DatasetError", "validate_npz", "load_dataset",
@@ -38,7 +38,12 @@ __all__ = ["Dataset", "DatasetInfo", "DatasetError", "validate_npz", "load_datas
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}\Z")
 _SYNTH_RE = re.compile(r"^synthetic(?::([0-9]+)x([0-9]+)x([0-9]+))?(?::([0-9]+))?(?::([0-9]+))?(?::([0-9]+))?\Z")
 _DIGITS_SPLIT_SEED = 0
-MAX_SYNTHETIC_VALUES = 2**28  # about 1 GiB of float32 in all
+# a synthetic dataset is generated whole and kept in memory: at most this many bytes of it
+# (float32 samples and int64 labels, validation included), and one at a time in the cache
+MAX_SYNTHETIC_BYTES = 1 << 30
+SYNTHETIC_BLOCK_VALUES = 1 << 20  # generated this many values at a time
+SYNTHETIC_CACHE: ByteCache[str, Dataset] = ByteCache(MAX_SYNTHETIC_BYTES + (1 << 20),
+                                                     dataset_bytes)
 
 
 def upload_path(name: str, data_dir: str | Path | None) -> Path | None:
@@ -128,18 +133,43 @@ def _parse_synthetic(name: str) -> tuple[int, int, int, int, int, int]:
     seed = int(m.group(6) or 0)
     if min(c, h, w) < 1 or k < 2 or n < 1:
         raise DatasetError(f"{name!r}: shape dims and samples must be >= 1, classes >= 2")
-    if (n + n // 4) * c * h * w > MAX_SYNTHETIC_VALUES:
-        raise DatasetError(f"{name!r} is too large to generate")
+    if _synthetic_bytes(c, h, w, n) > MAX_SYNTHETIC_BYTES:
+        raise DatasetError(f"{name!r} is too large to generate: at most "
+                           f"{MAX_SYNTHETIC_BYTES:,} bytes of samples and labels")
     return c, h, w, k, n, seed
 
 
-@functools.lru_cache(maxsize=4)
+def _synthetic_bytes(c: int, h: int, w: int, n: int) -> int:
+    """What it holds (Python integers): float32 samples and int64 labels, validation too."""
+    return (n + n // 4) * (4 * c * h * w + 8)
+
+
+def _pattern_bytes(c: int, h: int, w: int, k: int) -> int:
+    return 8 * k * c * ((h + 3) // 4) * ((w + 3) // 4)
+
+
 def _synthetic(name: str) -> Dataset:
+    c, h, w, _, n, _ = _parse_synthetic(name)
+    return SYNTHETIC_CACHE.get_or_make(name, lambda: _generate(name),
+                                       expect=_synthetic_bytes(c, h, w, n))
+
+
+def _generate(name: str) -> Dataset:
+    """Each class a smooth random pattern (a coarse grid, each value repeated over 4x4
+    pixels), each sample its class's pattern plus noise. The samples are drawn a block at a
+    time from the one stream (the same values as one draw of them all) and their patterns
+    expanded per block, so generating holds the result and a block, not float64 copies."""
     c, h, w, k, n, seed = _parse_synthetic(name)
+    if _pattern_bytes(c, h, w, k) > MAX_SYNTHETIC_BYTES:
+        raise DatasetError(f"{name!r} has too many classes to generate")
     rng = np.random.default_rng(np.random.SeedSequence([seed, 0x5E7]))
     coarse = rng.standard_normal((k, c, (h + 3) // 4, (w + 3) // 4))
-    patterns = coarse.repeat(4, axis=2).repeat(4, axis=3)[:, :, :h, :w]  # smooth class patterns
     total = n + n // 4
     y = rng.integers(0, k, total).astype(np.int64)
-    x = (patterns[y] + 1.5 * rng.standard_normal((total, c, h, w))).astype(np.float32)
+    x = np.empty((total, c, h, w), np.float32)
+    rows = max(1, SYNTHETIC_BLOCK_VALUES // (c * h * w))
+    for start in range(0, total, rows):
+        end = min(start + rows, total)
+        pattern = coarse[y[start:end]].repeat(4, axis=2).repeat(4, axis=3)[:, :, :h, :w]
+        x[start:end] = pattern + 1.5 * rng.standard_normal((end - start, c, h, w))
     return Dataset(x[:n], y[:n], x[n:], y[n:], (c, h, w), k, name)

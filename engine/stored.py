@@ -3,36 +3,55 @@
 An upload (.npz with `x`, `y`, optionally `x_val`, `y_val`, `mean`, `std`) is unpacked once
 into a folder of .npy files (`unpack_npz`, member by member in blocks: a compressed member is
 inflated as it is copied). `open_folder` checks it in blocks (dtypes, shapes, finite values,
-labels) and gives a `Dataset` whose features are `Samples`: views that read the rows asked for
-from the file (a memory map opened and dropped per read, so the pages read do not stay in the
-process) and turn them into float32 (N, C, H, W) by `normalize`, the one rule every reader
-uses: uint8 is scaled by 1/255, (N, H, W) gets a channel axis, (N, F) becomes (N, F, 1, 1),
-and with `mean`/`std`, x = (x - mean) / std per channel. The rule works on any subset of rows,
-sample by sample, so the control plane, the reference trainer and a phone that normalizes the
-stored bytes itself all get the same float32 values.
+labels) and gives a `Dataset` whose features are `Samples` and whose labels are `Labels`:
+views that read the rows asked for from the file with pread (no memory map: the pages read do
+not stay in the process). `Samples` turns its rows into float32 (N, C, H, W) by `normalize`,
+the one rule every reader uses: uint8 is scaled by 1/255, (N, H, W) gets a channel axis, (N, F)
+becomes (N, F, 1, 1), and with `mean`/`std`, x = (x - mean) / std per channel. The rule works
+on any subset of rows, sample by sample, so the control plane, the reference trainer and a
+phone that normalizes the stored bytes itself all get the same float32 values; `Labels` gives
+its rows as int64.
+
+Nothing here costs memory in proportion to the number of samples: labels are checked and
+counted in blocks, the facts found (classes) are kept beside the arrays (`.checked`), and the
+seeded train/validation split of an upload without `x_val` is a permutation computed one index
+at a time (`engine.sampler.permute`, `PermutedRows`). An opened dataset is a few hundred bytes
+(plus its mean and std), kept in a cache bounded in bytes (`OPENED_CACHE_BYTES`).
 """
 
 from __future__ import annotations
 
-import functools
+import dataclasses
+import json
 import math
 import os
 import shutil
+import threading
 import zipfile
-from collections.abc import Iterator
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 
 from engine.dataset import Dataset, DatasetError
+from engine.sampler import permute
 
 ALLOWED_KEYS = ("x", "y", "x_val", "y_val", "mean", "std")
 MAX_CLASSES = 65536
+# one sample's values at most (3x1024x1024 images fit): every read holds at least one sample,
+# so this bounds what one row costs the server (16 MiB as float32)
+MAX_SAMPLE_VALUES = 1 << 22
 SPLIT_SEED = 0
+SPLIT_TAG = 0x5B17  # the split's permutation: words (SPLIT_SEED, SPLIT_TAG)
 COPY_BLOCK = 8 << 20
-CHECK_BLOCK_BYTES = 64 << 20  # rows read at once while checking a stored array
+CHECK_BLOCK_BYTES = 8 << 20  # bytes of rows read at once while checking a stored array
 DISK_MARGIN = 1 << 30  # what an unpacked upload leaves free on the server's disk
+OPENED_CACHE_BYTES = 64 << 20  # opened datasets kept (their mean and std; the rest is small)
+MERGE_GAP_BYTES = 8 << 10  # rows this close in the file are read with what lies between
+READ_SPAN_BYTES = 4 << 20  # at most this much is read at once for rows read together
 
 
 # -- the rule -----------------------------------------------------------------------------------
@@ -44,6 +63,9 @@ def check_feature_dtype(dtype: np.dtype, shape: tuple[int, ...], key: str) -> No
         raise DatasetError(f"{key} has shape {shape}: use (N, C, H, W), (N, H, W) or (N, F)")
     if min(shape) < 1:
         raise DatasetError(f"{key} has shape {shape}: every dimension must be >= 1")
+    if math.prod(shape[1:]) > MAX_SAMPLE_VALUES:
+        raise DatasetError(f"{key} has samples of {math.prod(shape[1:]):,} values: at most "
+                           f"{MAX_SAMPLE_VALUES:,} a sample")
 
 
 def sample_shape(stored: tuple[int, ...]) -> tuple[int, int, int]:
@@ -86,15 +108,26 @@ def moments(mean: np.ndarray, std: np.ndarray, channels: int) -> tuple[np.ndarra
     return out[0], out[1]
 
 
-def check_labels(y: np.ndarray, key: str, n: int) -> np.ndarray:
-    if y.dtype.kind not in "iu":
-        raise DatasetError(f"{key} has dtype {y.dtype}: labels must be integers")
-    if y.ndim != 1 or len(y) != n:
-        raise DatasetError(f"{key} has shape {y.shape}: expected ({n},), one label per sample")
-    if n and (y.min() < 0 or y.max() >= MAX_CLASSES):
-        raise DatasetError(f"{key} labels must be in 0..{MAX_CLASSES - 1}, "
-                           f"got {y.min()}..{y.max()}")
-    return y.astype(np.int64)
+def check_label_dtype(dtype: np.dtype, shape: tuple[int, ...], key: str, n: int) -> None:
+    if dtype.kind not in "iu":
+        raise DatasetError(f"{key} has dtype {dtype}: labels must be integers")
+    if len(shape) != 1 or shape[0] != n:
+        raise DatasetError(f"{key} has shape {shape}: expected ({n},), one label per sample")
+
+
+def label_range(blocks: Iterator[np.ndarray], key: str) -> tuple[int, int] | None:
+    """(lowest, highest) label over the blocks (None when there are none), each in
+    0..MAX_CLASSES - 1 or DatasetError."""
+    low = high = None
+    for block in blocks:
+        if not len(block):
+            continue
+        lo, hi = int(block.min()), int(block.max())
+        low = lo if low is None else min(low, lo)
+        high = hi if high is None else max(high, hi)
+    if low is not None and high is not None and (low < 0 or high >= MAX_CLASSES):
+        raise DatasetError(f"{key} labels must be in 0..{MAX_CLASSES - 1}, got {low}..{high}")
+    return None if low is None or high is None else (low, high)
 
 
 # -- rows read from disk --------------------------------------------------------------------------
@@ -117,59 +150,117 @@ class StoredArray:
         finally:
             del mapped
 
+    @property
+    def row_bytes(self) -> int:
+        return int(self.dtype.itemsize) * math.prod(self.row_shape)
+
     def read(self, path: Path, rows: np.ndarray) -> np.ndarray:
-        """These rows (any order, repeats allowed); a run of consecutive rows in one read."""
-        rows = np.asarray(rows, dtype=np.int64)
+        """These rows (any order, repeats allowed). Rows close together in the file (gaps of
+        at most MERGE_GAP_BYTES, READ_SPAN_BYTES at most in all) are read in one pread with
+        what lies between them, a run of consecutive rows in output order straight into the
+        answer: memory in proportion to the rows asked for."""
+        rows = np.asarray(rows, dtype=np.int64).reshape(-1)
         out = np.empty((len(rows), *self.row_shape), self.dtype)
         if not len(rows):
             return out
-        size = out[0].nbytes
-        flat = memoryview(out.reshape(len(rows), -1).view(np.uint8)).cast("B")
-        breaks = np.flatnonzero(np.diff(rows) != 1) + 1  # where a run of consecutive rows ends
-        starts, ends = np.concatenate(([0], breaks)), np.concatenate((breaks, [len(rows)]))
+        size = self.row_bytes
+        flat = out.reshape(len(rows), -1).view(np.uint8)
+        if rows[-1] - rows[0] == len(rows) - 1 and bool((np.diff(rows) == 1).all()):
+            self._pread(path, memoryview(flat.reshape(-1)).cast("B"), int(rows[0]) * size)
+            return out  # one run, in order
+        order = np.argsort(rows, kind="stable")
+        ordered = rows[order]
+        span = max(READ_SPAN_BYTES, size)
+        # a group ends where the next row is far, or where its span would pass `span`
+        cut = (np.diff(ordered) * size > MERGE_GAP_BYTES + size) | (
+            np.diff((ordered * size) // span) != 0)
+        ends = np.concatenate((np.flatnonzero(cut) + 1, [len(rows)]))
         fd = os.open(path, os.O_RDONLY)
         try:
-            for start, end in zip(starts.tolist(), ends.tolist()):
-                view = flat[start * size : end * size]
-                at = self.offset + int(rows[start]) * size
-                while len(view):  # a read returns at most ~2 GiB: go on where it stopped
-                    got = os.preadv(fd, [view], at)
-                    if got <= 0:
-                        raise DatasetError(f"{path.name} is shorter than its header says")
-                    view, at = view[got:], at + got
+            start = 0
+            for end in ends.tolist():
+                first, last = int(ordered[start]), int(ordered[end - 1])
+                buf = np.empty((last - first + 1) * size, np.uint8)
+                self._pread_fd(fd, path, memoryview(buf).cast("B"), self.offset + first * size)
+                flat[order[start:end]] = buf.reshape(-1, size)[ordered[start:end] - first]
+                start = end
         finally:
             os.close(fd)
         return out
 
+    def read_run(self, path: Path, first: int, count: int) -> np.ndarray:
+        """Rows first .. first + count - 1, in one read."""
+        out = np.empty((count, *self.row_shape), self.dtype)
+        if count:
+            flat = out.reshape(count, -1).view(np.uint8).reshape(-1)
+            self._pread(path, memoryview(flat).cast("B"), first * self.row_bytes)
+        return out
 
-@dataclass(frozen=True, eq=False)
-class Samples:
-    """Rows of a stored feature array (all of them, or `rows`), read and normalized when
-    indexed; `np.asarray` reads them all. Rows are read with pread, not through a memory map:
-    a map would leave the pages around every row it touched counted in this process."""
+    def _pread(self, path: Path, view: memoryview, at: int) -> None:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            self._pread_fd(fd, path, view, self.offset + at)
+        finally:
+            os.close(fd)
 
-    path: Path
+    @staticmethod
+    def _pread_fd(fd: int, path: Path, view: memoryview, at: int) -> None:
+        while len(view):  # a read returns at most ~2 GiB: go on where it stopped
+            got = os.preadv(fd, [view], at)
+            if got <= 0:
+                raise DatasetError(f"{path.name} is shorter than its header says")
+            view, at = view[got:], at + got
+
+
+@dataclass(frozen=True)
+class PermutedRows:
+    """File rows of positions [offset, offset + count) of the seeded permutation of the n rows
+    of a file (engine.sampler.permute with `words`): computed for the positions asked for,
+    never as a whole. Indexed like an int64 array of `count` rows (by an int64 array)."""
+
+    n: int
+    words: tuple[int, ...]
+    offset: int
     count: int
-    sample: tuple[int, int, int]
-    stored: StoredArray
-    rows: np.ndarray | None = None  # file rows, in this view's order
-    mean: np.ndarray | None = None
-    std: np.ndarray | None = None
 
     def __len__(self) -> int:
         return self.count
 
-    @property
-    def shape(self) -> tuple[int, int, int, int]:
-        return (self.count, *self.sample)
+    def __getitem__(self, index: np.ndarray) -> np.ndarray:
+        index = np.asarray(index, dtype=np.int64)
+        return permute(self.n, self.words, index + self.offset)
 
-    ndim = 4
-    dtype = np.dtype(np.float32)
+
+Rows = np.ndarray | PermutedRows
+
+
+def split_rows(n: int) -> tuple[PermutedRows, PermutedRows]:
+    """(train, validation) file rows of an upload of n samples without x_val: a fixed seeded
+    20% (n // 5) validates. Positions [0, n // 5) of the split's permutation are the validation
+    rows, the rest the training rows, in that order."""
+    n_val = n // 5
+    words = (SPLIT_SEED, SPLIT_TAG)
+    return PermutedRows(n, words, n_val, n - n_val), PermutedRows(n, words, 0, n_val)
+
+
+@dataclass(frozen=True, eq=False)
+class _View:
+    """Rows of a stored array (all of them, or `rows`: the file's rows in this view's order),
+    read when indexed. Rows are read with pread, not through a memory map: a map would leave
+    the pages around every row it touched counted in this process."""
+
+    path: Path
+    count: int
+    stored: StoredArray
+    rows: Rows | None = None
+
+    def __len__(self) -> int:
+        return self.count
 
     def file_rows(self, key: int | slice | np.ndarray | list[int]) -> np.ndarray:
         """The file's rows for this view's rows `key` (an int gives one)."""
         if isinstance(key, slice):
-            index = np.arange(*key.indices(self.count))
+            index = np.arange(*key.indices(self.count), dtype=np.int64)
         else:
             index = np.atleast_1d(np.asarray(key, dtype=np.int64))
             if len(index) and (index.min() < -self.count or index.max() >= self.count):
@@ -177,14 +268,40 @@ class Samples:
             index = np.where(index < 0, index + self.count, index)
         return index if self.rows is None else self.rows[index]
 
-    def take(self, index: np.ndarray) -> Samples:
+    def take(self, index: np.ndarray) -> Any:
         """The view of these rows of this view, still on disk."""
         rows = self.file_rows(np.asarray(index, dtype=np.int64))
-        return Samples(self.path, len(rows), self.sample, self.stored, rows, self.mean, self.std)
+        return dataclasses.replace(self, count=len(rows), rows=rows)
 
     def raw(self, key: int | slice | np.ndarray | list[int]) -> np.ndarray:
-        """The stored rows, as stored (dtype and layout)."""
+        """The stored rows, as stored (dtype and layout); a slice of a view of every row in
+        file order is one run, read without an index array."""
+        if isinstance(key, slice) and self.rows is None:
+            start, stop, step = key.indices(self.count)
+            if step == 1:
+                return self.stored.read_run(self.path, start, max(0, stop - start))
         return self.stored.read(self.path, self.file_rows(key))
+
+    def blocks(self, rows: int) -> Iterator[np.ndarray]:
+        for start in range(0, self.count, rows):
+            yield self.raw(slice(start, min(start + rows, self.count)))
+
+
+@dataclass(frozen=True, eq=False)
+class Samples(_View):
+    """A stored feature array's rows, normalized (float32 (N, C, H, W)) when indexed;
+    `np.asarray` reads them all."""
+
+    sample: tuple[int, int, int] = (1, 1, 1)
+    mean: np.ndarray | None = None
+    std: np.ndarray | None = None
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return (self.count, *self.sample)
+
+    ndim = 4
+    dtype = np.dtype(np.float32)
 
     def __getitem__(self, key: int | slice | np.ndarray | list[int]) -> np.ndarray:
         out = normalize(self.raw(key), self.mean, self.std)
@@ -194,9 +311,28 @@ class Samples:
         out = self[:]
         return out if dtype is None else out.astype(dtype)
 
-    def blocks(self, rows: int) -> Iterator[np.ndarray]:
-        for start in range(0, self.count, rows):
-            yield self.raw(slice(start, min(start + rows, self.count)))
+
+@dataclass(frozen=True, eq=False)
+class Labels(_View):
+    """A stored label array's rows, as int64 when indexed; `np.asarray` reads them all."""
+
+    @property
+    def shape(self) -> tuple[int]:
+        return (self.count,)
+
+    ndim = 1
+    dtype = np.dtype(np.int64)
+
+    def __getitem__(self, key: int | slice | np.ndarray | list[int]) -> Any:
+        out = self.raw(key).astype(np.int64)
+        return int(out[0]) if isinstance(key, (int, np.integer)) else out
+
+    def __array__(self, dtype: object = None, copy: object = None) -> np.ndarray:
+        out = self[:]
+        return out if dtype is None else out.astype(dtype)
+
+    def tolist(self) -> list[int]:
+        return self[:].tolist()
 
 
 # -- unpacking an upload ----------------------------------------------------------------------------
@@ -250,20 +386,27 @@ def unpack_npz(source: Path, dest: Path, max_bytes: int) -> None:
 
 def _c_order(path: Path) -> None:
     """A Fortran-ordered array rewritten in C order (rows contiguous, as reads want them), in
-    blocks of rows; others are left as they are."""
+    blocks of rows, each read through a map opened and dropped for it (the pages it touched
+    leave the process with it); others are left as they are."""
     try:
         src = np.load(path, mmap_mode="r", allow_pickle=False)
     except ValueError:
         return  # objects: refused when the folder is opened, with the reason
     if src.flags.c_contiguous or src.ndim < 2:
         return
+    dtype, shape = src.dtype, tuple(src.shape)
+    del src
     tmp = path.with_suffix(".c.npy")
-    out = np.lib.format.open_memmap(tmp, mode="w+", dtype=src.dtype, shape=src.shape)
-    rows = max(1, CHECK_BLOCK_BYTES // max(1, src[0].nbytes))
-    for start in range(0, len(src), rows):
-        out[start : start + rows] = src[start : start + rows]
-    out.flush()
-    del out, src
+    rows = max(1, CHECK_BLOCK_BYTES // max(1, dtype.itemsize * math.prod(shape[1:])))
+    with tmp.open("wb") as out:
+        np.lib.format.write_array_header_2_0(out, {
+            "descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False,
+            "shape": shape})
+        for start in range(0, shape[0], rows):
+            src = np.load(path, mmap_mode="r", allow_pickle=False)
+            block = np.ascontiguousarray(src[start : start + rows])
+            del src
+            out.write(memoryview(block).cast("B"))
     os.replace(tmp, path)
 
 
@@ -279,87 +422,236 @@ def _stored(folder: Path, key: str) -> np.memmap | None:
         raise DatasetError(f"{key}: unreadable array: {exc}") from None
 
 
-def _small(folder: Path, key: str) -> np.ndarray | None:
+def _header(folder: Path, key: str) -> tuple[np.dtype, tuple[int, ...]] | None:
+    """The stored array's dtype and shape (its header only), or None when there is none."""
     stored = _stored(folder, key)
-    return None if stored is None else np.array(stored)
+    if stored is None:
+        return None
+    try:
+        return stored.dtype, tuple(int(d) for d in stored.shape)
+    finally:
+        del stored
 
 
-def _check_features(folder: Path, key: str, scan: bool = True
-                    ) -> tuple[int, tuple[int, int, int]]:
-    x = _stored(folder, key)
-    assert x is not None
-    check_feature_dtype(x.dtype, x.shape, key)
-    count, shape, kind = int(x.shape[0]), sample_shape(x.shape), x.dtype.kind
-    del x
-    if kind == "f" and scan:
+def _moments(folder: Path, channels: int) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """The upload's mean and std, their headers checked before a byte of them is read."""
+    got = {key: _header(folder, key) for key in ("mean", "std")}
+    if (got["mean"] is None) != (got["std"] is None):
+        raise DatasetError("mean and std must be given together")
+    if got["mean"] is None:
+        return None, None
+    for key, (dtype, shape) in got.items():  # type: ignore[misc]
+        if dtype.kind != "f" or shape != (channels,):
+            raise DatasetError(f"{key} must be {channels} float values (one per channel), got "
+                               f"{dtype} of shape {shape}")
+    mean, std = (np.array(_stored(folder, key)) for key in ("mean", "std"))
+    return moments(mean, std, channels)
+
+
+def _features(folder: Path, key: str, scan: bool) -> tuple[int, tuple[int, int, int]]:
+    """x's (or x_val's) sample count and (C, H, W), checked; `scan`: every value finite too
+    (float arrays, in blocks of CHECK_BLOCK_BYTES)."""
+    header = _header(folder, key)
+    assert header is not None
+    dtype, full = header
+    check_feature_dtype(dtype, full, key)
+    count, shape = full[0], sample_shape(full)
+    if dtype.kind == "f" and scan:
         path = folder / f"{key}.npy"
-        view = Samples(path, count, shape, StoredArray.of(path))
-        per_block = max(1, CHECK_BLOCK_BYTES // max(1, 4 * math.prod(shape)))
-        for block in view.blocks(per_block):
+        stored = StoredArray.of(path)
+        view = Samples(path, count, stored, sample=shape)
+        per_row = max(stored.row_bytes, 4 * math.prod(shape), 1)
+        for block in view.blocks(max(1, CHECK_BLOCK_BYTES // per_row)):
             if not np.isfinite(block.astype(np.float32)).all():
                 raise DatasetError(f"{key} has NaN or infinite values (or values beyond "
                                    "float32)")
     return count, shape
 
 
+def _labels(folder: Path, key: str, n: int) -> Labels:
+    header = _header(folder, key)
+    if header is None:
+        raise DatasetError(f"missing array {key!r}")
+    check_label_dtype(*header, key, n)
+    path = folder / f"{key}.npy"
+    return Labels(path, n, StoredArray.of(path))
+
+
+def _label_blocks(labels: Labels) -> Iterator[np.ndarray]:
+    return labels.blocks(max(1, CHECK_BLOCK_BYTES // max(1, labels.stored.row_bytes)))
+
+
 CHECKED = ".checked"  # written once the upload's arrays were scanned: not scanned again
+FACTS_VERSION = 1
+
+
+def _read_facts(folder: Path) -> dict[str, Any] | None:
+    """What the scan at upload found (`.checked`: JSON), or None: not scanned (scan it), or
+    scanned by an earlier version that kept no facts ({}: the labels are counted again)."""
+    try:
+        text = (folder / CHECKED).read_text()
+    except OSError:
+        return None
+    try:
+        facts = json.loads(text)
+    except ValueError:
+        return {}
+    ok = isinstance(facts, dict) and facts.get("version") == FACTS_VERSION and isinstance(
+        facts.get("classes"), int) and not isinstance(facts.get("classes"), bool)
+    return facts if ok else {}
+
+
+def _write_facts(folder: Path, facts: dict[str, Any]) -> None:
+    tmp = folder / f"{CHECKED}.{os.getpid()}.{threading.get_ident()}"
+    try:
+        tmp.write_text(json.dumps({"version": FACTS_VERSION, **facts}) + "\n")
+        os.replace(tmp, folder / CHECKED)
+    except OSError:  # a folder this process may not write: counted again next time
+        tmp.unlink(missing_ok=True)
+
+
+# -- a cache bounded in bytes ---------------------------------------------------------------------
+
+K = TypeVar("K", bound=Hashable)
+V = TypeVar("V")
+
+
+class ByteCache(Generic[K, V]):
+    """Values by key, newest first, up to `limit` bytes in all (each weighs `weigh(value)`);
+    a value heavier than the limit is not kept. Thread-safe; `get_or_make` makes a missing
+    value once at a time (two threads asking for one never both build it) and frees room for
+    it first when told how much it will weigh (`expect`)."""
+
+    def __init__(self, limit: int, weigh: Callable[[V], int]) -> None:
+        self.limit, self.weigh, self.used = limit, weigh, 0
+        self._data: OrderedDict[K, tuple[V, int]] = OrderedDict()
+        self._lock = threading.Lock()
+        self._making = threading.Lock()
+
+    def get(self, key: K) -> V | None:
+        with self._lock:
+            got = self._data.get(key)
+            if got is None:
+                return None
+            self._data.move_to_end(key)
+            return got[0]
+
+    def put(self, key: K, value: V) -> None:
+        weight = int(self.weigh(value))
+        with self._lock:
+            self._drop(key)
+            if weight > self.limit:
+                return
+            self._data[key] = (value, weight)
+            self.used += weight
+            self._evict(0)
+
+    def get_or_make(self, key: K, make: Callable[[], V], expect: int = 0) -> V:
+        found = self.get(key)
+        if found is not None:
+            return found
+        with self._making:
+            found = self.get(key)
+            if found is not None:
+                return found
+            with self._lock:
+                self._evict(min(int(expect), self.limit))
+            value = make()
+            self.put(key, value)
+            return value
+
+    def clear(self) -> None:
+        with self._lock:
+            self._data.clear()
+            self.used = 0
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def _drop(self, key: K) -> None:
+        old = self._data.pop(key, None)
+        if old is not None:
+            self.used -= old[1]
+
+    def _evict(self, room: int) -> None:
+        while self._data and self.used + room > self.limit:
+            _, (_, weight) = self._data.popitem(last=False)
+            self.used -= weight
+
+
+def dataset_bytes(ds: Dataset) -> int:
+    """What a Dataset holds in memory: its arrays' bytes (a view on disk: its mean, std and
+    rows), plus a little for the objects."""
+    total = 1024
+    for part in (ds.x_train, ds.y_train, ds.x_val, ds.y_val):
+        if isinstance(part, np.ndarray):
+            total += part.nbytes
+        elif isinstance(part, _View):
+            total += 256 + (part.rows.nbytes if isinstance(part.rows, np.ndarray) else 0)
+            if isinstance(part, Samples):
+                total += sum(m.nbytes for m in (part.mean, part.std) if m is not None)
+    return total
+
+
+# -- opening a stored upload ----------------------------------------------------------------------
+
+OPENED: ByteCache[tuple[str, int, int, str], Dataset] = ByteCache(OPENED_CACHE_BYTES,
+                                                                   dataset_bytes)
 
 
 def open_folder(folder: Path, name: str = "") -> Dataset:
     """The dataset stored in `folder` (by unpack_npz), checked; DatasetError names what is
-    wrong. Features stay on disk (Samples); labels are read (8 bytes a sample)."""
+    wrong. Features and labels stay on disk (Samples, Labels)."""
     stat = (folder / "x.npy").stat() if (folder / "x.npy").is_file() else None
     if stat is None:
         raise DatasetError(f"no stored dataset in {folder}")
-    return _open(str(folder), stat.st_mtime_ns, stat.st_size, name)
+    key = (str(folder), stat.st_mtime_ns, stat.st_size, name)
+    return OPENED.get_or_make(key, lambda: _open(folder, name))
 
 
-@functools.lru_cache(maxsize=16)
-def _open(folder_s: str, mtime_ns: int, size: int, name: str) -> Dataset:
-    folder = Path(folder_s)
-    scan = not (folder / CHECKED).is_file()  # every value finite: checked once, at upload
-    n, shape = _check_features(folder, "x", scan)
-    y_all = _small(folder, "y")
-    assert y_all is not None
-    y_all = check_labels(y_all, "y", n)
+def _open(folder: Path, name: str) -> Dataset:
+    facts = _read_facts(folder)
+    scan = facts is None  # every value finite: checked once, at upload
+    n, shape = _features(folder, "x", scan)
+    y_all = _labels(folder, "y", n)
     has_val = ((folder / "x_val.npy").is_file(), (folder / "y_val.npy").is_file())
     if has_val[0] != has_val[1]:
         raise DatasetError("x_val and y_val must be given together")
-    mean_std = (_small(folder, "mean"), _small(folder, "std"))
-    if (mean_std[0] is None) != (mean_std[1] is None):
-        raise DatasetError("mean and std must be given together")
-    mean = std = None
-    if mean_std[0] is not None and mean_std[1] is not None:
-        mean, std = moments(mean_std[0], mean_std[1], shape[0])
+    mean, std = _moments(folder, shape[0])
     x_path = folder / "x.npy"
     stored = StoredArray.of(x_path)
     if has_val[0]:
-        n_val, val_shape = _check_features(folder, "x_val", scan)
+        n_val, val_shape = _features(folder, "x_val", scan)
         if val_shape != shape:
             raise DatasetError(f"x_val samples have shape {val_shape}, x has {shape}")
-        y_val_raw = _small(folder, "y_val")
-        assert y_val_raw is not None
-        y_val = check_labels(y_val_raw, "y_val", n_val)
-        x_train = Samples(x_path, n, shape, stored, None, mean, std)
+        y_val = _labels(folder, "y_val", n_val)
+        x_train = Samples(x_path, n, stored, sample=shape, mean=mean, std=std)
         val_path = folder / "x_val.npy"
-        x_val = Samples(val_path, n_val, shape, StoredArray.of(val_path), None, mean, std)
+        x_val = Samples(val_path, n_val, StoredArray.of(val_path), sample=shape, mean=mean,
+                        std=std)
         y_train = y_all
-    else:  # a fixed seeded 20% of the samples validates
-        perm = np.random.default_rng(SPLIT_SEED).permutation(n)
-        n_val = n // 5
-        train_rows, val_rows = perm[n_val:], perm[:n_val]
-        x_train = Samples(x_path, len(train_rows), shape, stored, train_rows, mean, std)
-        x_val = Samples(x_path, len(val_rows), shape, stored, val_rows, mean, std)
-        y_train, y_val = y_all[train_rows], y_all[val_rows]
-    k = int(max(y_train.max() if len(y_train) else 0, y_val.max() if len(y_val) else 0)) + 1
+        every = [y_train, y_val]
+    else:  # a fixed seeded 20% of the samples validates (split_rows)
+        train_rows, val_rows = split_rows(n)
+        x_train = Samples(x_path, len(train_rows), stored, train_rows, shape, mean, std)
+        x_val = Samples(x_path, len(val_rows), stored, val_rows, shape, mean, std)
+        y_train = dataclasses.replace(y_all, count=len(train_rows), rows=train_rows)
+        y_val = dataclasses.replace(y_all, count=len(val_rows), rows=val_rows)
+        every = [y_all]
+    if facts:  # counted at upload
+        k = int(facts["classes"])
+    else:  # the labels in blocks, in file order: the highest is the same in any order
+        ranges = [r for labels, key in zip(every, ("y", "y_val"))
+                  if (r := label_range(_label_blocks(labels), key)) is not None]
+        k = max((hi for _, hi in ranges), default=0) + 1
     if k < 2:
         raise DatasetError("y has a single class: labels must span at least 2 classes")
-    if scan:
-        (folder / CHECKED).write_text("every array checked\n")
+    if not facts:
+        _write_facts(folder, {"classes": k})
     return Dataset(x_train, y_train, x_val, y_val, shape, k, name)  # type: ignore[arg-type]
 
 
 def check_folder(folder: Path) -> Dataset:
-    """Check an unpacked upload (not kept in the cache: it is about to move)."""
-    stat = (folder / "x.npy").stat()
-    return _open.__wrapped__(str(folder), stat.st_mtime_ns, stat.st_size, "")
+    """Check an unpacked upload, every value (not kept in the cache: it is about to move)."""
+    (folder / CHECKED).unlink(missing_ok=True)
+    return _open(folder, "")

@@ -39,5 +39,5 @@ def validate_npz(data: bytes, max_bytes: int) -> Dataset:
         source = Path(tmp) / "upload.npz"
         source.write_bytes(data)
         ds = validate_file(source, Path(tmp) / "arrays", max_bytes)
-        return Dataset(np.asarray(ds.x_train), ds.y_train, np.asarray(ds.x_val), ds.y_val,
-                       ds.input_shape, ds.num_classes, ds.name)
+        return Dataset(np.asarray(ds.x_train), np.asarray(ds.y_train), np.asarray(ds.x_val),
+                       np.asarray(ds.y_val), ds.input_shape, ds.num_classes, ds.name)

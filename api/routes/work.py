@@ -51,7 +51,7 @@ async def get_shard_data(
         start: int | None = Query(None, ge=0, description="the first sample of the chunk; the "
                                   "answer holds as many as a chunk holds (header "
                                   "X-Phalanx-Shard-Samples: the shard's total). Absent: "
-                                  "the whole shard"),
+                                  "the whole shard, when it fits one chunk (else 422)"),
         encoding: Literal["float32", "raw"] = Query(
             "float32", description="raw: the samples as stored (e.g. uint8) with the `mean` "
             "and `std` to normalize them by (engine.stored.normalize)")):

@@ -9,8 +9,8 @@ the blob store.
 from __future__ import annotations
 
 import datetime as dt
-import functools
 import io
+import math
 import threading
 import uuid
 from collections import OrderedDict
@@ -23,14 +23,14 @@ import numpy as np
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from api.errors import ApiError, Conflict, Forbidden, NotFound, Unavailable
+from api.errors import ApiError, Conflict, Forbidden, Invalid, NotFound, Unavailable
 from api.store.jobs import fail_diverged
 from api.store.models import Job, ShardAssignment
 from api.store.state_names import JobState
 from engine.data import load_dataset
 from engine.jobinfo import JobInfo, job_info
 from engine.precision import can_pre_add
-from engine.sampler import shard_indices
+from engine.sampler import shard_length, shard_samples
 from engine.step import ShardResult
 from engine.stored import Samples
 from engine.tree import is_node
@@ -109,6 +109,8 @@ class ShardChunk(NamedTuple):
 # few are built at once (each holds its rows, their .npz and the answer), and only small ones
 # are kept: phones cache their shards, so a large chunk is rarely asked for twice
 SHARD_CHUNK_BYTES = 16 << 20
+SHARD_CHUNK_MAX_ROWS = 1 << 20
+SHARD_BUILD_ROWS = 1 << 16  # a chunk's samples are found and read this many at a time
 SHARD_CACHE_BYTES = 16 << 20
 SHARD_CACHED_MAX_BYTES = 1 << 20
 SHARD_BUILDS = threading.BoundedSemaphore(2)
@@ -361,7 +363,8 @@ class StepProtocol:
     def shard_data(self, device_id: str, job_id: str, shard: int, start: int | None = None,
                    raw: bool = False) -> ShardChunk:
         """The shard's samples from `start` on, as many as SHARD_CHUNK_BYTES holds; without
-        `start` (agents before chunks), all of them. `raw`: as stored, with the mean and std
+        `start` (agents before chunks), all of them when they fit one chunk (else 422: ask in
+        chunks). `raw`: as stored, with the mean and std
         the phone normalizes them with (engine.stored.normalize; a quarter of the bytes for
         uint8 images); else float32 normalized here."""
         job, held = self._job_and_held(device_id, job_id)
@@ -476,27 +479,46 @@ def store_results(blobs: BlobStore, job_id: str, step: int, body: bytes | memory
     return accepted, duplicates, counted
 
 
-@functools.lru_cache(maxsize=8)
-def _shard_order(dataset: str, data_dir: str, n_train: int, shards: int, seed: int) -> list[np.ndarray]:
-    return shard_indices(n_train, shards, seed)
+def chunk_rows(sample: tuple[int, ...]) -> int:
+    """Samples in one chunk of a shard: SHARD_CHUNK_BYTES of them as float32 (Python integers:
+    a sample's size comes from an upload), at least one and at most SHARD_CHUNK_MAX_ROWS (their
+    int64 labels: 8 bytes a sample more)."""
+    per_sample = 4 * math.prod(int(d) for d in sample)
+    return max(1, min(SHARD_CHUNK_MAX_ROWS, SHARD_CHUNK_BYTES // per_sample))
 
 
 def _shard_chunk(dataset: str, data_dir: str, n_train: int, shards: int, seed: int,
                  shard: int, start: int | None, raw: bool) -> ShardChunk:
+    """Samples [start, start + chunk_rows) of the shard, in the sampler's order: their indices
+    computed for them alone (engine.sampler.shard_samples) and read SHARD_BUILD_ROWS at a
+    time, so a chunk costs its own bytes, never the dataset's or the shard's. Without `start`
+    (agents before chunks, the simulator) the whole shard, when it fits one chunk."""
     data = load_dataset(dataset, data_dir)
-    idx = _shard_order(dataset, data_dir, n_train, shards, seed)[shard]
-    total, x_train = len(idx), data.x_train
+    total, x_train = shard_length(n_train, shards, shard), data.x_train
+    sample = tuple(x_train.shape[1:])
+    rows = chunk_rows(sample)
+    if start is None:
+        if total > rows:
+            raise Invalid("start", f"shard {shard} holds {total:,} samples, more than one "
+                          f"answer carries ({rows:,}): ask for it in chunks from start=0",
+                          where="query")
+        start = 0
+    count = max(0, min(rows, total - start))
     stored = isinstance(x_train, Samples)
-    if start is not None:
-        per_sample = max(1, int(np.prod(x_train.shape[1:])) * 4)
-        idx = idx[start : start + max(1, SHARD_CHUNK_BYTES // per_sample)]
-    arrays = {"y": np.ascontiguousarray(data.y_train[idx], dtype=np.int64)}
-    if raw and stored:
-        arrays["x"] = x_train.raw(idx)
-        if x_train.mean is not None and x_train.std is not None:
-            arrays.update(mean=x_train.mean, std=x_train.std)
-    else:
-        arrays["x"] = np.ascontiguousarray(x_train[idx], dtype=np.float32)
+    as_stored = raw and stored
+    x_dtype = x_train.stored.dtype if as_stored else np.float32
+    x_shape = (*x_train.stored.row_shape,) if as_stored else sample
+    x = np.empty((count, *x_shape), x_dtype)
+    y = np.empty(count, np.int64)
+    for at in range(0, count, SHARD_BUILD_ROWS):
+        end = min(at + SHARD_BUILD_ROWS, count)
+        idx = shard_samples(n_train, shards, seed, shard, start + at, start + end)
+        x[at:end] = x_train.raw(idx) if as_stored else x_train[idx]
+        y[at:end] = data.y_train[idx]
+    arrays = {"y": y, "x": x}
+    if as_stored and x_train.mean is not None and x_train.std is not None:
+        arrays.update(mean=x_train.mean, std=x_train.std)
     buf = io.BytesIO()
     np.savez(buf, **arrays)
+    del x, y, arrays
     return ShardChunk(buf.getvalue(), total)

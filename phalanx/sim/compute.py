@@ -49,11 +49,6 @@ class SharedEngine:
             self.weights[(job, step)] = (params, buffers)
         return self.weights[(job, step)]
 
-    def shard_of(self, job: str, k: int, data: bytes) -> tuple[np.ndarray, np.ndarray]:
-        if (job, k) not in self.shards:
-            self.shards[(job, k)] = shard_arrays(data)
-        return self.shards[(job, k)]
-
 
 ENGINE = SharedEngine()
 
@@ -69,6 +64,33 @@ async def _get(phone: LightPhone, endpoint: str, path: str, **kwargs: Any) -> An
     return await phone.call(endpoint, "GET", path, headers=headers, **kwargs)
 
 
+async def _shard(phone: LightPhone, job: str, k: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """Shard k's samples, asked for in chunks as the agent asks (the server answers a shard
+    bigger than a chunk only so); decoded once for the fleet. None when this phone does not
+    hold it (any more)."""
+    parts: list[tuple[np.ndarray, np.ndarray]] = []
+    start, total = 0, None
+    while total is None or start < total:
+        got = await _get(phone, "shard_data", f"/v1/jobs/{job}/shards/{k}/data",
+                         params={"start": start}, expected=(403,))
+        if got.status_code != 200:
+            return None
+        total = int(got.headers["X-Phalanx-Shard-Samples"])
+        if not parts and (job, k) in ENGINE.shards:
+            return ENGINE.shards[(job, k)]
+        x, y = shard_arrays(got.content)
+        if not len(y) and start < total:
+            raise WireError(f"shard {k} of {job}: an empty chunk at {start} of {total}")
+        parts.append((x, y))
+        start += len(y)
+    if len(parts) == 1:
+        ENGINE.shards[(job, k)] = parts[0]
+    else:
+        ENGINE.shards[(job, k)] = (np.concatenate([p[0] for p in parts]),
+                                   np.concatenate([p[1] for p in parts]))
+    return ENGINE.shards[(job, k)]
+
+
 async def one_step(phone: LightPhone, a: Assignment) -> bool:
     """Compute and upload this phone's shards of the assignment; False when it moved on."""
     job, step, shards = a.job_id, a.step, a.shards
@@ -80,11 +102,10 @@ async def one_step(phone: LightPhone, a: Assignment) -> bool:
     params, buffers = ENGINE.weights_of(job, step, resp.content)
     data = {}
     for k in shards:
-        got = await _get(phone, "shard_data", f"/v1/jobs/{job}/shards/{k}/data",
-                         expected=(403,))
-        if got.status_code != 200:
+        shard = await _shard(phone, job, k)
+        if shard is None:
             return False
-        data[k] = ENGINE.shard_of(job, k, got.content)
+        data[k] = shard
     started = time.perf_counter()
     results = await asyncio.to_thread(_compute, built, params, buffers, data, step)
     compute_s = time.perf_counter() - started
