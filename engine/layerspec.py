@@ -16,7 +16,7 @@ from typing import Any
 
 from engine.base import Builder, Layer
 from engine.conv import Conv2d, DepthwiseConv2d
-from engine.graph import Residual, Sequential
+from engine.graph import MAX_PARAMS, Residual, Sequential
 from engine.layers import (
     AvgPool,
     Dense,
@@ -137,10 +137,11 @@ class _Walk:
         _check_input(kind, shape, o, where)
         before = len(self.scratch.params)
         out = layer.build(shape, self.scratch)
-        if math.prod(out) > MAX_ACTIVATION:
+        params = sum(s.size for s in self.scratch.params[before:])
+        # (a layer past MAX_PARAMS is refused by the model's count, which names the total)
+        if math.prod(out) > MAX_ACTIVATION and params <= MAX_PARAMS:
             raise LayerError(f"{where}: its output {out} has {math.prod(out):,} elements per "
                              f"sample; at most {MAX_ACTIVATION:,}")
-        params = sum(s.size for s in self.scratch.params[before:])
         macs = _macs(kind, shape, out, o)
         self.infos.append(LayerInfo(loc, kind, out, params, macs, math.prod(out)))
         return layer, out, macs
