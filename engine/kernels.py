@@ -18,7 +18,7 @@ import numpy as np
 from engine import portable
 
 EXACTNESS = ("portable", "class")
-# what a job spec without `exactness` gets: portable costs 2-3x class per shard (float64 GEMMs
+# what a job spec without `exactness` gets: portable costs 1.8-2.8x class per shard (float64 GEMMs
 # and the passes that make their operands integers: docs/benchmarks.md), past the 1.5x that
 # would make it the default; a class job keeps its shards on one compute class instead
 DEFAULT_EXACTNESS = "class"
