@@ -63,7 +63,8 @@ def classes_of(session: Session, req: PlacementRequest, eligible: list[DeviceVie
     first placement would take first (placement.compute_classes)."""
     ranked = compute_classes(req, eligible)[:LISTED]
     holders = {fp: next(d.id for d in eligible if d.compute_class == fp) for fp, _, _ in ranked}
-    facts = {d.id: (d.capabilities or {}).get("compute_class") for d in session.scalars(
-        select(Device).where(Device.id.in_(list(holders.values()))))}
+    rows = session.scalars(select(Device).where(Device.id.in_(list(holders.values()))))
+    facts = {d.id: d.capabilities.get("compute_class") if isinstance(d.capabilities, dict)
+             else None for d in rows}  # a stored value, any JSON: label() checks the rest
     return [{"fingerprint": fp, "label": label(facts.get(holders[fp])), "devices": n,
              "speed": round(speed, 3)} for fp, n, speed in ranked]

@@ -4,6 +4,7 @@ transaction). Guarded updates return whether they won, so racing tasks change a 
 from __future__ import annotations
 
 import datetime as dt
+import math
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -19,46 +20,75 @@ from api.store.state_names import FINISHED_STATES
 from api.store.states import Event as StateEvent
 from api.store.states import JobState, transition
 from scheduler.policy.quota import Usage
-from scheduler.policy.types import DeviceView
+from scheduler.policy.types import MAX_SPEED, DeviceView
 
 TERMINAL = FINISHED_STATES
+TEMP_RANGE = (-50.0, 200.0)  # a telemetry sample's temperatures (the heartbeat's schema)
+MAX_CORES = 1024  # a device spec's cpu_cores (the registration's schema)
 
 
-def _num(value: Any) -> float | None:
-    try:
-        return None if value is None else float(value)
-    except (TypeError, ValueError):
+def _number(value: Any, low: float = -math.inf, high: float = math.inf) -> float | None:
+    """A stored number: None unless a finite int or float (a bool is no number) in [low, high]."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
+    try:
+        number = float(value)
+    except OverflowError:  # an int past any float
+        return None
+    return number if math.isfinite(number) and low <= number <= high else None
+
+
+def _mapping(value: Any) -> Mapping[str, Any]:
+    return value if isinstance(value, Mapping) else {}
+
+
+def _names(value: Any) -> frozenset[str] | None:
+    """A stored list of names: None (the agent did not say) unless it is a list; of a list, its
+    strings (anything else in it is no name)."""
+    return frozenset(v for v in value if isinstance(v, str)) if isinstance(value, list) else None
+
+
+def stored_speeds(profiles: Any) -> dict[str, float]:
+    """arch -> measured samples/s, from a stored `profiles` column: a speed that is not a
+    finite number in (0, MAX_SPEED] is none (the estimate from the core count stands in)."""
+    speeds = {}
+    for arch, profile in _mapping(profiles).items():
+        speed = _number(_mapping(profile).get("samples_per_s"), 0.0, MAX_SPEED)
+        if isinstance(arch, str) and speed:
+            speeds[arch] = speed
+    return speeds
 
 
 def device_view(device: Device, job_id: str | None) -> DeviceView:
-    tel = device.latest_telemetry or {}
-    temps = [t for t in (_num(tel.get("cpu_temp_c")), _num(tel.get("battery_temp_c"))) if t is not None]
-    caps = device.capabilities or {}
-    speeds = {
-        arch: float(p["samples_per_s"])
-        for arch, p in (device.profiles or {}).items()
-        if isinstance(p, dict) and _num(p.get("samples_per_s"))
-    }
+    """What placement may know of a device. The JSON columns (capabilities, profiles,
+    telemetry, spec, labels) hold what a phone or an older server wrote: nothing of them is
+    trusted to have its type; a part that is not what the schemas say counts as absent."""
+    tel = _mapping(device.latest_telemetry)
+    temps = [t for t in (_number(tel.get("cpu_temp_c"), *TEMP_RANGE),
+                         _number(tel.get("battery_temp_c"), *TEMP_RANGE)) if t is not None]
+    caps = _mapping(device.capabilities)
+    spec = _mapping(device.spec)
+    cores = _number(spec.get("cpu_cores"), 1, MAX_CORES)
     return DeviceView(
         id=device.id,
         state=device.state,
         cordoned=bool(device.cordoned),
         draining=bool(device.draining),
         pause_reason=device.pause_reason,
-        labels=MappingProxyType({str(k): str(v) for k, v in (device.labels or {}).items()}),
-        battery_pct=_num(tel.get("battery_pct")),
+        labels=MappingProxyType({k: v for k, v in _mapping(device.labels).items()
+                                 if isinstance(k, str) and isinstance(v, str)}),
+        battery_pct=_number(tel.get("battery_pct"), 0.0, 100.0),
         charging=tel.get("charging") if isinstance(tel.get("charging"), bool) else None,
         temp_c=max(temps) if temps else None,
-        archs=frozenset(caps["archs"]) if isinstance(caps.get("archs"), list) else None,
-        backends=frozenset(caps["backends"]) if isinstance(caps.get("backends"), list) else None,
-        features=frozenset(str(f) for f in caps.get("features") or [] if isinstance(f, str)),
-        cpu_cores=int(_num((device.spec or {}).get("cpu_cores")) or 4),
-        ram_mb=_num((device.spec or {}).get("ram_mb")),
-        speeds=MappingProxyType(speeds),
+        archs=_names(caps.get("archs")),
+        backends=_names(caps.get("backends")),
+        features=_names(caps.get("features")) or frozenset(),
+        cpu_cores=int(cores) if cores else 4,
+        ram_mb=_number(spec.get("ram_mb"), 0.0, math.inf) or None,
+        speeds=MappingProxyType(stored_speeds(device.profiles)),
         job_id=job_id,
         upgrading=device.upgrade_to is not None,
-        compute_class=fingerprint_of(caps if isinstance(caps, dict) else None),
+        compute_class=fingerprint_of(caps),
     )
 
 

@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import datetime as dt
-from typing import Any
+from collections.abc import Mapping
+from typing import Annotated, Any
 
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
+    TypeAdapter,
     ValidationError,
     ValidatorFunctionWrapHandler,
     computed_field,
     field_validator,
+    model_validator,
 )
 
 from api.schemas.common import Labels, ReadModel, RequestModel, check_labels
@@ -66,23 +70,87 @@ class ComputeClass(BaseModel):
                              "the class kernels", examples=["be23673d0b4b503b"])
 
 
+NAME_PATTERN = r"^[\x21-\x7e]{1,64}$"  # 1-64 printable ASCII characters, no space
+# a line of text: no control character (a NUL is no Postgres text; a newline forges lines)
+LINE_PATTERN = r"^[^\x00-\x1f\x7f]*$"
+Name = Annotated[str, Field(pattern=NAME_PATTERN, examples=["cnn"])]
+MAX_NAMES = 64  # entries of each list of names (archs, backends, features) and of profiles
+# samples/s of one phone for one arch: far above any phone (one x86 core computes ~1.8e6
+# logreg samples/s); below it, a sum over any fleet is finite and no weight is NaN
+MAX_SAMPLES_PER_S = 1e8
+
+
 class Capabilities(BaseModel):
-    """What the agent computes. `compute_class` is typed; the other keys (backends, archs,
-    features) are kept as sent."""
+    """What the agent computes, every part typed and bounded (strict: a number where a list
+    goes, or a list where a name goes, is a 422 naming the field). Keys a later agent adds are
+    dropped: the server reads none of them, and a newer agent must still heartbeat."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(strict=True, extra="ignore")
 
+    archs: list[Name] | None = Field(None, max_length=MAX_NAMES, description="the model archs "
+                                     "it builds (`custom`: the job's own layer graph); null or "
+                                     "absent: it did not say (any)")
+    backends: list[Name] | None = Field(None, max_length=MAX_NAMES, examples=[["numpy"]])
+    features: list[Name] | None = Field(None, max_length=MAX_NAMES, description="what it "
+                                        "computes beyond an arch (augment, label_smoothing, "
+                                        "upload_precision, portable, self_upgrade)")
     compute_class: ComputeClass | None = None
 
 
+def _or_none(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+    try:  # every stored value was checked at its heartbeat; one from before shows as null
+        return handler(value)
+    except ValidationError:
+        return None
+
+
 class CapabilitiesRead(Capabilities):
-    @field_validator("compute_class", mode="wrap")
+    """The stored capabilities as read: a part that is not what the heartbeat schema says (a
+    row written before it said so) shows as null."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _a_mapping(cls, value: Any) -> Any:
+        return value if isinstance(value, Mapping) else {}
+
+    @field_validator("archs", "backends", "features", "compute_class", mode="wrap")
     @classmethod
     def _as_stored(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
-        try:  # every stored one was checked at its heartbeat; one from before shows as null
-            return handler(value)
+        return _or_none(value, handler)
+
+
+class Profile(BaseModel):
+    """What the agent measured for one arch: its execution choice and its speed
+    (`agent.runtime.execution.ExecutionManager.report`). Keys a later agent adds are dropped."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    samples_per_s: float | None = Field(None, gt=0, le=MAX_SAMPLES_PER_S, allow_inf_nan=False,
+                                        description="training samples a second", examples=[812.0])
+    threads: int | None = Field(None, ge=1, le=1024)
+    cores: list[Annotated[int, Field(ge=0, le=4095)]] | None = Field(None, max_length=1024)
+    backend: str | None = Field(None, max_length=FACT_MAX, pattern=LINE_PATTERN,
+                                examples=["numpy"])
+    core_set: str | None = Field(None, max_length=FACT_MAX, pattern=LINE_PATTERN,
+                                 examples=["big"])
+    pinned: bool | None = None
+    power_w: float | None = Field(None, ge=-1000, le=1000, allow_inf_nan=False)
+
+
+Profiles = Annotated[dict[Name, Profile], Field(max_length=MAX_NAMES)]
+_NAME = TypeAdapter(Name)
+
+
+def stored_profiles(value: Any) -> dict[str, Any]:
+    """The stored profiles as read: an arch's entry that is not what the heartbeat schema says
+    (a row written before it said so) is left out."""
+    out: dict[str, Any] = {}
+    for arch, profile in (value.items() if isinstance(value, Mapping) else ()):
+        try:
+            out[_NAME.validate_python(arch)] = Profile.model_validate(profile)
         except ValidationError:
-            return None
+            continue
+    return out
 
 
 class DeviceRegister(RequestModel):
@@ -109,14 +177,26 @@ class DeviceRegistered(BaseModel):
     lease_grace_s: float
 
 
+def _stored_mapping(value: Any) -> Any:
+    return value if isinstance(value, Mapping) else {}  # a JSON column holds any JSON
+
+
+def _stored_labels(value: Any) -> dict[str, str]:
+    return {k: v for k, v in _stored_mapping(value).items()
+            if isinstance(k, str) and isinstance(v, str)}
+
+
+StoredMapping = Annotated[dict[str, Any], BeforeValidator(_stored_mapping)]
+
+
 class DeviceRead(ReadModel):
     id: str
     name: str
     state: DeviceState
     cordoned: bool
     draining: bool
-    labels: dict[str, str]
-    spec: dict[str, Any]
+    labels: Annotated[dict[str, str], BeforeValidator(_stored_labels)]
+    spec: StoredMapping
     pause_reason: str | None
     lease_renewed_at: dt.datetime | None
     agent_version: str | None
@@ -125,8 +205,9 @@ class DeviceRead(ReadModel):
     upgrade_failed: str | None = Field(
         default=None, description="the last agent version it could not install")
     capabilities: CapabilitiesRead
-    profiles: dict[str, Any]
-    latest_telemetry: dict[str, Any]
+    profiles: Annotated[dict[str, Profile], BeforeValidator(stored_profiles)] = Field(
+        description="per arch, what the agent measured")
+    latest_telemetry: StoredMapping
     latest_telemetry_at: dt.datetime | None
     created: dt.datetime
 
@@ -159,15 +240,16 @@ class TelemetrySampleIn(RequestModel):
 
 
 class Pause(RequestModel):
-    reason: str = Field(min_length=1, max_length=40)
-    detail: str | None = Field(default=None, max_length=1000)
+    reason: str = Field(min_length=1, max_length=40, pattern=LINE_PATTERN)
+    detail: str | None = Field(default=None, max_length=1000, pattern=LINE_PATTERN)
 
 
 class HeartbeatIn(RequestModel):
     telemetry: list[TelemetrySampleIn] = Field(max_length=MAX_SAMPLES_PER_HEARTBEAT)
-    agent_version: str | None = Field(default=None, max_length=40)
+    agent_version: str | None = Field(default=None, max_length=40, pattern=LINE_PATTERN)
     capabilities: Capabilities | None = None
-    profiles: dict[str, Any] | None = None
+    profiles: Profiles | None = Field(None, description="per arch (at most 64), what the agent "
+                                      "measured; replaces the stored profiles")
     pause: Pause | None = None
 
 
@@ -212,9 +294,11 @@ class DevicePatch(RequestModel):
 class LogLine(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    seq: int = Field(ge=0, description="the agent's line counter: later lines, larger numbers")
-    ts: float = Field(description="when it was logged, Unix seconds (the phone's clock)")
-    level: str = Field(max_length=10)
+    seq: int = Field(ge=0, le=2**63 - 1, description="the agent's line counter: later "
+                     "lines, larger numbers")
+    ts: float = Field(allow_inf_nan=False, description="when it was logged, Unix seconds "
+                      "(the phone's clock)")
+    level: str = Field(max_length=10, pattern=LINE_PATTERN)
     message: str = Field(max_length=4000)
 
 
@@ -224,9 +308,21 @@ class LogsIn(BaseModel):
     lines: list[LogLine] = Field(max_length=1000)
 
 
+def _stored_lines(value: Any) -> list[Any]:
+    """The stored lines as read: one shipped before LogLine said what it holds and not what it
+    says now (a NaN time on SQLite) is left out."""
+    out = []
+    for line in value if isinstance(value, list) else []:
+        try:
+            out.append(LogLine.model_validate(line))
+        except ValidationError:
+            continue
+    return out
+
+
 class LogsRead(BaseModel):
     device_id: str
     requested_at: dt.datetime | None = Field(
         None, description="an operator's request not yet answered by the agent")
     shipped_at: dt.datetime | None = Field(None, description="when the lines below arrived")
-    lines: list[LogLine] = []
+    lines: Annotated[list[LogLine], BeforeValidator(_stored_lines)] = []

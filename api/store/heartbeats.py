@@ -116,8 +116,12 @@ def merge_batch(items: list[tuple[str, str, HeartbeatIn]]) -> list[DeviceBatch]:
             value = getattr(body, name)
             if value is not None:
                 setattr(entry, name, value)
-        if body.capabilities is not None:  # a column of JSON: the typed parts as plain values
+        # columns of JSON: the typed parts as plain values, as sent (unknown keys dropped)
+        if body.capabilities is not None:
             entry.capabilities = body.capabilities.model_dump(mode="json", exclude_unset=True)
+        if body.profiles is not None:
+            entry.profiles = {arch: profile.model_dump(mode="json", exclude_unset=True)
+                              for arch, profile in body.profiles.items()}
         entry.pause = body.pause
     return list(merged.values())
 
@@ -165,7 +169,8 @@ def _commands(device: Any, profiles: dict[str, Any], active_archs: set[str],
     commands: list[dict[str, Any]] = []
     if device.draining:
         commands.append({"type": "drain"})
-    missing = sorted(a for a in active_archs if a not in profiles)
+    measured = profiles if isinstance(profiles, dict) else {}  # a stored value: any JSON
+    missing = sorted(a for a in active_archs if a not in measured)
     if missing and not device.draining:
         commands.append({"type": "profile", "arch": missing[0]})  # one at a time
     if rotate:

@@ -24,7 +24,8 @@ SELF_UPGRADE = "self_upgrade"  # the capability of an agent started by launch.sh
 
 def can_self_upgrade(capabilities: dict[str, Any] | None) -> bool:
     """Whether the agent can install a rollout and roll it back: only those are asked."""
-    return SELF_UPGRADE in ((capabilities or {}).get("features") or [])
+    features = capabilities.get("features") if isinstance(capabilities, dict) else None
+    return isinstance(features, list) and SELF_UPGRADE in features  # stored: any JSON
 
 
 def get_rollout(session: Session) -> AgentRollout | None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from scheduler.policy.types import DeviceView, PlacementRequest
+from scheduler.policy.types import MAX_SPEED, DeviceView, PlacementRequest
 
 # Rough samples/s per CPU core of a mid-range phone per arch, used until the agent has profiled
 # the model (a spec-based estimate: only the ranking between devices matters).
@@ -13,11 +13,13 @@ WEIGHTS = {"speed": 60.0, "thermal": 25.0, "battery": 15.0}
 
 
 def device_speed(device: DeviceView, arch: str) -> float:
-    """Measured samples/s for this arch, else an estimate from the core count."""
+    """Measured samples/s for this arch, else an estimate from the core count: always a finite
+    number in (0, MAX_SPEED] (a measured speed that is not one counts as not measured)."""
     measured = device.speeds.get(arch)
-    if measured is not None and measured > 0:
+    if isinstance(measured, (int, float)) and 0 < measured <= MAX_SPEED:  # False for NaN
         return float(measured)
-    return EST_SAMPLES_PER_CORE.get(arch, DEFAULT_SAMPLES_PER_CORE) * max(1, device.cpu_cores)
+    cores = device.cpu_cores if isinstance(device.cpu_cores, int) else 1
+    return EST_SAMPLES_PER_CORE.get(arch, DEFAULT_SAMPLES_PER_CORE) * min(max(1, cores), 1024)
 
 
 def speed_score(device: DeviceView, req: PlacementRequest, fastest: float) -> float:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 
@@ -10,22 +11,34 @@ def proportional_counts(total: int, weights: Mapping[str, float]) -> dict[str, i
 
     Every device with a positive weight gets at least one shard when total allows it (a device
     in a job with nothing to do would only hold a phone hostage). Ties go to the lower id.
+    Any float is a weight: one that is not a finite positive number (NaN, infinite, zero,
+    negative) counts as zero, and all zero split evenly; the counts always add up to `total`.
     """
     names = sorted(weights)
     if not names or total <= 0:
         return {name: 0 for name in names}
-    positive = {n: max(0.0, float(weights[n])) for n in names}
-    if not sum(positive.values()):
-        positive = {n: 1.0 for n in names}
-    wsum = sum(positive.values())
-    quotas = {n: total * positive[n] / wsum for n in names}
+    usable = {n: _weight(weights[n]) for n in names}
+    top = max(usable.values())
+    # relative to the largest, each in [0, 1]: no sum or product below overflows (1e308 * 8)
+    relative = {n: usable[n] / top for n in names} if top else {n: 1.0 for n in names}
+    wsum = sum(relative.values())  # >= 1: the largest is 1
+    quotas = {n: min(float(total), total * relative[n] / wsum) for n in names}
     counts = {n: int(quotas[n]) for n in names}
-    leftover = total - sum(counts.values())
+    leftover = max(0, total - sum(counts.values()))
     by_remainder = sorted(names, key=lambda n: (-(quotas[n] - counts[n]), n))
     for name in by_remainder[:leftover]:
         counts[name] += 1
     _lift_zeros(counts, quotas)
     return counts
+
+
+def _weight(value: float) -> float:
+    """A weight as a finite float >= 0: NaN, infinities, negatives and non-numbers are 0."""
+    try:
+        weight = float(value)
+    except (TypeError, ValueError, OverflowError):
+        return 0.0
+    return weight if math.isfinite(weight) and weight > 0 else 0.0
 
 
 def _lift_zeros(counts: dict[str, int], quotas: Mapping[str, float]) -> None:

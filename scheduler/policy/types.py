@@ -11,6 +11,9 @@ from api.store.state_names import DeviceState
 from engine.kernels import DEFAULT_EXACTNESS
 
 EMPTY: Mapping[str, str] = MappingProxyType({})
+# samples/s: the most a measured speed may say (the heartbeat's bound,
+# api.schemas.devices.MAX_SAMPLES_PER_S); a stored one beyond it counts as not measured
+MAX_SPEED = 1e8
 
 
 @dataclass(frozen=True)
