@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from agent.runtime.executor import Diverged, ExecConfig
+from agent.runtime.executor import ComputeFailed, Diverged, ExecConfig
 
 log = logging.getLogger(__name__)
 
@@ -134,8 +134,11 @@ class PowerMeter:
 def profile(configs: list[ExecConfig], measure: Callable[[ExecConfig], float],
             read_power: Callable[[], float | None] | None = None) -> list[Measurement]:
     """Measure each config (samples/s); one that fails is left out, not fatal (but a result
-    that is not finite is the job's, not the config's: Diverged goes up)."""
+    that is not finite is the job's, not the config's: Diverged goes up; and when no config
+    computes the shard because the engine raised, that error is the job's: ComputeFailed goes
+    up)."""
     results = []
+    failed: ComputeFailed | None = None
     for config in configs:
         try:
             if read_power is None:
@@ -148,4 +151,8 @@ def profile(configs: list[ExecConfig], measure: Callable[[ExecConfig], float],
             raise  # the shard's result is not finite whatever the config: the job diverged
         except Exception as exc:  # a config the phone refuses (e.g. no torch) is just not chosen
             log.warning("execution candidate %s failed: %s", config.describe(), exc)
+            if isinstance(exc, ComputeFailed):  # more threads, more memory: maybe this one's
+                failed = failed or exc
+    if not results and failed is not None:
+        raise failed
     return results

@@ -25,6 +25,13 @@ class Diverged(WorkerError):
     """The worker's result is not finite (wire.messages.NotFinite): the job diverged."""
 
 
+class ComputeFailed(WorkerError):
+    """The engine raised while building the job's model or computing a shard (a ValueError,
+    "array is too big", a MemoryError...): an error of the job's inputs, which the same inputs
+    give again, unlike a worker that died or a file that could not be read. The agent tries
+    again in a fresh worker, and reports the job's failure when the error repeats."""
+
+
 @dataclass(frozen=True)
 class ExecConfig:
     backend: str = "numpy"
@@ -96,6 +103,8 @@ class ComputeWorker:
             reply = self._read()
         if reply.get("diverged"):
             raise Diverged(str(reply["diverged"]))
+        if reply.get("compute_failed"):
+            raise ComputeFailed(str(reply["compute_failed"]))
         if not reply.get("ok"):
             raise WorkerError(reply.get("error", "compute worker failed"))
         return reply

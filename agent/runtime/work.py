@@ -24,7 +24,7 @@ from agent.client import (
 from agent.runtime import choice
 from agent.runtime.cache import WorkCache
 from agent.runtime.execution import ExecutionManager
-from agent.runtime.executor import Diverged
+from agent.runtime.executor import ComputeFailed, Diverged
 from agent.runtime.guard import Limits
 from agent.runtime.ledger import UploadLedger
 from agent.runtime.monitor import Monitor
@@ -37,6 +37,9 @@ log = logging.getLogger(__name__)
 CHUNK_TARGET_S = 2.0  # compute this long between guard checks and uploads
 PAUSED_POLL_S = 2.0
 HOLD_FACTOR = 1.5  # partials held up to this x the last pass's time (scheduler: late at 3x)
+# a compute error (ComputeFailed) raised this many times running on the same step, the same
+# each time, each in a fresh worker, is the job's: reported, and the job fails with it
+COMPUTE_TRIES = 3
 
 
 class WorkLoop:
@@ -56,6 +59,8 @@ class WorkLoop:
         self._throttle_seen = 0
         self._use_bulk = True  # until the bulk port proves unreachable
         self.slices = SliceFetcher(client)  # a sliced job's weights (agent.runtime.slices)
+        # the last compute error ((job, step, error), times running) until a step computes
+        self._failed: tuple[tuple[str, int, str], int] | None = None
 
     def run(self, stop: threading.Event) -> None:
         while not stop.is_set() and self.state.fatal is None:
@@ -207,13 +212,11 @@ class WorkLoop:
             reply = self.execution.step(req)
         except Diverged as exc:  # the same bits on any phone: no retry, the job fails
             log.error("%s step %d diverged (%s): reporting it", job, step, exc)
-            try:
-                self.client.report_diverged(job, step, shards[0], str(exc))
-            except StatusError as gone:
-                if gone.status not in (403, 404, 409):
-                    raise  # a server error or a revoked token: the loop's backoff and rules
-                log.info("diverged report not taken (the job moved on): %s", gone)
+            self._report_failure(job, step, shards[0], str(exc))
             return False
+        except ComputeFailed as exc:
+            return self._compute_failed(job, step, shards, exc)
+        self._failed = None
         self._per_shard_s = (time.monotonic() - started) / len(shards)
         if reply.get("held"):
             return True  # pre-added in the worker; goes up with a later request of the step
@@ -235,6 +238,37 @@ class WorkLoop:
         self.ledger.record(job, step, done or shards)
         self.uploaded_shards += len(done or shards)
         return True
+
+    def _compute_failed(self, job: str, step: int, shards: list[int],
+                        exc: ComputeFailed) -> bool:
+        """The engine raised on this step's inputs. Once may be the phone's moment (memory
+        short while the user's apps hold it): the worker is replaced and the loop's backoff
+        tries again, as after any worker failure. The same error on the same step
+        COMPUTE_TRIES times running is the job's, which every phone would meet: reported,
+        and the job fails with it instead of holding its phones for ever."""
+        key = (job, step, str(exc))
+        tries = self._failed[1] + 1 if self._failed and self._failed[0] == key else 1
+        self._failed = (key, tries)
+        self.execution.close()  # the next try starts a fresh worker (and profiles again)
+        if tries < COMPUTE_TRIES:
+            log.warning("%s step %d: the compute failed (%s), try %d of %d", job, step, exc,
+                        tries, COMPUTE_TRIES)
+            raise exc  # the loop's backoff, then the step again
+        log.error("%s step %d: the compute failed the same way %d times (%s): reporting it",
+                  job, step, tries, exc)
+        self._report_failure(job, step, shards[0], f"shard {shards[0]} cannot be computed: "
+                             f"{exc} (the same on {tries} tries)")
+        self._failed = None  # reported (a report that failed is made at the next try)
+        return False
+
+    def _report_failure(self, job: str, step: int, shard: int, reason: str) -> None:
+        """The job's step has no result for `shard`, on any phone: the server fails the job."""
+        try:
+            self.client.report_diverged(job, step, shard, reason)
+        except StatusError as gone:
+            if gone.status not in (403, 404, 409):
+                raise  # a server error or a revoked token: the loop's backoff and rules
+            log.info("failure report not taken (the job moved on): %s", gone)
 
 
 def _nothing_listens(exc: BaseException) -> bool:

@@ -27,7 +27,9 @@ import json
 import os
 import sys
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +37,7 @@ from typing import Any
 from agent.config import atomic_write  # stdlib only: safe to import before pinning
 from agent.runtime import slowdown
 from agent.runtime.executor import (  # stdlib only too
+    ComputeFailed,
     ComputeWorker,
     Diverged,
     ExecConfig,
@@ -67,6 +70,26 @@ def _fill_dataset_facts(req: dict[str, Any]) -> None:
     req["num_classes"] = req.get("num_classes") or info.num_classes
 
 
+@contextmanager
+def engine_errors() -> Iterator[None]:
+    """An exception the engine raises building the job's model or computing a shard is the
+    job's (ComputeFailed): a function of the spec, the weights and the shard, which the same
+    inputs raise again (ValueError, "array is too big", TypeError, MemoryError...). Not so: an
+    OSError (the disk, a file), a result that is not finite (NotFinite: the job diverged, its
+    own report) and a worker's own failures, which go up as they are."""
+    try:
+        yield
+    except (OSError, WorkerError):
+        raise
+    except Exception as exc:
+        from wire.messages import NotFinite  # numpy: imported after pinning
+
+        if isinstance(exc, NotFinite):
+            raise
+        public = next(c.__name__ for c in type(exc).__mro__ if not c.__name__.startswith("_"))
+        raise ComputeFailed(f"{public}: {exc}") from exc
+
+
 class Engine:
     """Caches the model, weights and shard arrays between steps of one job."""
 
@@ -89,8 +112,9 @@ class Engine:
         key = json.dumps([req["job_id"], req["spec"], req["input_shape"], req["num_classes"]],
                          sort_keys=True)
         if key != self._model_key:
-            self._job = job_model(req["spec"], req["n_train"], req["input_shape"],
-                                  req["num_classes"])
+            with engine_errors():
+                self._job = job_model(req["spec"], req["n_train"], req["input_shape"],
+                                      req["num_classes"])
             self._model_key, self._shards = key, {}
         if self._weights is None or self._weights[0] != req["weights_path"]:
             from wire.messages import decode_weights
@@ -118,8 +142,9 @@ class Engine:
         x, y = self.shard(path)
         assert self._job is not None and self._weights is not None
         _, params, buffers = self._weights
-        return shard_gradient(self._job, params, buffers, x, y, req["step"], shard,
-                              backend=self.backend)
+        with engine_errors():
+            return shard_gradient(self._job, params, buffers, x, y, req["step"], shard,
+                                  backend=self.backend)
 
     def compute_all(self, req: dict[str, Any], ordered: list[tuple[int, str]],
                     dtype: str) -> Computed:
@@ -163,8 +188,8 @@ class Engine:
         try:
             try:
                 reply = self._helpers[index - 1].request(ask)
-            except Diverged:
-                raise  # the helper is fine; its shard's result is not finite
+            except (Diverged, ComputeFailed):
+                raise  # the helper is fine; its shard's result is not finite, or is an error
             except WorkerError:
                 self._helpers[index - 1].close()
                 self._helpers[index - 1] = ComputeWorker(ExecConfig(self.backend, 1))
@@ -323,6 +348,8 @@ def main() -> int:
             reply = handle(engine, req)
         except Exception as exc:  # report, keep serving: the agent decides what to do
             reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}", **_diverged(exc)}
+            if isinstance(exc, ComputeFailed):  # a helper's too
+                reply["compute_failed"] = str(exc)
         proto.write(json.dumps(reply) + "\n")
     engine.close()
     return 0
