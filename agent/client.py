@@ -226,11 +226,16 @@ class Client:
         except ValueError:
             raise TransportError(f"bad X-Phalanx-Shard-Samples: {total!r}") from None
 
-    def report_diverged(self, job_id: str, step: int, shard: int, reason: str) -> dict[str, Any]:
-        """The job's current step has no finite result for `shard`: the server fails the job."""
+    def report_diverged(self, job_id: str, step: int, shard: int, reason: str,
+                        kind: str = "diverged") -> dict[str, Any]:
+        """The job's current step has no result for `shard` on any phone (`kind`: diverged, not
+        finite; compute_error, the engine raised the same error on every try): the server fails
+        the job."""
         path = f"/v1/jobs/{_q(job_id)}/steps/{int(step)}/diverged"
-        return self._send("POST", path, json_body={"shard": int(shard), "reason": reason[:500]}
-                          ).json()
+        body: dict[str, Any] = {"shard": int(shard), "reason": reason[:500]}
+        if kind != "diverged":  # an older server knows only the default
+            body["kind"] = kind
+        return self._send("POST", path, json_body=body).json()
 
     def upload_gradients(self, job_id: str, step: int, body: Body,
                          bulk_url: str | None = None) -> dict[str, Any]:

@@ -257,14 +257,15 @@ class WorkLoop:
         log.error("%s step %d: the compute failed the same way %d times (%s): reporting it",
                   job, step, tries, exc)
         self._report_failure(job, step, shards[0], f"shard {shards[0]} cannot be computed: "
-                             f"{exc} (the same on {tries} tries)")
+                             f"{exc} (the same on {tries} tries)", "compute_error")
         self._failed = None  # reported (a report that failed is made at the next try)
         return False
 
-    def _report_failure(self, job: str, step: int, shard: int, reason: str) -> None:
+    def _report_failure(self, job: str, step: int, shard: int, reason: str,
+                        kind: str = "diverged") -> None:
         """The job's step has no result for `shard`, on any phone: the server fails the job."""
         try:
-            self.client.report_diverged(job, step, shard, reason)
+            self.client.report_diverged(job, step, shard, reason, kind)
         except StatusError as gone:
             if gone.status not in (403, 404, 409):
                 raise  # a server error or a revoked token: the loop's backoff and rules

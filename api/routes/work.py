@@ -79,7 +79,7 @@ def report_diverged(job_id: str, step: int, body: DivergedIn, request: Request,
     """A device found its shard's loss or gradient not finite at the job's current step: the
     job fails with that reason (every device would compute the same bits)."""
     failed = request.app.state.step_protocol.diverged(principal.device_id, job_id, step,
-                                                     body.shard, body.reason)
+                                                     body.shard, body.reason, body.kind)
     if failed:
         request.app.state.scheduler_hooks.job_changed(job_id)
     return DivergedOut(failed=failed)

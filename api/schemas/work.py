@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, Field
 
 from wire.assignment import Assignment
@@ -22,6 +24,9 @@ class DivergedIn(BaseModel):
     shard: int = Field(ge=0, description="the shard whose loss or gradient is not finite")
     reason: str = Field(min_length=1, max_length=500,
                         description="what the device saw, e.g. \"shard 3: gradient is not finite\"")
+    kind: Literal["diverged", "compute_error"] = Field(
+        "diverged", description="diverged: the result is not finite; compute_error: the engine "
+        "raised the same error on every try (e.g. the model does not fit the phone's memory)")
 
 
 class DivergedOut(BaseModel):

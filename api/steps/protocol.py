@@ -385,7 +385,8 @@ class StepProtocol:
         return chunk
 
     # -- POST /v1/jobs/{id}/steps/{t}/diverged -----------------------------------------------
-    def diverged(self, device_id: str, job_id: str, step: int, shard: int, reason: str) -> bool:
+    def diverged(self, device_id: str, job_id: str, step: int, shard: int, reason: str,
+                 kind: str = "diverged") -> bool:
         """Fail the job: a shard this device holds has no finite result at the current step.
         Every device computes a shard's result bit for bit alike (invariant 1), so another
         device would find the same; the job stops with the reason instead of retrying for ever."""
@@ -396,8 +397,13 @@ class StepProtocol:
             raise ForeignShard(f"shard {shard} of {job_id} is not assigned to {device_id}")
         if job.step != step or job.state != JobState.RUNNING:
             raise StaleStep(f"job is at step {job.step} ({job.state}), not {step}")
-        why = (f"diverged at step {step}: {reason} (device {device_id}); lower the learning "
-               f"rate, add warmup, or upload in float32/bfloat16")
+        if kind == "compute_error":
+            why = (f"cannot compute step {step}: {reason} (device {device_id}); every phone "
+                   f"would meet it: check the model's size against the phones' memory (a dry "
+                   f"run's plan) and the spec")
+        else:
+            why = (f"diverged at step {step}: {reason} (device {device_id}); lower the learning "
+                   f"rate, add warmup, or upload in float32/bfloat16")
         with self.session_factory.begin() as session:
             return fail_diverged(session, job_id, step, why, self.clock())
 

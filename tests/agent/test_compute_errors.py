@@ -104,9 +104,12 @@ class Scripted:
 class Reports:
     def __init__(self) -> None:
         self.sent: list[tuple[str, int, int, str]] = []
+        self.kinds: list[str] = []
 
-    def report_diverged(self, job_id: str, step: int, shard: int, reason: str) -> dict:
+    def report_diverged(self, job_id: str, step: int, shard: int, reason: str,
+                        kind: str = "diverged") -> dict:
         self.sent.append((job_id, step, shard, reason))
+        self.kinds.append(kind)
         return {"failed": True}
 
 
@@ -146,6 +149,7 @@ def test_the_same_compute_error_on_every_try_fails_the_job_with_it_and_nothing_e
     ((job, step, shard, reason),) = client.sent
     assert (job, step, shard) == ("job-1", 5, 3)
     assert reason == f"shard 3 cannot be computed: {OOM} (the same on {COMPUTE_TRIES} tries)"
+    assert client.kinds == ["compute_error"]
     assert execution.closed == COMPUTE_TRIES  # every try in a fresh worker
     transient: list[tuple[list[BaseException | None], list[int] | None]] = [
         # out of memory once: the next try computes
@@ -213,6 +217,9 @@ def test_a_job_whose_every_compute_runs_out_of_memory_fails_with_the_reason(
         done["reason"], done["reason"]
     assert f"the same on {COMPUTE_TRIES} tries" in done["reason"]
     assert phone.device_id in done["reason"]
+    # the reason says what it is, not a divergence's advice
+    assert done["reason"].startswith("cannot compute step 0") and "learning rate" not in \
+        done["reason"], done["reason"]
     log = phone.log.read_text()
     assert log.count("the compute failed (MemoryError") == COMPUTE_TRIES - 1, log
     assert "Traceback" not in log
