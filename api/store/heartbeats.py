@@ -193,10 +193,11 @@ def upgrade_command(target: dict[str, Any]) -> dict[str, Any]:
 
 def token_due(created: dt.datetime | None, expires_at: dt.datetime | None, now: dt.datetime,
               max_age_s: float) -> bool:
-    """Whether a device token should be replaced: older than the maximum age, or already given
-    an end (a rotation the agent did not finish: it asks again while the old one works)."""
+    """Whether a device token should be replaced: older than the maximum age and not yet
+    superseded. A token already given an end has been rotated: it cannot rotate again (409,
+    issue 42 item 7), so it is not asked to; it works until its grace ends."""
     if expires_at is not None:
-        return True
+        return False
     return created is not None and (now - created).total_seconds() >= max_age_s
 
 
