@@ -24,12 +24,21 @@ from api.store.tokens import Principal, hash_token, new_secret
 
 TOKEN_CACHE_TTL_S = 5.0
 TOKEN_CACHE_MAX = 100_000
-class TokenCache:
-    """hash -> (Principal, deadline). Misses are not cached: a new token works at once."""
+# How long a token found valid lets its requests' bodies be read (api.body_auth) without
+# another lookup: longer than any heartbeat interval, so a phone's heartbeats are not each a
+# database lookup ahead of the batched writer, which checks the token again in its own
+# transaction (as every route does); revoking forgets it at once on the revoking process
+VOUCHED_TTL_S = 300.0
 
-    def __init__(self, ttl_s: float = TOKEN_CACHE_TTL_S) -> None:
-        self.ttl_s = ttl_s
-        self._entries: dict[str, tuple[Principal, float]] = {}
+
+class TokenCache:
+    """hash -> (Principal, deadline, vouched until). Misses are not cached: a new token works
+    at once."""
+
+    def __init__(self, ttl_s: float = TOKEN_CACHE_TTL_S,
+                 vouched_ttl_s: float = VOUCHED_TTL_S) -> None:
+        self.ttl_s, self.vouched_ttl_s = ttl_s, vouched_ttl_s
+        self._entries: dict[str, tuple[Principal, float, float]] = {}
         self._lock = threading.Lock()
 
     def get(self, token_hash: str) -> Principal | None:
@@ -38,15 +47,21 @@ class TokenCache:
             return None
         return entry[0]
 
+    def vouched(self, token_hash: str) -> bool:
+        """Whether this token was found valid within the last `vouched_ttl_s`."""
+        entry = self._entries.get(token_hash)
+        return entry is not None and entry[2] >= time.monotonic()
+
     def put(self, token_hash: str, principal: Principal) -> None:
+        now = time.monotonic()
         with self._lock:
             if len(self._entries) >= TOKEN_CACHE_MAX:
                 self._entries.clear()
-            self._entries[token_hash] = (principal, time.monotonic() + self.ttl_s)
+            self._entries[token_hash] = (principal, now + self.ttl_s, now + self.vouched_ttl_s)
 
     def forget(self, *, token_id: str | None = None, device_id: str | None = None) -> None:
         with self._lock:
-            for key, (principal, _) in list(self._entries.items()):
+            for key, (principal, *_) in list(self._entries.items()):
                 if (token_id and principal.token_id == token_id) or (
                     device_id and principal.device_id == device_id
                 ):
@@ -68,6 +83,12 @@ class Authenticator:
         if self._admin_hash and hmac.compare_digest(token_hash, self._admin_hash):
             return token_hash, Principal(kind="admin", name="env")
         return token_hash, self.cache.get(token_hash)
+
+    def vouched(self, secret: str) -> bool:
+        """Whether `secret` is the admin token or a token found valid lately (TokenCache):
+        enough to read a request's body, not to act (the route checks the token itself)."""
+        token_hash, principal = self.cached(secret)
+        return principal is not None or self.cache.vouched(token_hash)
 
     def lookup(self, token_hash: str) -> Principal:
         """The database path (blocking): used on a cache miss."""
