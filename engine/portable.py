@@ -36,9 +36,14 @@ MANTISSA_BITS = 53  # float64: every integer up to 2^53 is exact
 MAX_OPERAND_BITS = 26
 
 
+def _budget(k: int) -> int:
+    """p + q for a product over k terms: every partial sum below 2^53."""
+    return MANTISSA_BITS - max(k - 1, 0).bit_length()
+
+
 def operand_bits(k: int) -> tuple[int, int]:
     """(p, q): the bits each operand of a product over K terms is rounded to."""
-    budget = MANTISSA_BITS - max(k - 1, 0).bit_length()
+    budget = _budget(k)
     if budget < 8:
         raise ValueError(f"a product over {k:,} terms is too long for exact float64 sums")
     p = min(budget // 2, MAX_OPERAND_BITS)
@@ -79,11 +84,18 @@ def matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None) -> np.nd
         raise ValueError(f"matmul: {a.shape} @ {b.shape}")
     p, q = operand_bits(k)
     ai, a_scale = _scaled_integers(a, 1, p)  # a_scale (M, 1)
+    return _integer_product(ai, a_scale, b, q, out, np.result_type(a.dtype, b.dtype))
+
+
+def _integer_product(ai: np.ndarray, a_scale: np.ndarray | float, b: np.ndarray, q: int,
+                     out: np.ndarray | None, dtype: np.dtype) -> np.ndarray:
+    """(ai x a_scale) @ b, ai integers: b's columns rounded to q bits, the float64 product of
+    integers (exact, whatever the kernel), scaled back and rounded once into `out`."""
     bi, b_scale = _scaled_integers(b, 0, q)  # b_scale (1, N)
-    c = ai @ bi  # integers below 2^53: exact, whatever the kernel
+    c = (ai if ai.dtype == np.float64 else ai.astype(np.float64)) @ bi
     c *= a_scale
     if out is None:
-        out = np.empty(c.shape, np.result_type(a.dtype, b.dtype))
+        out = np.empty(c.shape, dtype)
     np.multiply(c, b_scale, out=out, casting="unsafe")  # exact, then rounded once to out's type
     return out
 
@@ -114,16 +126,10 @@ def matmul_scaled(a: np.ndarray, a_scale: float, a_bits: int, b: np.ndarray,
     """(a x a_scale) @ b as float32, a made by `whole_integers` (or a copy of its windows, in
     any float dtype); b's columns scaled and rounded here to what the bits leave."""
     k = a.shape[1]
-    q = min(MAX_OPERAND_BITS, MANTISSA_BITS - max(k - 1, 0).bit_length() - a_bits)
+    q = min(MAX_OPERAND_BITS, _budget(k) - a_bits)
     if q < 8:
         raise ValueError(f"a product over {k:,} terms leaves too few bits for exact sums")
-    bi, b_scale = _scaled_integers(b, 0, q)
-    c = (a if a.dtype == np.float64 else a.astype(np.float64)) @ bi  # exact, as in matmul
-    c *= a_scale
-    if out is None:
-        out = np.empty(c.shape, np.float32)
-    np.multiply(c, b_scale, out=out, casting="unsafe")
-    return out
+    return _integer_product(a, a_scale, b, q, out, np.dtype(np.float32))
 
 
 def fold(x: np.ndarray, axis: int = 0) -> np.ndarray:
