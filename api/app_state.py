@@ -17,8 +17,8 @@ from api.heartbeat_writer_pg import AsyncPgHeartbeatWriter
 from api.heartbeats import HeartbeatWriter
 from api.limits import DeviceRate
 from api.scheduler_hooks import SchedulerHooks
-from api.settings import Settings
 from api.steps.protocol import StepProtocol
+from domain.settings import Settings
 from hotstate.blobs import BlobStore
 from hotstate.version import VersionWatch
 

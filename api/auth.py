@@ -18,9 +18,9 @@ from pathlib import Path
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from api.errors import Unauthorized
-from api.store.models import ApiToken, utcnow
-from api.store.tokens import Principal, hash_token, new_secret
+from domain.errors import Unauthorized
+from domain.store.models import ApiToken, utcnow
+from domain.store.tokens import Principal, hash_token, new_secret
 
 TOKEN_CACHE_TTL_S = 5.0
 TOKEN_CACHE_MAX = 100_000

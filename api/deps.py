@@ -12,9 +12,9 @@ from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
 from api.auth import Authenticator, parse_bearer
-from api.errors import Forbidden
-from api.settings import Settings
-from api.store.tokens import Principal
+from domain.errors import Forbidden
+from domain.settings import Settings
+from domain.store.tokens import Principal
 
 
 def get_session(request: Request) -> Iterator[Session]:

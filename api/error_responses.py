@@ -13,7 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from sqlalchemy.exc import IntegrityError, OperationalError
 from starlette.exceptions import HTTPException
 
-from api.errors import ApiError
+from domain.errors import ApiError
 
 log = logging.getLogger(__name__)
 # the handled kinds, for `app.exception_handler`; psycopg's own come from the asyncio writer

@@ -28,12 +28,12 @@ from api.app_state import AppState
 from api.auth import parse_bearer
 from api.deps import check_device
 from api.error_responses import error_response
-from api.errors import ApiError, TooManyRequests, Unauthorized
 from api.limits import BodyTooLarge
 from api.schemas.common import parse_body
 from api.schemas.devices import HeartbeatIn
 from api.steps.handlers import work_reply
-from api.store.heartbeats import UnknownToken, check_clock
+from domain.errors import ApiError, TooManyRequests, Unauthorized
+from domain.store.heartbeats import UnknownToken, check_clock
 
 log = logging.getLogger(__name__)
 JSON_HEADERS = [(b"content-type", b"application/json")]

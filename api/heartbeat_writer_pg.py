@@ -26,9 +26,9 @@ from sqlalchemy.orm import Session
 
 from api.heartbeats import resolve
 from api.schemas.devices import HeartbeatIn
-from api.store import heartbeats_pg
-from api.store.db import libpq_url
-from api.store.heartbeats import BatchOutcome, batch_outcome, read_batch
+from domain.store import heartbeats_pg
+from domain.store.db import libpq_url
+from domain.store.heartbeats import BatchOutcome, batch_outcome, read_batch
 
 log = logging.getLogger(__name__)
 MAX_BATCH = 2000

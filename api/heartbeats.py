@@ -3,7 +3,7 @@ heartbeat pending right now. Postgres has its own on the event loop (api.heartbe
 
 Request handlers (async) hand their validated heartbeat to `HeartbeatWriter.submit` and await
 the reply. One writer thread per process takes everything queued, applies it in a single
-transaction (`api.store.heartbeats.apply_heartbeats`) and only then resolves the waiting
+transaction (`domain.store.heartbeats.apply_heartbeats`) and only then resolves the waiting
 requests: a 2xx means the lease and the samples are committed (invariant 2). Under load the
 batches grow by themselves, since requests queue up while the previous commit runs.
 """
@@ -22,9 +22,9 @@ from sqlalchemy import Engine, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from api.schemas.devices import HeartbeatIn
-from api.store.heartbeats import BatchOutcome, apply_heartbeats
-from api.store.models import Job
-from api.store.states import ACTIVE_STATES
+from domain.store.heartbeats import BatchOutcome, apply_heartbeats
+from domain.store.models import Job
+from wire.states import ACTIVE_STATES
 
 log = logging.getLogger(__name__)
 MAX_BATCH = 2000

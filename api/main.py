@@ -19,7 +19,7 @@ from sqlalchemy import Engine
 from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp
 
-from api import metrics, metrics_tasks
+from api import metrics
 from api.app_state import AppState
 from api.auth import Authenticator, ensure_admin_token
 from api.body_auth import AuthBeforeBody
@@ -32,14 +32,15 @@ from api.process import tune_interpreter
 from api.routes import agent_dist, datasets, devices, health, jobs, rollouts, tokens, ui, work
 from api.scheduler_hooks import SchedulerHooks
 from api.schemas.common import ERROR_MEANINGS
-from api.settings import Settings
 from api.steps.bulk_body import WholeBodyReader
 from api.steps.bulk_listener import Bounds, BulkListener
 from api.steps.handlers import carries_device_token, is_gradient_upload
 from api.steps.peer_listener import PeerListener, advertised_host
 from api.steps.protocol import StepProtocol
-from api.store.db import make_engine, make_session_factory
-from api.store.models import utcnow
+from domain import task_metrics
+from domain.settings import Settings
+from domain.store.db import make_engine, make_session_factory
+from domain.store.models import utcnow
 from hotstate import keys
 from hotstate.blobs import blob_store_for
 from hotstate.version import VersionWatch
@@ -186,7 +187,7 @@ async def _serving(app: FastAPI, *, settings: Settings,
     beat; the heartbeat writer is flushed first at shutdown. A port that cannot be bound is
     logged and skipped (see each helper)."""
     state: AppState = app.state  # type: ignore[assignment]
-    metrics_tasks.use_redis_url(settings.redis_url)
+    task_metrics.use_redis_url(settings.redis_url)
     metrics.watch_buffer_pool()
     async with AsyncExitStack() as stack:
         if not settings.embedded and settings.peer_port >= 0:

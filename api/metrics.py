@@ -5,8 +5,8 @@ Three sources, one page:
 - HTTP requests (counts and latency by route *template*): per process. With several uvicorn
   workers set `PROMETHEUS_MULTIPROC_DIR` (an empty, per-container directory) and prometheus-client
   keeps the counters in shared files that any worker aggregates at scrape time.
-- Scheduler task durations (`api.metrics_tasks.observe_task`): shared through Redis, or this process's memory when
-  embedded (`api.metrics_tasks`), so a Celery worker in another pod still shows up here.
+- Scheduler task durations (`domain.task_metrics.observe_task`): shared through Redis, or this process's memory when
+  embedded (`domain.task_metrics`), so a Celery worker in another pod still shows up here.
 - Fleet, job and queue gauges: read from Postgres / Redis at scrape time (`api.metrics_store`).
 """
 
@@ -34,8 +34,8 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 from starlette.concurrency import run_in_threadpool
 
-from api import metrics_tasks
 from api.metrics_store import StoreCollector
+from domain import task_metrics
 from wire.buffers import BUFFERS, BufferPool
 
 log = logging.getLogger(__name__)
@@ -193,7 +193,7 @@ def build_registry(app: FastAPI) -> CollectorRegistry:
         registry.register(REQUESTS)
     up: dict[str, bool] = {}
     store = StoreCollector(app.state.session_factory, app.state.clock)
-    tasks = metrics_tasks.TaskCollector(metrics_tasks.stats_store(settings.redis_url))
+    tasks = task_metrics.TaskCollector(task_metrics.stats_store(settings.redis_url))
     for source, collector in (("store", store), ("tasks", tasks),
                               ("queues", _queue_collector(app, settings.redis_url))):
         registry.register(Guarded(source, collector, up))

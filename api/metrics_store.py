@@ -19,10 +19,9 @@ from prometheus_client.registry import Collector
 from sqlalchemy import func, or_, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from api.store.energy import job_energy
-from api.store.models import Device, Event, Job, ShardAssignment, StepMetric
-from api.store.state_names import DeviceState
-from api.store.states import ACTIVE_STATES, DEVICE_STATES, JOB_STATES
+from domain.store.energy import job_energy
+from domain.store.models import Device, Event, Job, ShardAssignment, StepMetric
+from wire.states import ACTIVE_STATES, DEVICE_STATES, JOB_STATES, DeviceState
 
 PAUSE_REASONS = ("thermal", "battery", "busy")
 # finished jobs keep their gauges this long, so the Job dashboard still shows how they ended

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 
-from api.settings import Settings
+from domain.settings import Settings
 from engine.memory import keep_big_blocks
 from wire.buffers import BUFFERS
 

@@ -29,8 +29,8 @@ import psycopg
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from api.store.db import libpq_url  # noqa: E402
 from bench.proc_cpu import process_cpu  # noqa: E402
+from domain.store.db import libpq_url  # noqa: E402
 from tests.support.server import start_server  # noqa: E402
 
 ADMIN = "phx-adm-bench-" + uuid.uuid4().hex

@@ -35,7 +35,7 @@ import psycopg
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from api.store.db import libpq_url, upgrade  # noqa: E402
+from domain.store.db import libpq_url, upgrade  # noqa: E402
 from tests.support.server import free_port  # noqa: E402
 
 ADMIN = "phx-adm-storm-" + uuid.uuid4().hex

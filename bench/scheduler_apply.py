@@ -23,9 +23,9 @@ from pathlib import Path
 
 import numpy as np
 
-from api.settings import Settings
-from api.store.db import make_engine, make_session_factory, transaction, upgrade
-from api.store.models import Device, Job
+from domain.settings import Settings
+from domain.store.db import make_engine, make_session_factory, transaction, upgrade
+from domain.store.models import Device, Job
 from engine.jobinfo import job_info
 from engine.step import ShardResult
 from hotstate import keys

@@ -79,7 +79,7 @@ class Services:
 
             assert redis_url, "--redis-url (or PHALANX_TEST_REDIS_URL) is needed for mode redis"
             redis.Redis.from_url(redis_url).flushdb()
-        from api.store.db import upgrade
+        from domain.store.db import upgrade
 
         self.db_url = pg_url if (mode == "redis" and pg_url) else f"sqlite:///{root / 'db.sqlite'}"
         upgrade(self.db_url)

@@ -7,7 +7,7 @@ import os
 from alembic import context
 from sqlalchemy import engine_from_config, pool
 
-from api.store.models import Base
+from domain.store.models import Base
 
 config = context.config
 target_metadata = Base.metadata

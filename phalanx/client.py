@@ -391,7 +391,7 @@ class PhalanxClient:
     def upload_resumable(self, name: str, data: bytes | Path,
                          on_progress: Callable[[int], None] | None = None,
                          attempts: int = 6, chunk_bytes: int = 4 << 20) -> dict[str, Any]:
-        """Upload a dataset file in chunks (`/v1/datasets/uploads`, api/store/uploads.py): a
+        """Upload a dataset file in chunks (`/v1/datasets/uploads`, domain/store/uploads.py): a
         dropped connection or a chunk whose answer was lost is resumed from where the server
         says the upload stands, up to `attempts` times in a row; the created dataset. A path
         is read a chunk at a time (a file bigger than this machine's memory uploads too)."""

@@ -13,7 +13,7 @@ from typing import Any, Literal
 from celery import Celery
 from kombu import Exchange, Queue
 
-from api.settings import Settings, get_settings
+from domain.settings import Settings, get_settings
 
 CONTROL, STEPS = "control", "steps"
 TASK_MODULES = ["scheduler.tasks.reconcile", "scheduler.tasks.steps", "scheduler.tasks.slices"]

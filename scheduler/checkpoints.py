@@ -11,7 +11,7 @@ from pathlib import Path
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from api.store.models import Checkpoint
+from domain.store.models import Checkpoint
 from engine.checkpoint import load_npz, save_npz, state_from_arrays, state_to_arrays
 from engine.graph import Model
 from engine.step import TrainState

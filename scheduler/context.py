@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 from sqlalchemy.orm import Session, sessionmaker
 
-from api.settings import Settings, get_settings
-from api.store.db import make_engine, make_session_factory
-from api.store.models import utcnow
+from domain.settings import Settings, get_settings
+from domain.store.db import make_engine, make_session_factory
+from domain.store.models import utcnow
 from hotstate.blobs import BlobStore, blob_store_for
 from scheduler.policy.quota import UserLimits
 

@@ -16,7 +16,7 @@ from celery.beat import EmbeddedService, Scheduler
 from celery.worker import WorkController
 from celery.worker import state as worker_state
 
-from api.settings import Settings
+from domain.settings import Settings
 from scheduler.celery_app import CONTROL, STEPS, app
 
 log = logging.getLogger(__name__)

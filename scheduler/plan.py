@@ -12,8 +12,8 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from api.store.compute_class import label
-from api.store.models import Device
+from domain.store.compute_class import label
+from domain.store.models import Device
 from scheduler.policy.filters import fits_no_phone, run_filters
 from scheduler.policy.placement import compute_classes
 from scheduler.policy.types import DeviceView, PlacementRequest

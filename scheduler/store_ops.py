@@ -14,13 +14,13 @@ from typing import Any
 from sqlalchemy import delete, select, update
 from sqlalchemy.orm import Session
 
-from api.store.compute_class import fingerprint_of
-from api.store.models import Device, Event, Job, ShardAssignment
-from api.store.state_names import FINISHED_STATES
-from api.store.states import Event as StateEvent
-from api.store.states import JobState, transition
+from domain.store.compute_class import fingerprint_of
+from domain.store.models import Device, Event, Job, ShardAssignment
+from domain.store.states import Event as StateEvent
+from domain.store.states import transition
 from scheduler.policy.quota import Usage
 from scheduler.policy.types import MAX_SPEED, DeviceView
+from wire.states import FINISHED_STATES, JobState
 
 TERMINAL = FINISHED_STATES
 TEMP_RANGE = (-50.0, 200.0)  # a telemetry sample's temperatures (the heartbeat's schema)

@@ -1,5 +1,5 @@
 """Datasets: `digits` (and `synthetic…`) are every user's; users upload .npz files with `x`
-and `y`, each upload its uploader's (api.store.owners): another user's answers 404, to every
+and `y`, each upload its uploader's (domain.store.owners): another user's answers 404, to every
 route and to a job naming it, unless an admin made it public."""
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile
 
 from api.deps import AdminDep, SessionDep, SettingsDep, UserDep
-from api.errors import Conflict, Invalid, PayloadTooLarge
 from api.schemas.common import Page, errors
 from api.schemas.datasets import DatasetPatch, DatasetRead, UploadOpen, UploadRead
-from api.store import datasets, owners, uploads
-from api.store.jobs import dataset_facts
-from api.store.tokens import Principal
+from domain.errors import Conflict, Invalid, PayloadTooLarge
+from domain.store import datasets, owners, uploads
+from domain.store.jobs import dataset_facts
+from domain.store.tokens import Principal
 
 router = APIRouter(prefix="/v1/datasets", tags=["datasets"],
                    responses=errors(401, 403, 409, 422))
@@ -160,7 +160,7 @@ def patch_dataset(name: str, body: DatasetPatch, principal: AdminDep, session: S
     return _uploaded(row, principal)
 
 
-# -- resumable uploads (api/store/uploads.py says the protocol) ---------------------------------
+# -- resumable uploads (domain/store/uploads.py says the protocol) ---------------------------------
 
 @router.post("/uploads", status_code=201, response_model=UploadRead, responses=errors(413))
 def open_upload(body: UploadOpen, principal: UserDep, session: SessionDep,

@@ -22,8 +22,8 @@ from api.schemas.devices import (
     LogsRead,
     TelemetrySampleRead,
 )
-from api.store import devices, events, lifecycle, tokens
-from api.store.selectors import parse_selector
+from domain.store import devices, events, lifecycle, tokens
+from domain.store.selectors import parse_selector
 
 router = APIRouter(prefix="/v1/devices", tags=["devices"], responses=errors(401, 403, 422))
 

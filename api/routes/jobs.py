@@ -6,10 +6,10 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import FileResponse, JSONResponse
 
 from api.deps import ClockDep, SessionDep, SettingsDep, UserDep
-from api.errors import Invalid
 from api.schemas.common import EventRead, Limit, Offset, Page, errors, page_of
 from api.schemas.jobs import JobCreate, JobDryRun, JobRead, StepMetricRead
-from api.store import events, jobs
+from domain.errors import Invalid
+from domain.store import events, jobs
 from scheduler import plan as placement_plan
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=errors(401, 403, 422))

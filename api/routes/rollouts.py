@@ -9,11 +9,11 @@ from pydantic import BaseModel, Field
 from agent import release
 from api import agent_dist
 from api.deps import AdminDep, ClockDep, DeviceDep, SessionDep, SettingsDep, UserDep
-from api.errors import Conflict
 from api.schemas.common import errors
 from api.schemas.devices import DeviceRead
 from api.schemas.rollouts import RolloutIn, RolloutRead, UpgradeReportIn
-from api.store import rollouts
+from domain.errors import Conflict
+from domain.store import rollouts
 
 router = APIRouter(prefix="/v1", tags=["agent"], responses=errors(401, 403, 422))
 

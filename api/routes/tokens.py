@@ -15,7 +15,7 @@ from api.schemas.tokens import (
     EnrollmentTokenCreated,
     EnrollmentTokenRead,
 )
-from api.store import tokens
+from domain.store import tokens
 
 router = APIRouter(prefix="/v1", tags=["tokens"], responses=errors(401, 403, 422))
 

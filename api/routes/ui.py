@@ -12,14 +12,14 @@ from fastapi.responses import HTMLResponse, RedirectResponse, Response
 
 from api.auth import Authenticator
 from api.deps import SessionDep
-from api.errors import ApiError
 from api.schemas.common import EventRead
 from api.schemas.devices import DeviceRead
 from api.schemas.jobs import JobRead, StepMetricRead
-from api.store import devices, events, jobs
-from api.store.state_names import FINISHED_STATES
-from api.store.tokens import Principal
+from domain.errors import ApiError
+from domain.store import devices, events, jobs
+from domain.store.tokens import Principal
 from pictures import fleet, report
+from wire.states import FINISHED_STATES
 
 router = APIRouter(prefix="/ui", include_in_schema=False)
 COOKIE = "phalanx_ui_token"

@@ -20,8 +20,8 @@ from pydantic import (
 )
 
 from api.schemas.common import Labels, ReadModel, RequestModel, check_labels
-from api.store import compute_class
-from api.store.states import DeviceState
+from domain.store import compute_class
+from wire.states import DeviceState
 
 MAX_SAMPLES_PER_HEARTBEAT = 1000
 

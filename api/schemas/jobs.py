@@ -15,12 +15,12 @@ from pydantic import (
 )
 
 from api.schemas.common import Labels, ReadModel, RequestModel
-from api.store.states import JobState
 from engine import compute_class as server_class
 from engine.kernels import DEFAULT_EXACTNESS
 from engine.models import ARCHS as BUILTIN_ARCHS
 from engine.models import CUSTOM
 from engine.slices import MAX_SLICES
+from wire.states import JobState
 
 ARCHS = (*BUILTIN_ARCHS, CUSTOM)  # the engine's list: one place says what exists
 

@@ -37,7 +37,6 @@ from api.app_state import AppState
 from api.auth import parse_bearer
 from api.deps import check_device
 from api.error_responses import error_response
-from api.errors import ApiError, TooManyRequests
 from api.limits import BodyTooLarge
 from api.metrics import BULK_REFUSED_CONNECTIONS as REFUSED_CONNECTIONS
 from api.metrics import HTTP_LATENCY, HTTP_REQUESTS, UNMATCHED
@@ -45,6 +44,7 @@ from api.schemas.common import parse_query
 from api.steps.bulk_body import MAX_BODIES
 from api.steps.capped_server import CappedThreadingHTTPServer
 from api.steps.handlers import accept_upload, serve_weights
+from domain.errors import ApiError, TooManyRequests
 from wire.buffers import new_buffer
 from wire.sockopts import set_socket_buffers
 

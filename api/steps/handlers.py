@@ -16,11 +16,11 @@ from starlette.datastructures import URL
 
 from api.app_state import AppState
 from api.deps import check_device, principal_for
-from api.errors import ApiError
 from api.metrics import SHARD_RESULTS, SLICES_SERVED, UPLOADED_RESULTS
 from api.schemas.common import parse_query
 from api.schemas.work import WorkOut
 from api.steps.protocol import NotYetApplied, StateMissing
+from domain.errors import ApiError
 
 log = logging.getLogger(__name__)
 

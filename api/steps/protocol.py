@@ -23,10 +23,9 @@ import numpy as np
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from api.errors import ApiError, Conflict, Forbidden, Invalid, NotFound, Unavailable
-from api.store.jobs import fail_diverged
-from api.store.models import Job, ShardAssignment
-from api.store.state_names import JobState
+from domain.errors import ApiError, Conflict, Forbidden, Invalid, NotFound, Unavailable
+from domain.store.jobs import fail_diverged
+from domain.store.models import Job, ShardAssignment
 from engine.data import load_dataset
 from engine.jobinfo import JobInfo, job_info
 from engine.precision import can_pre_add
@@ -50,6 +49,7 @@ from hotstate.trainstate import read_weights, state_stored
 from hotstate.version import current_version
 from wire.assignment import Assignment
 from wire.messages import WireError, decode_results, encode_weights
+from wire.states import JobState
 
 
 class StaleStep(Conflict):

@@ -16,7 +16,7 @@ def _prepare() -> tuple[object, str]:
     """Migrate the schema and make sure an admin token exists (written to a private file when
     generated)."""
     from api.auth import ensure_admin_token
-    from api.store.db import make_engine, make_session_factory, upgrade
+    from domain.store.db import make_engine, make_session_factory, upgrade
 
     settings = load_settings()
     url = settings.resolved_database_url
@@ -88,7 +88,7 @@ def server(
 @db_app.command("upgrade")
 def db_upgrade() -> None:
     """Bring the database schema to the newest migration."""
-    from api.store.db import upgrade
+    from domain.store.db import upgrade
 
     url = load_settings().resolved_database_url
     upgrade(url)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import typer
 from pydantic import ValidationError
 
-from api.settings import Settings
+from domain.settings import Settings
 
 
 def load_settings() -> Settings:

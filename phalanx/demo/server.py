@@ -16,7 +16,7 @@ from pathlib import Path
 
 import httpx
 
-# A demo cannot wait 40 s to notice a dead phone; these are ordinary settings (api/settings.py).
+# A demo cannot wait 40 s to notice a dead phone; these are ordinary settings (domain/settings.py).
 DEMO_SETTINGS = {
     "PHALANX_HEARTBEAT_INTERVAL_S": "2",
     "PHALANX_LEASE_GRACE_S": "8",

@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from api.store.state_names import DeviceState
 from scheduler.policy.types import DeviceView, PlacementRequest
+from wire.states import DeviceState
 
 SUCCESS = "Success"
 UNSCHEDULABLE = "Unschedulable"

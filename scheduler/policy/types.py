@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Protocol
 
-from api.store.state_names import DeviceState
 from engine.kernels import DEFAULT_EXACTNESS
+from wire.states import DeviceState
 
 EMPTY: Mapping[str, str] = MappingProxyType({})
 # samples/s: the most a measured speed may say (the heartbeat's bound,

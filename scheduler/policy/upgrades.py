@@ -17,7 +17,7 @@ import datetime as dt
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from api.store.state_names import DeviceState
+from wire.states import DeviceState
 
 
 @dataclass(frozen=True)

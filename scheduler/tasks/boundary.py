@@ -12,7 +12,7 @@ import datetime as dt
 
 from sqlalchemy.orm import Session
 
-from api.store.models import Job
+from domain.store.models import Job
 from engine.jobinfo import JobInfo
 from hotstate import keys, locks
 from scheduler import store_ops

@@ -9,10 +9,10 @@ from dataclasses import dataclass
 
 from sqlalchemy import select
 
-from api.store.db import transaction
-from api.store.models import Event, Job, StepMetric
-from api.store.states import Event as StateEvent
-from api.store.states import JobState, transition
+from domain.store.db import transaction
+from domain.store.models import Event, Job, StepMetric
+from domain.store.states import Event as StateEvent
+from domain.store.states import transition
 from engine.data import load_dataset
 from engine.jobinfo import JobInfo
 from engine.runner import final_metrics
@@ -21,6 +21,7 @@ from scheduler import store_ops
 from scheduler.checkpoints import WrittenCheckpoint, prune_checkpoints, remove_files
 from scheduler.context import SchedulerContext
 from scheduler.tasks import boundary
+from wire.states import JobState
 
 log = logging.getLogger(__name__)
 

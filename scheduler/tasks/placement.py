@@ -17,10 +17,9 @@ from typing import Any
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
-from api.store.models import Job
-from api.store.state_names import DeviceState
-from api.store.states import Event as StateEvent
-from api.store.states import JobState, transition
+from domain.store.models import Job
+from domain.store.states import Event as StateEvent
+from domain.store.states import transition
 from engine.jobinfo import job_info_or_reason
 from hotstate import keys
 from scheduler import store_ops
@@ -36,6 +35,7 @@ from scheduler.policy.placement import (
 )
 from scheduler.policy.preemption import plan_preemption
 from scheduler.policy.types import DeviceView, PlacementRequest, RunningJob
+from wire.states import DeviceState, JobState
 
 log = logging.getLogger(__name__)
 

@@ -21,13 +21,12 @@ import time
 
 from sqlalchemy.exc import IntegrityError
 
-from api.metrics_tasks import observe_task
-from api.store.db import transaction
-from api.store.devices import prune_telemetry
-from api.store.lifecycle import mark_stale_devices
-from api.store.models import Job
-from api.store.retention import prune_job_history
-from api.store.state_names import JobState
+from domain.store.db import transaction
+from domain.store.devices import prune_telemetry
+from domain.store.lifecycle import mark_stale_devices
+from domain.store.models import Job
+from domain.store.retention import prune_job_history
+from domain.task_metrics import observe_task
 from engine.jobinfo import job_info_or_reason
 from hotstate import keys, locks
 from hotstate.trainstate import state_stored
@@ -40,6 +39,7 @@ from scheduler.tasks.placement import placement_pass
 from scheduler.tasks.recovery import drop_step_keys, ensure_state
 from scheduler.tasks.steps import enqueue_apply, step_complete
 from scheduler.tasks.upgrades import upgrade_pass
+from wire.states import JobState
 
 log = logging.getLogger(__name__)
 HOOK_DEDUP_S = 0.2  # a burst of API changes sends one reconcile

@@ -12,9 +12,8 @@ from typing import Any
 
 from sqlalchemy import delete, select
 
-from api.store.db import transaction
-from api.store.models import Job, StepMetric
-from api.store.state_names import ACTIVE_STATES
+from domain.store.db import transaction
+from domain.store.models import Job, StepMetric
 from engine.jobinfo import JobInfo
 from engine.slices import Bounds
 from engine.step import TrainState, cut_state, initial_state, join_states
@@ -25,6 +24,7 @@ from hotstate.version import bump_version
 from scheduler import store_ops
 from scheduler.checkpoints import latest_checkpoint, read_checkpoint
 from scheduler.context import SchedulerContext
+from wire.states import ACTIVE_STATES
 
 
 def load_state(ctx: SchedulerContext, job_id: str, step: int, nonce: str | None,

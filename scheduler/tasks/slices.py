@@ -32,9 +32,8 @@ from dataclasses import asdict, replace
 
 import numpy as np
 
-from api.metrics_tasks import observe_task
-from api.store.models import Job
-from api.store.states import JobState
+from domain.store.models import Job
+from domain.task_metrics import observe_task
 from engine.jobinfo import JobInfo, job_info_or_reason
 from engine.optim import STATE_SLOTS
 from engine.step import ShardResult, StepMetrics, TrainState
@@ -58,6 +57,7 @@ from scheduler.tasks.recovery import (
     load_state,
     slice_name,
 )
+from wire.states import JobState
 
 log = logging.getLogger(__name__)
 

@@ -23,10 +23,9 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import replace
 
-from api.metrics_tasks import observe_task
-from api.store.db import transaction
-from api.store.models import Job
-from api.store.states import JobState
+from domain.store.db import transaction
+from domain.store.models import Job
+from domain.task_metrics import observe_task
 from engine.jobinfo import JobInfo, job_info_or_reason
 from engine.optim import STATE_SLOTS
 from engine.step import ShardResult
@@ -48,6 +47,7 @@ from scheduler.tasks.commit import Outcome, checkpoint_every, checkpoint_failed,
 from scheduler.tasks.recovery import drop_step_keys, ensure_state
 from scheduler.tasks.slices import run_sliced_step
 from wire.messages import WeightsMessage
+from wire.states import JobState
 
 log = logging.getLogger(__name__)
 

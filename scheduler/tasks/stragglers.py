@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import json
 
-from api.store.db import transaction
-from api.store.models import Job
+from domain.store.db import transaction
+from domain.store.models import Job
 from engine.jobinfo import JobInfo
 from hotstate import keys
 from hotstate.gradstore import uploaded_shards

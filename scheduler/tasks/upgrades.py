@@ -9,9 +9,9 @@ import datetime as dt
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from api.store import rollouts
-from api.store.events import record
-from api.store.models import Device
+from domain.store import rollouts
+from domain.store.events import record
+from domain.store.models import Device
 from scheduler import store_ops
 from scheduler.policy.upgrades import AgentView, Rollout, UpgradePlan, plan_upgrades
 

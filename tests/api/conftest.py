@@ -15,8 +15,8 @@ from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 
 from api.main import create_app
-from api.settings import Settings
-from api.store.models import utcnow
+from domain.settings import Settings
+from domain.store.models import utcnow
 from tests.support.env import ADMIN_TOKEN as ADMIN
 
 

@@ -6,7 +6,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from api.main import create_app
-from api.store.models import ApiToken, Device
+from domain.store.models import ApiToken, Device
 from tests.api.conftest import make_settings
 
 

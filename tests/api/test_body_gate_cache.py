@@ -12,7 +12,7 @@ import pytest
 from api import auth as auth_module
 from api.auth import Principal, TokenCache, hash_token
 from api.body_auth import AuthBeforeBody
-from api.errors import Unauthorized
+from domain.errors import Unauthorized
 
 
 class Clock:

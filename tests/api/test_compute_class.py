@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 from sqlalchemy import update
 
-from api.store.models import Device, Job
+from domain.store.models import Device, Job
 from engine.compute_class import fingerprint
 from tests.support.env import ADMIN_TOKEN as ADMIN
 

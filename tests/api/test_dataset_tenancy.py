@@ -9,7 +9,7 @@ import hashlib
 import numpy as np
 import pytest
 
-from api.store.models import Dataset, Job
+from domain.store.models import Dataset, Job
 from tests.support.arrays import npz_bytes
 from tests.support.env import ADMIN_TOKEN as ADMIN
 

@@ -7,7 +7,7 @@ import io
 import numpy as np
 import pytest
 
-from api.store.models import Dataset
+from domain.store.models import Dataset
 from tests.support.arrays import npz_bytes
 
 

@@ -16,7 +16,7 @@ from sqlalchemy.exc import DBAPIError
 
 from agent.runtime.agent import FEATURES
 from api.schemas.devices import MAX_SAMPLES_PER_S
-from api.store.models import Device, DeviceLog, Job, ShardAssignment
+from domain.store.models import Device, DeviceLog, Job, ShardAssignment
 from scheduler import context
 from scheduler.policy.types import MAX_SPEED
 from scheduler.tasks.reconcile import run_reconcile

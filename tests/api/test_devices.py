@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from api.store.models import Device, Event
-from api.store.selectors import matches, parse_selector
+from domain.store.models import Device, Event
+from domain.store.selectors import matches, parse_selector
 
 
 def _reasons(api, device_id: str) -> list[str]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from api.store.models import ApiToken, Device, EnrollmentToken
+from domain.store.models import ApiToken, Device, EnrollmentToken
 
 
 def _register(api, token: str, **extra):

@@ -15,7 +15,7 @@ from fastapi.testclient import TestClient
 
 from api.fast_path import FastPath
 from api.main import create_app
-from api.store.models import TelemetrySample
+from domain.store.models import TelemetrySample
 from tests.api.conftest import Api, FakeClock, make_settings, sample
 
 

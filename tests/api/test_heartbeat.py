@@ -14,10 +14,10 @@ import psycopg
 import pytest
 
 from api.limits import DeviceRate
-from api.store.db import libpq_url
-from api.store.devices import prune_telemetry
-from api.store.lifecycle import mark_stale_devices
-from api.store.models import Device, Event, TelemetrySample
+from domain.store.db import libpq_url
+from domain.store.devices import prune_telemetry
+from domain.store.lifecycle import mark_stale_devices
+from domain.store.models import Device, Event, TelemetrySample
 from tests.api.conftest import sample
 
 

@@ -12,10 +12,10 @@ import pytest
 
 from api.heartbeat_writer_pg import PLANNER_OPTIONS
 from api.schemas.devices import HeartbeatIn
-from api.store import heartbeats_pg
-from api.store.db import libpq_url
-from api.store.models import TelemetrySample
-from api.store.tokens import hash_token
+from domain.store import heartbeats_pg
+from domain.store.db import libpq_url
+from domain.store.models import TelemetrySample
+from domain.store.tokens import hash_token
 from tests.api.conftest import Api, api_on, sample
 
 

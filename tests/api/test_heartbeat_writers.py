@@ -1,5 +1,5 @@
-"""The heartbeat rules are written once (api.store.heartbeats) and run by two writers: SQLite's
-transaction and Postgres' single statement (api.store.heartbeats_pg). One batch fed to both
+"""The heartbeat rules are written once (domain.store.heartbeats) and run by two writers: SQLite's
+transaction and Postgres' single statement (domain.store.heartbeats_pg). One batch fed to both
 must leave the same rows and events and get the same replies: lease renewals, a NotReady device
 coming back, a pause lifted, a pause set and lifted within the batch, a throttled sample, older
 samples after newer ones, and refused tokens (revoked, expired, another device's, forged)."""
@@ -15,10 +15,10 @@ from psycopg.rows import namedtuple_row
 from sqlalchemy import select
 
 from api.schemas.devices import HeartbeatIn
-from api.store import heartbeats, heartbeats_pg
-from api.store.db import libpq_url, make_engine, make_session_factory, transaction
-from api.store.models import ApiToken, Device, Event, TelemetrySample
-from api.store.tokens import hash_token
+from domain.store import heartbeats, heartbeats_pg
+from domain.store.db import libpq_url, make_engine, make_session_factory, transaction
+from domain.store.models import ApiToken, Device, Event, TelemetrySample
+from domain.store.tokens import hash_token
 
 NOW = dt.datetime(2026, 12, 4, 12, 0, tzinfo=dt.timezone.utc)
 BEFORE = NOW - dt.timedelta(minutes=5)

@@ -9,7 +9,7 @@ import pytest
 from pydantic import ValidationError
 
 from api.process import tune_interpreter
-from api.settings import Settings
+from domain.settings import Settings
 from engine.memory import MALLOC_TUNABLES
 from wire.buffers import BUFFERS
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from agent.runtime.agent import FEATURES, compute_class
-from api.store.models import Checkpoint, Event, Job, ShardAssignment, StepMetric
+from domain.store.models import Checkpoint, Event, Job, ShardAssignment, StepMetric
 
 SPEC = {"name": "digits-cnn", "model": {"arch": "cnn"}, "dataset": "digits",
         "global_batch_size": 256, "shards": 16, "epochs": 20, "seed": 0,

@@ -14,9 +14,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import delete, insert
 
 from api.main import create_app
-from api.store.energy import integrate_power
-from api.store.events import event_row
-from api.store.models import Device, Event, Job, ShardAssignment, StepMetric, TelemetrySample
+from domain.store.energy import integrate_power
+from domain.store.events import event_row
+from domain.store.models import Device, Event, Job, ShardAssignment, StepMetric, TelemetrySample
 from tests.api.conftest import make_settings, sample
 from tests.support.env import ADMIN_TOKEN as ADMIN
 from tests.support.server import start_server
@@ -286,8 +286,8 @@ def job_series(api) -> set[str]:
 def test_job_series_are_live_jobs_and_those_finished_within_6_hours_at_most_50(api) -> None:
     """Prometheus cost stays bounded however many jobs a lab runs: live jobs and jobs finished
     in the last 6 hours get series, the newest 50 of them."""
-    from api.store.db import transaction
-    from api.store.models import Job
+    from domain.store.db import transaction
+    from domain.store.models import Job
 
     now = api.clock()
     spec = {"name": "j", "model": {"arch": "logreg"}, "dataset": "digits"}

@@ -10,7 +10,7 @@ from typing import Any
 
 from sqlalchemy import select
 
-from api.store.models import ApiToken
+from domain.store.models import ApiToken
 
 
 def rotate(api, device_id: str, token: str):

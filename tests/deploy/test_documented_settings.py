@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from api.settings import Settings
+from domain.settings import Settings
 from scheduler.context import Tuning
 from tests.support.server import REPO_ROOT
 

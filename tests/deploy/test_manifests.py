@@ -13,7 +13,7 @@ import pytest
 import typer.main
 import yaml
 
-from api.settings import Settings
+from domain.settings import Settings
 from phalanx import __version__
 from phalanx.cli.main import app as phalanx_app
 from scheduler.context import Tuning

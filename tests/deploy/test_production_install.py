@@ -25,7 +25,7 @@ import psycopg
 import pytest
 import yaml
 
-from api.store.db import libpq_url
+from domain.store.db import libpq_url
 from tests.e2e.cluster import Cluster, Install, reference_metrics, rel_diff
 from tests.support.env import ADMIN_TOKEN as ADMIN
 from tests.support.env import without_settings
@@ -81,7 +81,7 @@ CHECK_SCRIPT = textwrap.dedent("""
     import importlib, json, pkgutil, sys
     import phalanx
     from sqlalchemy import create_engine, text
-    from api.settings import Settings
+    from domain.settings import Settings
     from scheduler.celery_app import broker_problem, configure
 
     where = phalanx.__file__

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from api.store.db import upgrade
+from domain.store.db import upgrade
 from tests.e2e.cluster import Cluster, reference_metrics, rel_diff
 from tests.support.env import ADMIN_TOKEN
 from tests.support.redis_server import start_compose_redis

@@ -11,10 +11,10 @@ from fastapi.testclient import TestClient
 from sqlalchemy import select
 
 from agent.runtime.agent import FEATURES, compute_class
-from api.settings import Settings
 from api.steps.protocol import store_results
-from api.store.db import make_engine, make_session_factory, transaction
-from api.store.models import Device, Event, Job, ShardAssignment
+from domain.settings import Settings
+from domain.store.db import make_engine, make_session_factory, transaction
+from domain.store.models import Device, Event, Job, ShardAssignment
 from engine.data import load_dataset
 from engine.jobinfo import job_info
 from engine.runner import shard_gradient

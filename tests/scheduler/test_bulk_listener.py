@@ -15,7 +15,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from api.main import create_app
-from api.settings import Settings
+from domain.settings import Settings
 from hotstate import keys
 from scheduler import context
 from scheduler.tasks.steps import run_apply_step

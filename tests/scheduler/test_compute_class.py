@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from agent.runtime.agent import FEATURES, compute_class
-from api.store.db import transaction
-from api.store.models import Job, ShardAssignment
+from domain.store.db import transaction
+from domain.store.models import Job, ShardAssignment
 from scheduler.tasks.reconcile import run_reconcile, run_reconcile_job
 from tests.scheduler.helpers import (
     add_devices,

@@ -28,10 +28,10 @@ APPLY_STEPS = textwrap.dedent("""
     from pathlib import Path
     import numpy as np
     from api.process import tune_interpreter
-    from api.settings import Settings
+    from domain.settings import Settings
     from api.steps.protocol import store_results
-    from api.store.db import make_engine, make_session_factory, transaction, upgrade
-    from api.store.models import Device, Job
+    from domain.store.db import make_engine, make_session_factory, transaction, upgrade
+    from domain.store.models import Device, Job
     from engine.jobinfo import job_info
     from engine.step import ShardResult
     from hotstate.blobs import MemoryBlobStore

@@ -16,8 +16,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from api.main import create_app
-from api.settings import Settings
 from api.steps.protocol import ForeignShard, StateMissing
+from domain.settings import Settings
 from engine.data import load_dataset
 from engine.jobinfo import job_info
 from engine.sampler import shard_indices
@@ -337,7 +337,7 @@ def test_a_step_reads_the_store_once_per_device_and_sees_changes_after_a_bump(
     from sqlalchemy import event, update
 
     from api.steps.protocol import StepProtocol
-    from api.store.models import ShardAssignment
+    from domain.store.models import ShardAssignment
     from hotstate.version import bump_version
 
     job_id, [(dev, _), (other, _)] = running_job(app_client)

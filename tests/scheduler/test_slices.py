@@ -11,7 +11,7 @@ import pytest
 from sqlalchemy import func, select
 
 from api.steps.protocol import BadSlice, NotYetApplied, StaleStep, StepProtocol
-from api.store.models import StepMetric
+from domain.store.models import StepMetric
 from engine.jobinfo import job_info
 from hotstate import keys
 from phalanx.train_local import run_reference

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from sqlalchemy import func, select
 
-from api.store.db import transaction
-from api.store.models import Event, Job, StepMetric, TelemetrySample
+from domain.store.db import transaction
+from domain.store.models import Event, Job, StepMetric, TelemetrySample
 from engine.jobinfo import job_info
 from engine.step import apply_step as engine_apply_step
 from engine.step import initial_state
@@ -204,7 +204,7 @@ def test_hot_state_lost_at_a_checkpointed_step_is_restored_in_place_and_recorded
 
 
 def events(ctx, job_id: str) -> list:
-    from api.store.models import Event
+    from domain.store.models import Event
 
     with ctx.session_factory() as s:
         rows = s.scalars(select(Event).where(Event.job_id == job_id).order_by(Event.id)).all()
@@ -590,7 +590,7 @@ def test_a_full_disk_skips_a_checkpoint_with_a_warning_and_waits_for_the_final_o
         ctx, monkeypatch: pytest.MonkeyPatch) -> None:
     from types import SimpleNamespace
 
-    from api.store.models import Checkpoint, Event
+    from domain.store.models import Checkpoint, Event
     from scheduler import checkpoints
     from scheduler.checkpoints import checkpoint_path, read_checkpoint
 
@@ -628,7 +628,7 @@ def test_a_full_disk_skips_a_checkpoint_with_a_warning_and_waits_for_the_final_o
 
 
 def test_only_the_newest_checkpoints_are_kept_and_a_restore_still_finds_one(ctx) -> None:
-    from api.store.models import Checkpoint
+    from domain.store.models import Checkpoint
     from scheduler.checkpoints import checkpoint_path
 
     ctx.settings = ctx.settings.model_copy(update={"checkpoints_kept": 2})

@@ -12,7 +12,7 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from api.store.models import Device
+from domain.store.models import Device
 from scheduler.policy.placement import place_gang
 from scheduler.policy.scores import device_speed
 from scheduler.policy.shards import balance_shards, proportional_counts

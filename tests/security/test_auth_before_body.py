@@ -22,7 +22,7 @@ from fastapi.routing import iter_route_contexts
 
 from api import body_auth
 from api.main import create_app
-from api.settings import Settings
+from domain.settings import Settings
 from tests.support.env import ADMIN_TOKEN
 from tests.support.server import LiveServer
 

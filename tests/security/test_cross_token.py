@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from api.store.models import ApiToken, Dataset, Device, Job
+from domain.store.models import ApiToken, Dataset, Device, Job
 from tests.api.test_jobs import SPEC
 from tests.support.arrays import npz_bytes
 
@@ -37,7 +37,7 @@ ADMIN_ONLY = {("get", "/v1/enrollment-tokens"), ("post", "/v1/enrollment-tokens"
 OWNED_JOB = {("get", "/v1/jobs/{job_id}"), ("post", "/v1/jobs/{job_id}/cancel"),
              ("get", "/v1/jobs/{job_id}/events"), ("get", "/v1/jobs/{job_id}/metrics"),
              ("get", "/v1/jobs/{job_id}/checkpoint")}
-# alice's private dataset (api.store.owners): to another user, as if it were not there
+# alice's private dataset (domain.store.owners): to another user, as if it were not there
 OWNED_DATASET = {("get", "/v1/datasets/{name}"), ("delete", "/v1/datasets/{name}")}
 
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 from alembic import command
 from sqlalchemy import text
 
-from api.store import datasets
-from api.store.db import alembic_config, make_engine, make_session_factory
-from api.store.tokens import Principal
+from domain.store import datasets
+from domain.store.db import alembic_config, make_engine, make_session_factory
+from domain.store.tokens import Principal
 
 
 def _migrate(url: str, to: str, down: bool = False) -> None:

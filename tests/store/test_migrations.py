@@ -6,8 +6,8 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy import inspect
 
-from api.store.db import make_engine
-from api.store.models import Base
+from domain.store.db import make_engine
+from domain.store.models import Base
 
 
 def test_migrations_match_models(db_url: str) -> None:

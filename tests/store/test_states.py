@@ -9,10 +9,11 @@ import datetime as dt
 import pytest
 from sqlalchemy import select
 
-from api.store.db import make_engine, make_session_factory, transaction
-from api.store.models import Event, Job
-from api.store.states import ALLOWED, FINISHED_STATES, JobState, transition
-from api.store.states import Event as StateEvent
+from domain.store.db import make_engine, make_session_factory, transaction
+from domain.store.models import Event, Job
+from domain.store.states import ALLOWED, transition
+from domain.store.states import Event as StateEvent
+from wire.states import FINISHED_STATES, JobState
 
 NOW = dt.datetime(2026, 12, 4, 12, 0, tzinfo=dt.timezone.utc)
 

@@ -1,4 +1,4 @@
-"""Resumable uploads' completion lock (api/store/uploads.py, issue 42 item 8), without a
+"""Resumable uploads' completion lock (domain/store/uploads.py, issue 42 item 8), without a
 server: a second completion is 409 at once, one after it is 409 naming the dataset (the
 opener's only), and dropping stale uploads leaves one being completed alone."""
 
@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from api.errors import Conflict, NotFound
-from api.store import uploads
-from api.store.tokens import Principal
+from domain.errors import Conflict, NotFound
+from domain.store import uploads
+from domain.store.tokens import Principal
 
 ALICE = Principal(kind="user", token_id="tok-alice")
 BOB = Principal(kind="user", token_id="tok-bob")

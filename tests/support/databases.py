@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from api.store.db import libpq_url, upgrade
+from domain.store.db import libpq_url, upgrade
 
 DEFAULT_PG_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/15"

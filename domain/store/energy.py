@@ -16,7 +16,7 @@ away). A value is final once each phone has reported past its end (samples arriv
 next heartbeat, after the moment they describe), or ENERGY_SETTLE_S after it; a step's value is
 shown before that if the phones yet to report have lost their lease.
 
-Times come from the store as UTC-aware datetimes (`api.store.models.UTCDateTime`).
+Times come from the store as UTC-aware datetimes (`domain.store.models.UTCDateTime`).
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from api.store.models import Device, Event, Job, ShardAssignment, TelemetrySample
-from api.store.state_names import DeviceState
+from domain.store.models import Device, Event, Job, ShardAssignment, TelemetrySample
+from wire.states import DeviceState
 
 MAX_POWER_GAP_S = 60.0
 # a value is final this long after its end even if a phone never reported past it: samples

@@ -11,18 +11,19 @@ from typing import Any
 from sqlalchemy import bindparam, select, update
 from sqlalchemy.orm import Session
 
-from api.errors import Conflict, Invalid, NotFound
-from api.store import datasets, events, owners
-from api.store.energy import step_energy
-from api.store.models import Checkpoint, Job, ShardAssignment, StepMetric
-from api.store.states import JOB_STATES, JobState, transition
-from api.store.states import Event as StateEvent
-from api.store.tokens import Principal
+from domain.errors import Conflict, Invalid, NotFound
+from domain.store import datasets, events, owners
+from domain.store.energy import step_energy
+from domain.store.models import Checkpoint, Job, ShardAssignment, StepMetric
+from domain.store.states import Event as StateEvent
+from domain.store.states import transition
+from domain.store.tokens import Principal
 from engine.data import DatasetError, dataset_info
 from engine.plan import ModelPlan, model_plan
 from engine.sampler import total_steps
 from engine.slices import SliceError
 from engine.spec import TrainSpec
+from wire.states import JOB_STATES, JobState
 
 
 def dataset_facts(name: str, data_dir: Path) -> Any:
@@ -78,7 +79,7 @@ def submit_job(session: Session, spec: dict[str, Any], *, plan: dict[str, Any],
 def get_job(session: Session, job_id: str, principal: Principal | None = None) -> Job:
     """The job, for a principal allowed to see it: an admin sees every job, a user only their
     own (another user's job is answered as not found: its existence is not theirs to know;
-    api.store.owners, the one rule of every user-created resource)."""
+    domain.store.owners, the one rule of every user-created resource)."""
     if principal is None:
         job = session.get(Job, job_id)
         if job is None:
@@ -173,7 +174,7 @@ def step_metrics(session: Session, job_id: str, principal: Principal, *, since_s
     """The per-step curve from `since_step`, `limit` + 1 rows (the last says there are more).
 
     A step's energy is not known at its commit (the phones' samples of it arrive with their
-    next heartbeats): it is their power integrated over the step's time (api.store.energy),
+    next heartbeats): it is their power integrated over the step's time (domain.store.energy),
     worked out here from the first step not kept yet, and kept in the row once final, so a
     curve read again (the job page, every few seconds) and one read after the samples are
     pruned (`telemetry_kept_s`) cost and say the same. The caller commits what is kept."""

@@ -28,8 +28,8 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from api.errors import Conflict, Invalid, NotFound, PayloadTooLarge
-from api.store.tokens import Principal
+from domain.errors import Conflict, Invalid, NotFound, PayloadTooLarge
+from domain.store.tokens import Principal
 
 CHUNK_MAX_BYTES = 8 * 1024 * 1024
 HASH_BLOCK = 8 * 1024 * 1024

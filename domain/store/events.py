@@ -9,7 +9,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from api.store.models import Event
+from domain.store.models import Event
 
 
 def record(session: Session, reason: str, message: str, *, now: dt.datetime,

@@ -16,13 +16,13 @@ from sqlalchemy import func, select, text
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from api.errors import Conflict, Forbidden, Invalid, NotFound, PayloadTooLarge
-from api.store import owners
-from api.store.models import Dataset, Job
-from api.store.state_names import JobState
-from api.store.tokens import Principal
+from domain.errors import Conflict, Forbidden, Invalid, NotFound, PayloadTooLarge
+from domain.store import owners
+from domain.store.models import Dataset, Job
+from domain.store.tokens import Principal
 from engine.data import NAME_RE, DatasetError
 from engine.upload import validate_file
+from wire.states import JobState
 
 BUILTIN = ("digits",)
 QUOTA_SETTING = "PHALANX_USER_MAX_DATASET_BYTES"
@@ -72,7 +72,7 @@ def store_dataset(session: Session, name: str, staged: Path, dataset: Any, data_
     """Claim the name with the row first, then move the unpacked folder into place; the
     caller's commit publishes both. A duplicate name is 409 and moves nothing: of two uploads
     of one name at once, the second waits at the row's insert until the first commits, then
-    loses there, before touching the folder. The row is `principal`'s (api.store.owners); a
+    loses there, before touching the folder. The row is `principal`'s (domain.store.owners); a
     user's datasets together must fit `quota` bytes on disk (413 otherwise, moving nothing)."""
     check_free(session, name)
     path = data_dir / "datasets" / name

@@ -22,8 +22,8 @@ from typing import Any, TypeVar
 from sqlalchemy import ColumnElement, false, or_, true
 from sqlalchemy.orm import Session
 
-from api.errors import Forbidden, NotFound
-from api.store.tokens import Principal
+from domain.errors import Forbidden, NotFound
+from domain.store.tokens import Principal
 
 T = TypeVar("T")
 

@@ -1,4 +1,4 @@
-"""The Postgres writer of the heartbeat rules (`api.store.heartbeats`): one statement, one
+"""The Postgres writer of the heartbeat rules (`domain.store.heartbeats`): one statement, one
 round trip, its own commit.
 
 A single statement of data-modifying CTEs, run in autocommit (so the statement is the
@@ -20,9 +20,8 @@ from typing import Any
 
 from sqlalchemy.dialects import postgresql
 
-from api.schemas.devices import HeartbeatIn
-from api.store.heartbeats import NODE_READY, merge_batch, pause_event
-from api.store.lifecycle import NOT_READY, leased_state_sql
+from domain.store.heartbeats import NODE_READY, HeartbeatIn, merge_batch, pause_event
+from domain.store.lifecycle import NOT_READY, leased_state_sql
 
 STATE = str(leased_state_sql().compile(dialect=postgresql.dialect(),
                                        compile_kwargs={"literal_binds": True}))

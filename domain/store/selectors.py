@@ -10,7 +10,7 @@ from typing import Any
 
 from sqlalchemy import ColumnElement, or_
 
-from api.errors import Invalid
+from domain.errors import Invalid
 
 KEY = r"[A-Za-z0-9]([A-Za-z0-9._/-]*[A-Za-z0-9])?"
 VALUE = r"[A-Za-z0-9._/-]*"  # as a label value may be (api.schemas.common)

@@ -9,11 +9,11 @@ from typing import Any
 from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
-from api.errors import Invalid
-from api.store import events, tokens
-from api.store.lifecycle import READY, STATES, get_device
-from api.store.models import Device, DeviceLog, TelemetrySample
-from api.store.selectors import Requirement, sql_conditions
+from domain.errors import Invalid
+from domain.store import events, tokens
+from domain.store.lifecycle import READY, STATES, get_device
+from domain.store.models import Device, DeviceLog, TelemetrySample
+from domain.store.selectors import Requirement, sql_conditions
 
 
 def register_device(session: Session, *, enrollment_secret: str, name: str,

@@ -17,16 +17,9 @@ from typing import Any
 from sqlalchemy import update
 from sqlalchemy.orm import Session
 
-from api.store import events
-from api.store.models import Job
-from api.store.state_names import (  # noqa: F401 - the states module names them too
-    ACTIVE_STATES,
-    DEVICE_STATES,
-    FINISHED_STATES,
-    JOB_STATES,
-    DeviceState,
-    JobState,
-)
+from domain.store import events
+from domain.store.models import Job
+from wire.states import JobState
 
 # from -> the states it may go to; a finished job never changes again
 ALLOWED: Mapping[JobState, frozenset[JobState]] = {

@@ -29,7 +29,7 @@ from sqlalchemy import (
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
 
-from api.store.state_names import DeviceState, JobState
+from wire.states import DeviceState, JobState
 
 NAMING_CONVENTION = {
     "ix": "ix_%(column_0_label)s",
@@ -283,7 +283,7 @@ class Checkpoint(Base):
 
 
 class Dataset(Base):
-    """An uploaded dataset (built-ins such as `digits` are not rows). Owned (api.store.owners):
+    """An uploaded dataset (built-ins such as `digits` are not rows). Owned (domain.store.owners):
     `owner` is the uploading user's token id, None for an admin's; `public` (set by an admin
     only) lets every user see and use it."""
 

@@ -13,10 +13,10 @@ import datetime as dt
 from sqlalchemy import case, select, update
 from sqlalchemy.orm import Session
 
-from api.errors import NotFound
-from api.store import events
-from api.store.models import Device
-from api.store.states import DEVICE_STATES, DeviceState
+from domain.errors import NotFound
+from domain.store import events
+from domain.store.models import Device
+from wire.states import DEVICE_STATES, DeviceState
 
 READY, NOT_READY = DeviceState.READY.value, DeviceState.NOT_READY.value
 CORDONED, DRAINING = DeviceState.CORDONED.value, DeviceState.DRAINING.value

@@ -20,7 +20,7 @@ import redis
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
-from api.settings import get_settings
+from domain.settings import get_settings
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,8 @@
-"""The names of the states a job and a device can be in: `str` enums, so a state compares
-equal to its stored string. Apart from `api.store.states` (the transitions) so that the pure
-placement policies can name states without importing the store."""
+"""The one place the states of a job and of a device are named: `str` enums, so a state compares
+equal to its stored string and to its JSON. In the wire format (stdlib only) so that the agent,
+the clients, the pure placement policies and the store all import the same names; the
+transitions between them are `domain.store.states`. No other module spells a state's string
+(tests/test_architecture.py looks for one)."""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ from typing import Any
 from sqlalchemy import delete, func, select
 from sqlalchemy.orm import InstrumentedAttribute, Session
 
-from api.store.models import Event, StepMetric
+from domain.store.models import Event, StepMetric
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,8 @@ from typing import Any
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
-from api.errors import Conflict, Forbidden, NotFound, Unauthorized
-from api.store.models import ApiToken, EnrollmentToken
+from domain.errors import Conflict, Forbidden, NotFound, Unauthorized
+from domain.store.models import ApiToken, EnrollmentToken
 
 PREFIXES = {"admin": "phx-adm-", "user": "phx-usr-", "device": "phx-dev-", "enrollment": "phx-enr-"}
 

@@ -13,10 +13,10 @@ from typing import Any
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
-from api.errors import Invalid
-from api.store.devices import get_device
-from api.store.events import record
-from api.store.models import AgentRollout, Device
+from domain.errors import Invalid
+from domain.store.devices import get_device
+from domain.store.events import record
+from domain.store.models import AgentRollout, Device
 
 ROLLOUT_ID = 1
 SELF_UPGRADE = "self_upgrade"  # the capability of an agent started by launch.sh (agent/slots.py)

@@ -6,12 +6,12 @@ token (`merge_batch`): the newest sample by its timestamp becomes the device's l
 the stored one is newer (the latest only moves forward), the last value
 sent of the agent version, capabilities, profiles and pause is kept, and every sample goes to
 the history. Then, per merged device whose token is valid for it: the lease is renewed, the
-state derived (`api.store.lifecycle`), a `NodeReady` event recorded when it was NotReady, and a
+state derived (`domain.store.lifecycle`), a `NodeReady` event recorded when it was NotReady, and a
 `Paused`/`Resumed` event when the batch's last pause differs from the stored one. A heartbeat
 is answered by its own token's verdict: a forged token riding along with a real one is refused.
 
 Both writers apply exactly these rules from the merged batch: `apply_heartbeats` below (one
-SELECT, one executemany per column set, bulk INSERTs) and `api.store.heartbeats_pg` (one SQL
+SELECT, one executemany per column set, bulk INSERTs) and `domain.store.heartbeats_pg` (one SQL
 statement, its event texts and state expression taken from here).
 tests/api/test_heartbeat_writers.py feeds one batch to both and compares every row and event.
 """
@@ -19,22 +19,50 @@ tests/api/test_heartbeat_writers.py feeds one batch to both and compares every r
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from sqlalchemy import bindparam, case, insert, or_, select, update
 from sqlalchemy.orm import Session
 
-from api.errors import Forbidden, Invalid, Unauthorized
-from api.schemas.devices import HeartbeatIn, Pause
-from api.store.events import event_row
-from api.store.lifecycle import NOT_READY, derive_state, leased_state_sql
-from api.store.models import ApiToken, Device, Event, TelemetrySample
+from domain.errors import Forbidden, Invalid, Unauthorized
+from domain.store.events import event_row
+from domain.store.lifecycle import NOT_READY, derive_state, leased_state_sql
+from domain.store.models import ApiToken, Device, Event, TelemetrySample
 
 DEVICES = Device.__table__
 SAMPLE_FIELDS = ("battery_pct", "charging", "battery_temp_c", "cpu_temp_c", "power_w",
                  "cpu_freq_mhz", "throttled", "busy")
 OPTIONAL_COLUMNS = ("agent_version", "capabilities", "profiles")
+
+
+class Dumped(Protocol):
+    """A parsed part of a request body (pydantic's): the store reads it without converting it,
+    which would cost the hot path a copy per heartbeat."""
+
+    def model_dump(self, **options: Any) -> dict[str, Any]: ...
+
+
+class Sample(Dumped, Protocol):
+    ts: dt.datetime
+
+
+class Pause(Protocol):
+    reason: str
+    detail: str | None
+
+
+class HeartbeatIn(Protocol):
+    """What a heartbeat's body carries (api.schemas.devices.HeartbeatIn is one)."""
+
+    telemetry: Sequence[Sample]
+    agent_version: str | None
+    capabilities: Dumped | None
+    profiles: Mapping[str, Dumped] | None
+    pause: Pause | None
+
+    def model_dump_json(self, **options: Any) -> str: ...
 
 
 class UnknownToken(Exception):
@@ -277,7 +305,7 @@ def _reply(device_id: str, device: Any, profiles: dict[str, Any], now: dt.dateti
 def batch_outcome(items: list[tuple[str, str, HeartbeatIn]], renewed: dict[tuple[str, str], Any],
                   why: dict[str, Any], now: dt.datetime, *, grace_s: float, interval_s: float,
                   active_archs: Any, token_max_age_s: float = float("inf")) -> BatchOutcome:
-    """The replies to a batch run by `api.store.heartbeats_pg`: `renewed` maps each accepted
+    """The replies to a batch run by `domain.store.heartbeats_pg`: `renewed` maps each accepted
     (device, token hash) to its returned row; `why` holds the token rows of the refused ones."""
     changed = [row.id for row in renewed.values()
                if row.old_state == NOT_READY or row.pause != row.old_pause]
