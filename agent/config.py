@@ -67,26 +67,49 @@ def clean_temp_files(path: Path) -> None:
                 tmp.unlink()
 
 
+def _doc(text: str) -> dict[str, str]:
+    """What docs/agent.md's config table says of a field (scripts/docs_tables.py writes it)."""
+    return {"doc": text}
+
+
 @dataclass
 class AgentConfig:
-    server: str
-    device_id: str
-    device_token: str
-    name: str = ""
-    labels: dict[str, str] = field(default_factory=dict)
-    state_dir: str = ""  # caches and the upload ledger; default: beside the config file
-    heartbeat_interval_s: float = 10.0  # until the server says otherwise
-    telemetry_buffer: int = 1000  # samples kept while offline; the oldest go first
-    backends: list[str] | None = None  # restrict execution choice; None: all installed
-    power_limit_w: float | None = None  # prefer samples/J among configs under this draw
-    shared_mode: bool = False  # this phone has a user: pause while busy even if the job says not
-    busy_quiet_s: float = 30.0  # shared mode: train again only this long after the user left
-    termux_timeout_s: float = 5.0
-    request_timeout_s: float = 30.0
-    work_wait_s: float = 30.0  # long poll for work (the server holds it at most 30 s)
-    socket_buffer_bytes: int = DEFAULT_SOCKET_BUFFER_BYTES  # kernel buffers each way; 0: autotune
-    ca_file: str = ""  # PEM CA that signed an https server's certificate; "": the system's CAs
-    cache_max_shard_bytes: int = 2 << 30  # shard data kept on the phone; least recently used go
+    server: str = field(metadata=_doc("the control plane's URL, as `enroll` was given it"))
+    device_id: str = field(metadata=_doc("this phone's id, from its enrollment"))
+    device_token: str = field(metadata=_doc(
+        "this phone's bearer token; replaced (and saved) when a heartbeat asks for a rotation"))
+    name: str = field(default="", metadata=_doc("the name the phone enrolled with"))
+    labels: dict[str, str] = field(default_factory=dict, metadata=_doc(
+        "the labels the phone enrolled with"))
+    state_dir: str = field(default="", metadata=_doc(
+        "caches and the upload ledger; `\"\"`: beside the config file (`config.state`)"))
+    heartbeat_interval_s: float = field(default=10.0, metadata=_doc(
+        "how often the agent heartbeats until the server says otherwise (every heartbeat's "
+        "answer does)"))
+    telemetry_buffer: int = field(default=1000, metadata=_doc(
+        "telemetry samples kept while offline; the oldest go first"))
+    backends: list[str] | None = field(default=None, metadata=_doc(
+        "restrict the execution choice, e.g. `[\"numpy\"]`; `null`: every installed backend"))
+    power_limit_w: float | None = field(default=None, metadata=_doc(
+        "prefer samples/J among the configurations that draw less than this; `null`: fastest"))
+    shared_mode: bool = field(default=False, metadata=_doc(
+        "this phone has a user: pause while it is busy even when the job says not to"))
+    busy_quiet_s: float = field(default=30.0, metadata=_doc(
+        "in shared mode, how long after the user's last activity training resumes"))
+    termux_timeout_s: float = field(default=5.0, metadata=_doc(
+        "how long a `termux-*` probe may take before it is killed with its process group"))
+    request_timeout_s: float = field(default=30.0, metadata=_doc(
+        "an HTTP request's timeout (long polls add their wait)"))
+    work_wait_s: float = field(default=30.0, metadata=_doc(
+        "long poll for work (the server holds it at most `PHALANX_WORK_LONG_POLL_MAX_S`)"))
+    socket_buffer_bytes: int = field(default=DEFAULT_SOCKET_BUFFER_BYTES, metadata=_doc(
+        "kernel buffers of the agent's plain-http connections, each way (the control plane's "
+        "bulk listener uses the same); `0`: the kernel's autotuning"))
+    ca_file: str = field(default="", metadata=_doc(
+        "PEM CA that signed an https server's certificate; `\"\"`: the system's CAs"))
+    cache_max_shard_bytes: int = field(default=2 << 30, metadata=_doc(
+        "shard data kept on the phone: past it the least recently used shard files go, never "
+        "one the current step needs; a shard that comes back is fetched again"))
 
     def state_path(self, config_path: Path) -> Path:
         if self.state_dir:

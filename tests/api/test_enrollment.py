@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from domain.store.models import ApiToken, Device, EnrollmentToken
@@ -56,8 +58,13 @@ def test_refused_enrollment_names_the_reason_and_stores_nothing(api, why):
     devices, tokens = api.count(Device), api.count(ApiToken)
     uses = api.get("/v1/enrollment-tokens").json()["items"][0]["uses"]
     resp = _register(api, token)
+    # docs/api.md: 401 `invalid enrollment token`; 403 `enrollment token revoked`,
+    # `enrollment token expired at …`, `enrollment token used up (N uses)`
+    detail = {"unknown": r"invalid enrollment token", "revoked": r"enrollment token revoked",
+              "used up": r"enrollment token used up \(1 uses\)",
+              "expired": r"enrollment token expired at \d{4}-\d\d-\d\dT[\d:.]+\+00:00"}[why]
     assert resp.status_code == (401 if why == "unknown" else 403)
-    assert why.split()[-1] in resp.json()["detail"] or why == "unknown"
+    assert re.fullmatch(detail, resp.json()["detail"]), resp.json()
     assert api.count(Device) == devices and api.count(ApiToken) == tokens
     assert api.get("/v1/enrollment-tokens").json()["items"][0]["uses"] == uses
 

@@ -1,0 +1,313 @@
+"""The store's rules at their boundaries (issue 44 item 2), each as the docs state it:
+
+- a device is NotReady after "no heartbeat for more than `lease_grace_s`": a lease exactly the
+  grace old is still fresh (docs/api.md, "States and lifecycle"); NotReady wins over the admin
+  flags, then Draining, then Cordoned;
+- "a sample dated more than 300 s after the server's clock is refused whole" (docs/api.md);
+- label selectors as Kubernetes writes them, the Python and the SQL saying the same
+  (docs/api.md, `GET /v1/devices`);
+- tenancy: another user's resource is not found, a shared one not theirs is forbidden to change
+  (docs/api.md, "Tenancy").
+
+These are also the tests `scripts/mutation store` judges the rules by (docs/testing.md)."""
+
+from __future__ import annotations
+
+import datetime as dt
+from types import SimpleNamespace
+
+import pytest
+from sqlalchemy import select, update
+
+from domain.errors import Forbidden, Invalid, NotFound
+from domain.settings import Settings
+from domain.store import lifecycle, owners
+from domain.store.db import make_engine, make_session_factory, transaction
+from domain.store.heartbeats import check_clock
+from domain.store.models import Dataset, Device, Event, Job
+from domain.store.selectors import Requirement, matches, parse_selector, sql_conditions
+from domain.store.tokens import Principal
+
+NOW = dt.datetime(2026, 12, 7, 12, 0, tzinfo=dt.timezone.utc)
+GRACE = Settings.model_construct().lease_grace_s
+MS = dt.timedelta(milliseconds=1)
+
+
+@pytest.fixture
+def factory(sqlite_url: str):
+    engine = make_engine(sqlite_url)
+    yield make_session_factory(engine)
+    engine.dispose()
+
+
+def add_device(factory, name: str, lease: dt.datetime | None, **columns) -> str:
+    with transaction(factory) as session:
+        device = Device(name=name, lease_renewed_at=lease, **columns)
+        session.add(device)
+        session.flush()
+        return device.id
+
+
+def device_states(factory) -> dict[str, str]:
+    with factory() as session:
+        return {d.name: d.state for d in session.scalars(select(Device))}
+
+
+def reasons(factory, device_id: str) -> list[str]:
+    with factory() as session:
+        return list(session.scalars(select(Event.reason).where(Event.device_id == device_id)
+                                    .order_by(Event.id)))
+
+
+# --- node lifecycle -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fresh, cordoned, draining, state", [
+    (True, False, False, "Ready"),
+    (True, True, False, "Cordoned"),
+    (True, True, True, "Draining"),
+    (True, False, True, "Draining"),
+    (False, True, True, "NotReady"),
+    (False, True, False, "NotReady"),
+    (False, False, False, "NotReady"),
+])
+def test_notready_wins_over_draining_which_wins_over_cordoned(fresh, cordoned, draining,
+                                                              state) -> None:
+    assert lifecycle.derive_state(fresh, cordoned, draining) == state
+
+
+def test_a_lease_exactly_the_grace_old_is_still_fresh(db_url: str) -> None:
+    """docs/api.md: NotReady after "no heartbeat for more than lease_grace_s" (default 40 s):
+    at 40 s the device stays, 1 ms past it goes, on both databases."""
+    engine = make_engine(db_url)
+    factory = make_session_factory(engine)
+    at = add_device(factory, "at", NOW - dt.timedelta(seconds=GRACE))
+    past = add_device(factory, "past", NOW - dt.timedelta(seconds=GRACE) - MS)
+    never = add_device(factory, "never", None)
+    flagged = add_device(factory, "flagged", NOW - dt.timedelta(hours=1), state="Draining",
+                         cordoned=True, draining=True)
+    add_device(factory, "gone", NOW - dt.timedelta(hours=1), state="NotReady")
+    with transaction(factory) as session:
+        marked = lifecycle.mark_stale_devices(session, NOW, GRACE)
+    assert marked == sorted([past, never, flagged])
+    assert device_states(factory) == {"at": "Ready", "past": "NotReady", "never": "NotReady",
+                                      "flagged": "NotReady", "gone": "NotReady"}
+    with factory() as session:
+        messages = set(session.scalars(select(Event.message).where(Event.reason == "NodeNotReady")))
+        kinds = set(session.scalars(select(Event.kind).where(Event.reason == "NodeNotReady")))
+    assert messages == {f"no heartbeat for more than {GRACE:g} s"} and kinds == {"Warning"}
+    assert reasons(factory, at) == [] and reasons(factory, past) == ["NodeNotReady"]
+    with transaction(factory) as session:  # level-triggered: the same pass again changes nothing
+        assert lifecycle.mark_stale_devices(session, NOW, GRACE) == []
+    assert reasons(factory, past) == ["NodeNotReady"]
+    engine.dispose()
+
+
+def test_cordon_drain_uncordon_record_an_event_only_when_something_changed(factory) -> None:
+    dev = add_device(factory, "a", NOW)
+
+    def act(verb):
+        with transaction(factory) as session:
+            device, changed = verb(session, dev, NOW)
+            return device.state, device.cordoned, device.draining, changed
+
+    assert act(lifecycle.cordon) == ("Cordoned", True, False, True)
+    assert act(lifecycle.cordon) == ("Cordoned", True, False, False)
+    assert act(lifecycle.drain) == ("Draining", True, True, True)
+    assert act(lifecycle.drain) == ("Draining", True, True, False)
+    assert act(lifecycle.cordon) == ("Draining", True, True, False)  # cordon keeps the drain
+    assert act(lifecycle.uncordon) == ("Ready", False, False, True)
+    assert act(lifecycle.uncordon) == ("Ready", False, False, False)
+    assert reasons(factory, dev) == ["Cordoned", "Draining", "Uncordoned"]
+    with factory() as session:
+        messages = list(session.scalars(select(Event.message).where(Event.device_id == dev)
+                                        .order_by(Event.id)))
+    assert messages == ["cordoned: no new work is placed here",
+                        "draining: cordoned, and asked to let go of its work",
+                        "uncordoned: schedulable again"]
+
+
+def test_an_admin_flag_on_a_notready_device_leaves_it_notready(factory) -> None:
+    dev = add_device(factory, "a", None, state="NotReady")
+    with transaction(factory) as session:
+        device, changed = lifecycle.drain(session, dev, NOW)
+        assert (device.state, changed) == ("NotReady", True)
+    with transaction(factory) as session:
+        device, changed = lifecycle.uncordon(session, dev, NOW)
+        assert (device.state, device.cordoned, device.draining) == ("NotReady", False, False)
+
+
+def test_an_unknown_device_is_not_found_by_name(factory) -> None:
+    with transaction(factory) as session, pytest.raises(NotFound) as refused:
+        lifecycle.cordon(session, "dev-nope", NOW)
+    assert refused.value.detail == "device dev-nope not found"
+    with factory() as session, pytest.raises(NotFound):
+        lifecycle.get_device(session, "dev-nope", for_update=True)
+
+
+def test_a_renewed_lease_shows_the_flags_of_the_row_it_updates(factory) -> None:
+    ids = {name: add_device(factory, name, None, state="NotReady", **flags) for name, flags in
+           {"plain": {}, "cordoned": {"cordoned": True},
+            "draining": {"cordoned": True, "draining": True}}.items()}
+    with transaction(factory) as session:
+        session.execute(update(Device).where(Device.id.in_(ids.values()))
+                        .values(state=lifecycle.leased_state_sql()))
+    assert device_states(factory) == {"plain": "Ready", "cordoned": "Cordoned",
+                                      "draining": "Draining"}
+
+
+# --- the phone's clock ----------------------------------------------------------------------
+
+def heartbeat(*ahead_s: float) -> SimpleNamespace:
+    return SimpleNamespace(telemetry=[SimpleNamespace(ts=NOW + dt.timedelta(seconds=s))
+                                      for s in ahead_s])
+
+
+def test_a_sample_at_most_300_s_ahead_is_taken() -> None:
+    """docs/api.md: refused when dated more than 300 s after the server's clock."""
+    check_clock(heartbeat(-86400, 0, 300), NOW)  # the past, now, the limit
+    with pytest.raises(Invalid) as refused:
+        check_clock(heartbeat(0, 300.001, 3600), NOW)
+    [error] = refused.value.detail
+    assert error["field"] == "telemetry.1.ts" and error["loc"] == ["body", "telemetry", "1", "ts"]
+    assert error["msg"].endswith("is ahead of the server's clock "
+                                 f"({NOW.isoformat()}) by more than 300 s: set the phone's clock")
+
+
+# --- label selectors ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text, requirements", [
+    (None, []),
+    ("  ", []),
+    ("rack=a", [Requirement("rack", "in", ("a",))]),
+    ("rack == a", [Requirement("rack", "in", ("a",))]),
+    ("rack!=a", [Requirement("rack", "notin", ("a",))]),
+    ("rack=", [Requirement("rack", "in", ("",))]),
+    ("rack in (a, b)", [Requirement("rack", "in", ("a", "b"))]),
+    ("rack notin (a,b)", [Requirement("rack", "notin", ("a", "b"))]),
+    ("gpu", [Requirement("gpu", "exists")]),
+    ("! gpu", [Requirement("gpu", "!exists")]),
+    ("zone in (x,y), rack=a,!gpu", [Requirement("zone", "in", ("x", "y")),
+                                    Requirement("rack", "in", ("a",)),
+                                    Requirement("gpu", "!exists")]),
+    ("example.com/rack=a-1", [Requirement("example.com/rack", "in", ("a-1",))]),
+])
+def test_a_selector_reads_as_kubernetes_writes_it(text, requirements) -> None:
+    assert parse_selector(text) == requirements
+
+
+@pytest.mark.parametrize("text, msg", [
+    ("rack=a,", "selector 'rack=a,' has an empty term"),
+    ("rack=a,,b", "selector 'rack=a,,b' has an empty term"),
+    ("rack in ()", "bad value in 'rack in ()'"),
+    ("rack in (a,b c)", "bad value in 'rack in (a,b c)'"),
+    ("rack in (a", "selector term 'rack in (a' is none of key=value, key!=value, "
+                   "key in (a,b), key notin (a,b), key, !key"),
+    ("=a", "selector term '=a' is none of key=value, key!=value, key in (a,b), key notin (a,b), "
+           "key, !key"),
+    ("-rack", "selector term '-rack' is none of key=value, key!=value, key in (a,b), "
+              "key notin (a,b), key, !key"),
+])
+def test_a_term_that_is_no_selector_is_a_422_naming_it(text, msg) -> None:
+    with pytest.raises(Invalid) as refused:
+        parse_selector(text)
+    assert refused.value.detail == [{"loc": ["query", "selector"], "field": "selector",
+                                     "msg": msg, "type": "value_error"}]
+
+
+LABELS = {"a": {"rack": "a", "gpu": "yes"}, "b": {"rack": "b"}, "bare": {},
+          "c": {"rack": "c", "zone": "x"}}
+SELECTORS = {
+    "rack=a": {"a"},
+    "rack!=a": {"b", "bare", "c"},  # a device without the label matches too
+    "rack in (a,b)": {"a", "b"},
+    "rack notin (a,b)": {"bare", "c"},
+    "rack": {"a", "b", "c"},
+    "!rack": {"bare"},
+    "gpu,rack=a": {"a"},
+    "gpu,rack=b": set(),
+    "!gpu,rack notin (c)": {"b", "bare"},
+    "": {"a", "b", "bare", "c"},
+}
+
+
+@pytest.mark.parametrize("text", SELECTORS)
+def test_python_and_sql_select_the_same_devices(factory, text) -> None:
+    for name, labels in LABELS.items():
+        add_device(factory, name, NOW, labels=labels)
+    reqs = parse_selector(text)
+    assert {name for name, labels in LABELS.items() if matches(reqs, labels)} == SELECTORS[text]
+    with factory() as session:
+        found = set(session.scalars(select(Device.name).where(
+            *sql_conditions(reqs, Device.labels))))
+    assert found == SELECTORS[text]
+
+
+# --- tenancy --------------------------------------------------------------------------------
+
+ADMIN = Principal(kind="admin", name="env")
+ALICE = Principal(kind="user", token_id="tok-alice", name="alice")
+BOB = Principal(kind="user", token_id="tok-bob", name="alice")  # same name, another user
+PHONE = Principal(kind="device", token_id="tok-dev", device_id="dev-1")
+
+
+def add_datasets(factory) -> None:
+    with transaction(factory) as session:
+        for name, owner, public in (("alices", "tok-alice", False), ("shared", "tok-bob", True),
+                                    ("admins", None, False), ("bobs", "tok-bob", False)):
+            session.add(Dataset(name=name, path="p", n_samples=1, num_classes=2, sha256="0" * 64,
+                                size_bytes=1, owner=owner, public=public))
+
+
+def test_a_resource_records_its_user_and_none_for_an_admin() -> None:
+    assert owners.owner_of(ALICE) == "tok-alice" and owners.owner_of(ADMIN) is None
+    assert owners.owner_of(PHONE) is None
+
+
+@pytest.mark.parametrize("who, sees", [
+    (ADMIN, {"alices", "shared", "admins", "bobs"}),
+    (ALICE, {"alices", "shared"}),
+    (BOB, {"shared", "bobs"}),
+    (PHONE, {"shared"}),
+])
+def test_a_user_sees_their_own_and_what_is_shared(factory, who, sees) -> None:
+    add_datasets(factory)
+    with factory() as session:
+        rows = list(session.scalars(select(Dataset)))
+        listed = set(session.scalars(select(Dataset.name).where(owners.visible(Dataset, who))))
+    assert {row.name for row in rows if owners.may_see(row, who)} == sees
+    assert listed == sees
+
+
+def test_jobs_have_no_sharing_an_admin_s_job_is_the_admin_s(factory) -> None:
+    with transaction(factory) as session:
+        for owner in ("tok-alice", None):
+            session.add(Job(name="j", spec={}, owner=owner))
+    with factory() as session:
+        for who, owners_seen in ((ALICE, {"tok-alice"}), (PHONE, set()),
+                                 (ADMIN, {"tok-alice", None})):
+            seen = set(session.scalars(select(Job.owner).where(owners.visible(Job, who))))
+            assert seen == owners_seen, who
+            assert {job.owner for job in session.scalars(select(Job))
+                    if owners.may_see(job, who)} == owners_seen
+
+
+def test_another_user_s_resource_is_not_found_and_a_shared_one_not_theirs_to_change(
+        factory) -> None:
+    add_datasets(factory)
+    with factory() as session:
+        for name in ("bobs", "admins", "missing"):
+            with pytest.raises(NotFound) as refused:
+                owners.find(session, Dataset, name, ALICE, f"dataset {name!r}")
+            assert refused.value.detail == f"dataset {name!r} not found"
+        assert owners.find(session, Dataset, "shared", ALICE, "d").name == "shared"
+        with pytest.raises(Forbidden) as forbidden:
+            owners.find_to_change(session, Dataset, "shared", ALICE, "dataset 'shared'")
+        assert forbidden.value.detail == ("dataset 'shared' is not yours: only its owner or an "
+                                          "admin may change it")
+        assert owners.find_to_change(session, Dataset, "alices", ALICE, "d").name == "alices"
+        assert owners.find_to_change(session, Dataset, "bobs", ADMIN, "d").name == "bobs"
+        with pytest.raises(NotFound):
+            owners.find_to_change(session, Dataset, "bobs", ALICE, "d")
+    admins = SimpleNamespace(owner=None, public=False)
+    assert not owners.may_change(admins, ALICE) and not owners.may_change(admins, PHONE)
+    assert owners.may_change(admins, ADMIN)
