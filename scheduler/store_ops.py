@@ -1,5 +1,7 @@
 """The scheduler's store queries (take a session, flush, never commit: the caller owns the
-transaction). Guarded updates return whether they won, so racing tasks change a row once."""
+transaction). A job's row is written only through domain.store.states (`transition`,
+`update_job`: guarded, they return whether they won, so racing tasks change a row once) and
+events only through domain.store.events."""
 
 from __future__ import annotations
 
@@ -7,15 +9,15 @@ import datetime as dt
 import math
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
-from sqlalchemy import delete, select, update
+from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
 from domain.store.compute_class import fingerprint_of
-from domain.store.models import Device, Event, Job, ShardAssignment
+from domain.store.events import record as record_event  # noqa: F401 - reconcile's name for it
+from domain.store.models import Device, Job, ShardAssignment
 from domain.store.states import Event as StateEvent
 from domain.store.states import transition
 from scheduler.policy.quota import Usage
@@ -182,26 +184,6 @@ def release(session: Session, job_id: str) -> int:
     return int(result.rowcount or 0)
 
 
-@dataclass(frozen=True)
-class JobAssignments:
-    """What a job's shard assignments say at a step boundary, from one query: the step's
-    commit reads them on the step's critical path (the phones wait for it)."""
-
-    primaries: dict[int, str]  # shard -> its primary device
-    devices: list[str]  # every device holding a shard of the job, primary or backup
-    backups: int  # backup assignments (stragglers' shards computed twice)
-
-
-def job_assignments(session: Session, job_id: str) -> JobAssignments:
-    rows = session.execute(
-        select(ShardAssignment.shard, ShardAssignment.device_id, ShardAssignment.role)
-        .where(ShardAssignment.job_id == job_id)
-    ).all()
-    return JobAssignments({int(shard): device for shard, device, role in rows if role == "primary"},
-                          sorted({device for _, device, _ in rows}),
-                          sum(role == "backup" for _, _, role in rows))
-
-
 def user_usage(session: Session, owner: str | None, views: Iterable[DeviceView],
                except_job: str) -> Usage:
     """What `owner`'s other running jobs hold: how many, and how many devices together."""
@@ -224,31 +206,6 @@ def jobs_in(session: Session, states: Iterable[str]) -> list[Job]:
 
 def jobs_with_assignments(session: Session) -> list[str]:
     return sorted(session.scalars(select(ShardAssignment.job_id).distinct()))
-
-
-def guarded_job_update(session: Session, job_id: str, expect: Mapping[str, Any], **values: Any) -> bool:
-    """UPDATE jobs SET values WHERE id = :id AND every expected column matches; True if it won."""
-    stmt = update(Job).where(Job.id == job_id)
-    for column, value in expect.items():
-        col = getattr(Job, column)
-        stmt = stmt.where(col.in_(value) if isinstance(value, (tuple, list)) else col == value)
-    result = session.execute(stmt.values(**values).execution_options(synchronize_session=False))
-    return bool(result.rowcount)
-
-
-def record_event(
-    session: Session,
-    reason: str,
-    message: str,
-    *,
-    now: dt.datetime,
-    job_id: str | None = None,
-    device_id: str | None = None,
-    kind: str = "Normal",
-    data: dict[str, Any] | None = None,
-) -> None:
-    session.add(Event(ts=now, job_id=job_id, device_id=device_id, kind=kind, reason=reason,
-                      message=message, data=data or {}))
 
 
 def shards_by_device(mapping: Mapping[int, str]) -> dict[str, list[int]]:

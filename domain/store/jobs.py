@@ -120,6 +120,26 @@ def holdings_of(session: Session, job_ids: list[str]) -> dict[str, Holdings]:
     return held
 
 
+@dataclass(frozen=True)
+class JobAssignments:
+    """What a job's shard assignments say at a step boundary, from one query: the step's
+    commit reads them on the step's critical path (the phones wait for it)."""
+
+    primaries: dict[int, str]  # shard -> its primary device
+    devices: list[str]  # every device holding a shard of the job, primary or backup
+    backups: int  # backup assignments (stragglers' shards computed twice)
+
+
+def job_assignments(session: Session, job_id: str) -> JobAssignments:
+    rows = session.execute(
+        select(ShardAssignment.shard, ShardAssignment.device_id, ShardAssignment.role)
+        .where(ShardAssignment.job_id == job_id)
+    ).all()
+    return JobAssignments({int(shard): device for shard, device, role in rows if role == "primary"},
+                          sorted({device for _, device, _ in rows}),
+                          sum(role == "backup" for _, _, role in rows))
+
+
 def parse_job_states(state: str | None) -> list[str]:
     states = [s.strip() for s in (state or "").split(",") if s.strip()]
     for value in states:

@@ -4,7 +4,10 @@ Defined here once, read by the store, the schemas, the metrics and the scheduler
 so a state compares equal to its stored string. `transition` is a job's only way from one state
 to another: a guarded UPDATE that wins only from a state allowed to reach the new one (and only
 if the caller's other expectations, such as the step, still hold), with its event recorded in
-the same transaction, as Prefect's orchestration rules guard a flow run's state.
+the same transaction, as Prefect's orchestration rules guard a flow run's state. A write that
+keeps the job's state (a step committed, its state renamed, a waiting job's reason) goes through
+`update_job`, the same guard without the move: between them, every guarded write of a job's row
+and the event it records.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import update
+from sqlalchemy import Update, update
 from sqlalchemy.orm import Session
 
 from domain.store import events
@@ -51,15 +54,39 @@ def transition(session: Session, job_id: str, to: JobState, event: Event, *,
     still has its value (a tuple: one of its values), setting `values` too; record `event`.
     False, and nothing recorded, when the job was not in such a state: another writer moved it
     first, or the move is not allowed."""
-    allowed = sources(to)
-    stmt = update(Job).where(Job.id == job_id, Job.state.in_(allowed))
-    for column, value in (expect or {}).items():
+    stmt = _guarded(job_id, expect or {}).where(Job.state.in_(sources(to)))
+    return _write(session, job_id, stmt, {"state": to.value, "updated": now, **values}, event,
+                  now)
+
+
+def update_job(session: Session, job_id: str, *, expect: Mapping[str, Any],
+               event: Event | None = None, now: dt.datetime | None = None,
+               **values: Any) -> bool:
+    """Set `values` on the job if every column in `expect` still has its value (a tuple: one
+    of its values), and record `event` (at `now`) when it did; True if it won. Not a way to
+    change the job's state: that is `transition`'s alone."""
+    if "state" in values:
+        raise ValueError("a job's state changes only through transition()")
+    if event is not None and now is None:
+        raise ValueError("an event needs its time")
+    return _write(session, job_id, _guarded(job_id, expect), values, event, now)
+
+
+def _guarded(job_id: str, expect: Mapping[str, Any]) -> Update:
+    """UPDATE jobs ... WHERE id = :id AND each expected column still has its value."""
+    stmt = update(Job).where(Job.id == job_id)
+    for column, value in expect.items():
         col = getattr(Job, column)
         stmt = stmt.where(col.in_(value) if isinstance(value, (tuple, list)) else col == value)
-    result = session.execute(stmt.values(state=to.value, updated=now, **values)
-                             .execution_options(synchronize_session=False))
+    return stmt
+
+
+def _write(session: Session, job_id: str, stmt: Update, values: Mapping[str, Any],
+           event: Event | None, now: dt.datetime | None) -> bool:
+    result = session.execute(stmt.values(**values).execution_options(synchronize_session=False))
     if not result.rowcount:  # type: ignore[attr-defined]
         return False
-    events.record(session, event.reason, event.message, now=now, job_id=job_id,
-                  kind=event.kind, data=event.data)
+    if event is not None and now is not None:
+        events.record(session, event.reason, event.message, now=now, job_id=job_id,
+                      kind=event.kind, data=event.data)
     return True

@@ -1,19 +1,23 @@
-"""What happens to a job's shards at a step boundary (inside apply_step's commit).
+"""What happens to a job's shards at a step boundary: the apply pipeline's extension point
+(scheduler.apply.StepBoundary), which the step's tasks hand it; called inside the step's
+commit, so a move commits with the step or not at all, and never at the final step.
 
 Backups of the finished step are dropped, and a device that needed backups two steps running
-gets half its share of shards (it keeps at least one). When reconcile flagged the job (eligible devices are
-free and the job is below max_devices), the new devices join here, so a device never loses
-shards in the middle of computing them just because another one arrived.
+gets half its share of shards (it keeps at least one). When reconcile flagged the job (eligible
+devices are free and the job is below max_devices), the new devices join here, so a device
+never loses shards in the middle of computing them just because another one arrived.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import json
 
 from sqlalchemy.orm import Session
 
+from domain.store import events
+from domain.store.jobs import JobAssignments
 from domain.store.models import Job
-from engine.jobinfo import JobInfo
 from hotstate import keys, locks
 from scheduler import store_ops
 from scheduler.context import SchedulerContext
@@ -23,12 +27,10 @@ from scheduler.policy.scores import device_speed
 from scheduler.policy.shards import balance_shards, moved_shards
 from scheduler.policy.straggler import demoted_speeds, persistent_stragglers
 from scheduler.policy.types import PlacementRequest
-from scheduler.tasks.stragglers import parse_late_steps
 
 
-def at_step_boundary(ctx: SchedulerContext, session: Session, job: Job, info: JobInfo,
-                     new_step: int, now: dt.datetime,
-                     held: store_ops.JobAssignments) -> None:
+def at_step_boundary(ctx: SchedulerContext, session: Session, job: Job, new_step: int,
+                     now: dt.datetime, held: JobAssignments) -> None:
     """`held`: the job's assignments as the commit read them. Each round trip here is on the
     step's critical path, so the boundary asks Redis once (the rebalance flag and the holders'
     late steps together) and deletes backups only when there are some."""
@@ -46,6 +48,15 @@ def at_step_boundary(ctx: SchedulerContext, session: Session, job: Job, info: Jo
             return  # a placement pass runs: the flag stays, the next boundary tries again
         join_devices(ctx, session, job, new_step, now)
         ctx.blobs.delete(keys.rebalance(job.id))
+
+
+def parse_late_steps(raw: bytes | None) -> list[int]:
+    """A device's late steps as stored under keys.late_steps (scheduler.tasks.stragglers
+    writes them; none when unreadable)."""
+    try:
+        return [int(s) for s in json.loads(raw)] if raw else []
+    except (ValueError, TypeError):
+        return []
 
 
 def join_devices(ctx: SchedulerContext, session: Session, job: Job, step: int,
@@ -66,15 +77,14 @@ def join_devices(ctx: SchedulerContext, session: Session, job: Job, step: int,
         return []
     moved = store_ops.set_primaries(session, job.id, plan.shards, since_step=step)
     for device in added:
-        store_ops.record_event(session, "DeviceJoined",
-                               f"{device} joined at step {step}", now=now, job_id=job.id,
-                               device_id=device)
-    store_ops.record_event(session, "ShardsMoved",
-                           f"{len(moved_shards(current, plan.shards))} shard(s) rebalanced over "
-                           f"{len(plan.devices)} device(s) at step {step}", now=now,
-                           job_id=job.id, data={"shards": moved, "devices": list(plan.devices),
-                                                "step": step,
-                                                "counts": store_ops.shard_counts(plan.shards)})
+        events.record(session, "DeviceJoined", f"{device} joined at step {step}", now=now,
+                      job_id=job.id, device_id=device)
+    events.record(session, "ShardsMoved",
+                  f"{len(moved_shards(current, plan.shards))} shard(s) rebalanced over "
+                  f"{len(plan.devices)} device(s) at step {step}", now=now,
+                  job_id=job.id, data={"shards": moved, "devices": list(plan.devices),
+                                       "step": step,
+                                       "counts": store_ops.shard_counts(plan.shards)})
     return added
 
 
@@ -99,7 +109,7 @@ def demote_stragglers(ctx: SchedulerContext, session: Session, job: Job, new_ste
     plan = balance_shards(req.shards, speeds, current)
     moved = store_ops.set_primaries(session, job.id, plan, since_step=new_step)
     if moved:
-        store_ops.record_event(
+        events.record(
             session, "ShardsMoved",
             f"{len(moved)} shard(s) moved at step {new_step} away from persistent "
             f"straggler(s) {', '.join(slow)}", now=now, job_id=job.id,

@@ -17,9 +17,10 @@ from typing import Any
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
+from domain.store import events
 from domain.store.models import Job
 from domain.store.states import Event as StateEvent
-from domain.store.states import transition
+from domain.store.states import transition, update_job
 from engine.jobinfo import job_info_or_reason
 from hotstate import keys
 from scheduler import store_ops
@@ -150,7 +151,7 @@ def keep_running(ctx: SchedulerContext, session: Session, job: Job, fleet: Fleet
     moved = store_ops.set_primaries(session, job.id, plan.shards, since_step=job.step)
     fleet.assign(None, [d.id for d in holders if d.id not in plan.devices])
     result.moved[job.id] = moved
-    store_ops.record_event(
+    events.record(
         session, "ShardsMoved",
         f"{len(moved)} shard(s) moved at step {job.step}"
         + (f" away from {', '.join(sorted(gone))}" if gone else ""),
@@ -167,14 +168,15 @@ def settle_running_class(session: Session, job: Job, req: PlacementRequest,
     if not req.pinned or req.compute_class is not None:
         return req
     chosen = choose_compute_class(req, [d for d in holders if keepable(req, d)])
-    if chosen is None or not store_ops.guarded_job_update(
-            session, job.id, {"state": JobState.RUNNING.value, "compute_class": None},
-            compute_class=chosen):
+    if chosen is None:
         return req
-    store_ops.record_event(session, "ComputeClassChosen",
-                           f"its shards stay on compute class #{chosen} from step {job.step}",
-                           now=now, job_id=job.id, data={"compute_class": chosen,
-                                                         "step": job.step})
+    chose = StateEvent("ComputeClassChosen",
+                       f"its shards stay on compute class #{chosen} from step {job.step}",
+                       data={"compute_class": chosen, "step": job.step})
+    if not update_job(session, job.id, expect={"state": JobState.RUNNING.value,
+                                               "compute_class": None},
+                      event=chose, now=now, compute_class=chosen):
+        return req
     return replace(req, compute_class=chosen)
 
 
@@ -200,7 +202,7 @@ def place_pending(ctx: SchedulerContext, session: Session, job: Job, fleet: Flee
     over = quota.refusal(job.owner, usage, ctx.user_limits, req.min_devices)
     if over is not None:  # never preempts: the user's own running jobs hold the room
         if job.reason != over:
-            store_ops.guarded_job_update(session, job.id, {"state": "Pending"}, reason=over)
+            update_job(session, job.id, expect={"state": JobState.PENDING.value}, reason=over)
         return
     req = quota.within_limits(req, job.owner, usage, ctx.user_limits)
     plan = place_gang(req, fleet.all())
@@ -212,7 +214,8 @@ def place_pending(ctx: SchedulerContext, session: Session, job: Job, fleet: Flee
             plan = place_gang(req, fleet.all())
     if not plan.admitted:
         if job.reason != plan.reason:
-            store_ops.guarded_job_update(session, job.id, {"state": "Pending"}, reason=plan.reason)
+            update_job(session, job.id, expect={"state": JobState.PENDING.value},
+                       reason=plan.reason)
         return
     total = job.total_steps or info.total_steps
     data: dict[str, Any] = {"devices": list(plan.devices), "step": job.step,

@@ -8,12 +8,12 @@ there; the math is a function of (spec, seed), so the rewound run ends where it 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 from sqlalchemy import delete, select
 
 from domain.store.db import transaction
 from domain.store.models import Job, StepMetric
+from domain.store.states import Event, update_job
 from engine.jobinfo import JobInfo
 from engine.slices import Bounds
 from engine.step import TrainState, cut_state, initial_state, join_states
@@ -107,31 +107,30 @@ def ensure_state(ctx: SchedulerContext, job: Job, info: JobInfo) -> TrainState |
     nonce = keys.new_nonce()
     written = store_state(ctx, job.id, nonce, restored, info.slices)
     now = ctx.clock()
+    lost = _restore_event(job, restored)
     if restored.step == job.step:
         with transaction(ctx.session_factory) as session:
-            won = store_ops.guarded_job_update(
-                session, job.id, {"step": job.step, "state_nonce": job.state_nonce},
-                state_nonce=nonce)
-            if won and job.step > 0:  # lost, but a checkpoint of this step brings it back
-                _record_restore(session, job, restored, now)
+            # lost, but a checkpoint of this step brings it back (step 0: the seeded init,
+            # nothing to tell)
+            won = update_job(session, job.id,
+                             expect={"step": job.step, "state_nonce": job.state_nonce},
+                             event=lost if job.step > 0 else None, now=now, state_nonce=nonce)
         if not won:  # another restore or apply named its own state meanwhile
             ctx.blobs.delete(*written)
             return None
         bump_version(ctx.blobs)  # long polls hold back work until the weights exist
         return restored
     with transaction(ctx.session_factory) as session:
-        won = store_ops.guarded_job_update(
-            session, job.id, {"step": job.step, "state": ACTIVE_STATES,
-                              "state_nonce": job.state_nonce},
-            step=restored.step, step_started_at=now, state_nonce=nonce,
-        )
+        won = update_job(session, job.id, expect={"step": job.step, "state": ACTIVE_STATES,
+                                                  "state_nonce": job.state_nonce},
+                         event=lost, now=now,
+                         step=restored.step, step_started_at=now, state_nonce=nonce)
         if not won:
             ctx.blobs.delete(*written)
             return None
         session.execute(delete(StepMetric).where(StepMetric.job_id == job.id,
                                                  StepMetric.step >= restored.step))
         store_ops.drop_backups(session, job.id)
-        _record_restore(session, job, restored, now)
     bump_version(ctx.blobs)  # first: a replica's cached job row is stale until it sees this
     drop_step_keys(ctx, job.id, keep_state=restored.step, rewound=True)
     return restored
@@ -161,12 +160,11 @@ def drop_step_keys(ctx: SchedulerContext, job_id: str, keep_state: int, rewound:
         ctx.blobs.delete(*stale)
 
 
-def _record_restore(session: Any, job: Job, restored: TrainState, now: Any) -> None:
+def _restore_event(job: Job, restored: TrainState) -> Event:
     """The operator's trace of a lost hot state, whether or not the job had to rewind."""
-    store_ops.record_event(
-        session, "StateRestored",
+    return Event(
+        "StateRestored",
         f"hot state of step {job.step} was lost; resumed from "
         + (f"checkpoint step {restored.step}" if restored.step else "step 0 (seeded init)"),
-        now=now, job_id=job.id, kind="Warning",
-        data={"lost_step": job.step, "resumed_step": restored.step},
+        "Warning", {"lost_step": job.step, "resumed_step": restored.step},
     )

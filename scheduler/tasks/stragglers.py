@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 
+from domain.store import events
 from domain.store.db import transaction
 from domain.store.models import Job
 from engine.jobinfo import JobInfo
@@ -21,6 +22,7 @@ from scheduler.policy.placement import keepable
 from scheduler.policy.scores import device_speed
 from scheduler.policy.straggler import expected_step_s, plan_backups, straggler_timeout
 from scheduler.policy.types import PlacementRequest
+from scheduler.tasks.boundary import parse_late_steps
 
 
 def remember_late(ctx: SchedulerContext, job_id: str, device_id: str, step: int) -> None:
@@ -37,14 +39,6 @@ def late_steps(ctx: SchedulerContext, job_id: str, devices: list[str]) -> dict[s
     """The steps each device was late for (one round trip for all: every step boundary asks)."""
     raws = ctx.blobs.get_many([keys.late_steps(job_id, d) for d in devices])
     return {d: parse_late_steps(raw) for d, raw in zip(devices, raws)}
-
-
-def parse_late_steps(raw: bytes | None) -> list[int]:
-    """A device's late steps as stored under keys.late_steps (none when unreadable)."""
-    try:
-        return [int(s) for s in json.loads(raw)] if raw else []
-    except (ValueError, TypeError):
-        return []
 
 
 def measured_latencies(ctx: SchedulerContext, job_id: str, devices: list[str]) -> dict[str, float]:
@@ -89,7 +83,7 @@ def back_up_late_devices(ctx: SchedulerContext, job: Job, info: JobInfo) -> int:
         store_ops.add_backups(session, job.id, plan, job.step)
         for device in missing:
             remember_late(ctx, job.id, device, job.step)
-        store_ops.record_event(
+        events.record(
             session, "BackupAssigned",
             f"step {job.step} late after {elapsed:.1f}s (timeout {timeout:.1f}s): "
             f"shards {sorted(plan)} of {', '.join(sorted(missing))} also given to "

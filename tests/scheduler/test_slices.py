@@ -1,4 +1,4 @@
-"""A sliced job's steps (scheduler.tasks.slices) against a real database and both hot-state
+"""A sliced job's steps (scheduler.tasks.slices, scheduler.apply) against a real database and both hot-state
 stores: the same run as the reference bit for bit, a slice applied again alone, a lost result
 replanned, lost hot state restored slice by slice, one commit whoever finishes last."""
 
@@ -14,7 +14,9 @@ from api.steps.protocol import BadSlice, NotYetApplied, StaleStep, StepProtocol
 from domain.store.models import StepMetric
 from engine.jobinfo import job_info
 from hotstate import keys
+from hotstate.sliceplan import SlicePlan
 from phalanx.train_local import run_reference
+from scheduler import apply
 from scheduler.tasks import slices as sliced
 from scheduler.tasks.reconcile import run_reconcile_job
 from scheduler.tasks.steps import run_apply_step
@@ -79,7 +81,7 @@ def test_slices_go_to_the_workers_and_a_lost_one_is_applied_again_alone(sending_
     assert run_apply_step(ctx, job_id, 0) == "applied"
     assert sorted(sent) == [(job_id, 0, 1), (job_id, 0, 2)] and job(ctx, job_id).step == 0
     nonce0 = job(ctx, job_id).state_nonce
-    plan = sliced.SlicePlan.decode(ctx.blobs.get(keys.slice_plan(job_id, 0, nonce0)))
+    plan = SlicePlan.decode(ctx.blobs.get(keys.slice_plan(job_id, 0, nonce0)))
     assert ctx.blobs.exists(keys.slice_done(job_id, 0, plan.nonce, 0))
     # a worker applies slice 1; slice 2's task is lost (its worker died before running it)
     assert sliced.run_apply_slice(ctx, job_id, 0, 1) == "applied"
@@ -88,7 +90,7 @@ def test_slices_go_to_the_workers_and_a_lost_one_is_applied_again_alone(sending_
     applied: list[int] = []
     real = sliced.run_apply_slice
     monkeypatch.setattr(sliced, "run_apply_slice",
-                        lambda c, j, t, i: applied.append(i) or real(c, j, t, i))
+                        lambda c, j, t, i, *rest: applied.append(i) or real(c, j, t, i, *rest))
     ctx.blobs.delete(keys.slice_claim(job_id, 0, plan.nonce, 2))
     sent.clear()
     assert run_apply_step(ctx, job_id, 0) == "applied"
@@ -132,7 +134,7 @@ def test_a_lost_result_replans_the_step_under_a_new_nonce(sending_ctx, monkeypat
     upload_all(ctx, job_id, 0)
     run_apply_step(ctx, job_id, 0)  # slice 0 stored under the first plan
     nonce0 = job(ctx, job_id).state_nonce
-    first = sliced.SlicePlan.decode(ctx.blobs.get(keys.slice_plan(job_id, 0, nonce0)))
+    first = SlicePlan.decode(ctx.blobs.get(keys.slice_plan(job_id, 0, nonce0)))
     ctx.blobs.delete(keys.grad(job_id, 0, 2))  # shard 2's result is gone (its replica died)
     assert sliced.run_apply_slice(ctx, job_id, 0, 1) == "incomplete"
     assert ctx.blobs.get(keys.slice_plan(job_id, 0, nonce0)) is None
@@ -173,7 +175,7 @@ def test_a_slice_of_the_next_step_is_served_once_applied_and_names_its_state(sen
     upload_all(ctx, job_id, 0)
     run_apply_step(ctx, job_id, 0)  # slice 0 of step 1 stored; 1 and 2 not yet
     nonce0 = job(ctx, job_id).state_nonce
-    plan = sliced.SlicePlan.decode(ctx.blobs.get(keys.slice_plan(job_id, 0, nonce0)))
+    plan = SlicePlan.decode(ctx.blobs.get(keys.slice_plan(job_id, 0, nonce0)))
     early, state, ahead = proto.weights(device, job_id, 1, part=0)
     assert state == plan.nonce and ahead  # served before step 1 commits, naming its state
     with pytest.raises(NotYetApplied, match="slice 1 of step 1 is not applied yet"):
@@ -203,7 +205,7 @@ def test_a_slice_state_lost_alone_is_applied_again_and_never_committed_half(send
     upload_all(ctx, job_id, 0)
     run_apply_step(ctx, job_id, 0)  # slice 0
     assert sliced.run_apply_slice(ctx, job_id, 0, 1) == "applied"
-    plan = sliced.SlicePlan.decode(ctx.blobs.get(keys.slice_plan(
+    plan = SlicePlan.decode(ctx.blobs.get(keys.slice_plan(
         job_id, 0, job(ctx, job_id).state_nonce)))
     ctx.blobs.delete(keys.state_slice(job_id, 1, plan.nonce, 1))  # slice 1's state lost alone
     assert sliced.run_apply_slice(ctx, job_id, 0, 2) == "incomplete"  # every mark, not every key
@@ -232,17 +234,17 @@ def test_a_late_task_of_an_abandoned_plan_deletes_neither_the_new_plan_nor_its_r
     upload_all(ctx, job_id, 0)
     run_apply_step(ctx, job_id, 0)
     row = job(ctx, job_id)
-    old = sliced.SlicePlan.decode(ctx.blobs.get(keys.slice_plan(job_id, 0, row.state_nonce)))
+    old = SlicePlan.decode(ctx.blobs.get(keys.slice_plan(job_id, 0, row.state_nonce)))
     ctx.blobs.delete(keys.grad(job_id, 0, 3))  # shard 3 lost: the plan goes
     assert sliced.run_apply_slice(ctx, job_id, 0, 1) == "incomplete"
     upload_all(ctx, job_id, 0, shards=[3])  # uploaded again; the step is planned afresh
     run_apply_step(ctx, job_id, 0)
     new = ctx.blobs.get(keys.slice_plan(job_id, 0, row.state_nonce))
-    assert new is not None and sliced.SlicePlan.decode(new) != old
+    assert new is not None and SlicePlan.decode(new) != old
     # a task still holding the old plan now fails to fetch a body (a replica timed out)
-    monkeypatch.setattr(sliced, "fetch_pieces", lambda blobs, pieces: dict.fromkeys(pieces))
+    monkeypatch.setattr(apply, "fetch_pieces", lambda blobs, pieces: dict.fromkeys(pieces))
     info = job_info(job_id, row.spec, ctx.settings.data_dir)
-    assert sliced._slice_results(ctx, row, info, old, info.slices[1]) is None
+    assert apply.read_results(ctx, row, info, old, 1) is None
     assert ctx.blobs.get(keys.slice_plan(job_id, 0, row.state_nonce)) == new  # kept
 
 
@@ -253,15 +255,15 @@ def test_a_commit_whose_task_died_is_made_by_the_next_run_from_the_marks(sending
     monkeypatch.setattr(sliced, "send_slice", lambda *task: None)
     upload_all(ctx, job_id, 0)
     run_apply_step(ctx, job_id, 0)  # slice 0
-    real = sliced.commit_step
+    real = apply.commit_rows
 
     def dies(*args, **kwargs):
         raise RuntimeError("worker lost mid-commit")
 
-    monkeypatch.setattr(sliced, "commit_step", dies)
+    monkeypatch.setattr(apply, "commit_rows", dies)
     with pytest.raises(RuntimeError):
         sliced.run_apply_slice(ctx, job_id, 0, 1)  # the last slice: stored, marked, commit dies
-    monkeypatch.setattr(sliced, "commit_step", real)
+    monkeypatch.setattr(apply, "commit_rows", real)
     ctx.blobs.delete(*ctx.blobs.keys(f"job:{job_id}:grad:0:"))  # the results may be gone too
     assert run_apply_step(ctx, job_id, 0) == "applied"  # reconcile's resend: commits
     assert job(ctx, job_id).step == 1

@@ -21,7 +21,8 @@ from hotstate import keys
 from hotstate.recent import RECENT
 from hotstate.trainstate import decode_state
 from phalanx.train_local import run_reference
-from scheduler.tasks import reconcile, recovery, steps
+from scheduler import apply
+from scheduler.tasks import reconcile, recovery
 from scheduler.tasks.reconcile import run_reconcile, run_reconcile_job
 from scheduler.tasks.steps import run_apply_step
 from tests.engine.test_layerspec import EVERY_LAYER
@@ -100,7 +101,7 @@ def test_a_crash_between_state_write_and_commit_is_recomputed(ctx, monkeypatch) 
     def crash(*args, **kwargs):
         raise Crash("worker killed before the commit")
 
-    monkeypatch.setattr(steps, "commit_step", crash)
+    monkeypatch.setattr(apply, "commit_rows", crash)
     with pytest.raises(Crash):
         run_apply_step(ctx, job_id, 0)
     (unnamed,) = ctx.blobs.keys(f"job:{job_id}:state:1:")  # written, named by no row
@@ -122,9 +123,9 @@ def test_an_applier_that_loses_the_commit_is_never_read_whatever_it_wrote(ctx, m
     upload_all(ctx, job_id, 0, blobs=blobs)
     computed: dict[str, np.ndarray] = {}
     slow_done, winner_committed = threading.Event(), threading.Event()
-    real = steps.engine_apply_step
+    real = apply.engine_apply_step
 
-    def apply(*args, **kwargs):
+    def applying(*args, **kwargs):
         new_state, metrics = real(*args, **kwargs)
         who = threading.current_thread().name
         computed[who] = np.array(new_state.params, copy=True)
@@ -133,7 +134,7 @@ def test_an_applier_that_loses_the_commit_is_never_read_whatever_it_wrote(ctx, m
             assert winner_committed.wait(30)
         return new_state, metrics
 
-    monkeypatch.setattr(steps, "engine_apply_step", apply)
+    monkeypatch.setattr(apply, "engine_apply_step", applying)
     outcome: dict[str, str] = {}
     slow = threading.Thread(name="slow", target=lambda: outcome.update(
         slow=run_apply_step(ctx, job_id, 0)))
