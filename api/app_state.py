@@ -1,5 +1,5 @@
 """The app's typed state: every service a request handler, the fast path or a listener reaches,
-built once by `api.main.create_app` (the composition root) and set as `app.state`."""
+built once by `api.main.create_app` and set as `app.state`."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from celery import Celery
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -16,7 +15,7 @@ from api.auth import Authenticator
 from api.heartbeat_writer_pg import AsyncPgHeartbeatWriter
 from api.heartbeats import HeartbeatWriter
 from api.limits import DeviceRate
-from api.scheduler_hooks import SchedulerHooks
+from api.scheduler_port import SchedulerPort
 from api.steps.protocol import StepProtocol
 from domain.settings import Settings
 from hotstate.blobs import BlobStore
@@ -37,12 +36,11 @@ class AppState:
     session_factory: sessionmaker[Session]
     authenticator: Authenticator
     heartbeats: HeartbeatWriter | AsyncPgHeartbeatWriter
-    celery: Celery
     blobs: BlobStore
     step_protocol: StepProtocol
     version_watch: VersionWatch
     slices_watch: VersionWatch  # slices applied (keys.SLICES_VERSION): wakes waits for them
-    scheduler_hooks: SchedulerHooks
+    scheduler: SchedulerPort
     heartbeat_rate: DeviceRate
     bulk_listener: BulkEndpoint | None = None  # set while the bulk port serves
     metrics_queue_collector: object | None = None  # api.metrics builds it on first scrape

@@ -1,6 +1,8 @@
-"""The composition root: every service the control plane runs is built here, once, into a typed
-`AppState`; the ASGI chain and the one lifespan (what runs while the app serves) are written
-here, in order. Routes, the fast path and the listeners only use what this hands them."""
+"""The web app's composition: every service the control plane runs is built here, once, into a
+typed `AppState`; the ASGI chain and the one lifespan (what runs while the app serves) are
+written here, in order. Routes, the fast path and the listeners only use what this hands them.
+The scheduler comes in as a factory of `api.scheduler_port.SchedulerPort` from the process's
+composition root (`roots.api`): the API imports nothing of `scheduler`."""
 
 from __future__ import annotations
 
@@ -28,9 +30,8 @@ from api.fast_path import FastPath
 from api.heartbeat_writer_pg import AsyncPgHeartbeatWriter
 from api.heartbeats import HeartbeatWriter
 from api.limits import BodySizeLimit, DeviceRate
-from api.process import tune_interpreter
 from api.routes import agent_dist, datasets, devices, health, jobs, rollouts, tokens, ui, work
-from api.scheduler_hooks import SchedulerHooks
+from api.scheduler_port import SchedulerFactory
 from api.schemas.common import ERROR_MEANINGS
 from api.steps.bulk_body import WholeBodyReader
 from api.steps.bulk_listener import Bounds, BulkListener
@@ -40,29 +41,23 @@ from api.steps.protocol import StepProtocol
 from domain import task_metrics
 from domain.settings import Settings
 from domain.store.db import make_engine, make_session_factory
-from domain.store.models import utcnow
 from hotstate import keys
 from hotstate.blobs import blob_store_for
 from hotstate.version import VersionWatch
-from scheduler import celery_app, context
-from scheduler.embedded import EmbeddedScheduler
-from scheduler.local_apply import LocalApplier
 
 log = logging.getLogger(__name__)
 
 
-def create_app(settings: Settings | None = None, clock: Callable[[], dt.datetime] | None = None,
-               start_scheduler: bool = False) -> FastAPI:
+def create_app(settings: Settings, clock: Callable[[], dt.datetime], *,
+               scheduler: SchedulerFactory, start_scheduler: bool = False) -> FastAPI:
     """Build the control plane. `start_scheduler`: embedded mode's in-process worker and beat."""
-    settings = settings or Settings()
-    clock = clock or utcnow
     # /docs and /redoc with their scripts served from here: a lab network may be offline
     app = FastAPIOffline(title="Phalanx control plane", version="0.1.0", docs_url="/docs",
                          redoc_url="/redoc", openapi_url="/openapi.json",
                          generate_unique_id_function=operation_id,
                          lifespan=partial(_serving, settings=settings,
                                           start_scheduler=start_scheduler))
-    app.state = _build_state(app, settings, clock)  # type: ignore[assignment]
+    app.state = _build_state(app, settings, clock, scheduler)  # type: ignore[assignment]
     _install_error_handlers(app)
     for module in (health, tokens, devices, jobs, datasets, agent_dist, rollouts, work, metrics,
                    ui):
@@ -104,27 +99,27 @@ def _document_errors(app: FastAPI) -> None:
     app.openapi = openapi  # type: ignore[method-assign]
 
 
-def _build_state(app: FastAPI, settings: Settings, clock: Callable[[], dt.datetime]) -> AppState:
+def _build_state(app: FastAPI, settings: Settings, clock: Callable[[], dt.datetime],
+                 scheduler: SchedulerFactory) -> AppState:
     engine = make_engine(settings.resolved_database_url)
     factory = make_session_factory(engine)
     admin = settings.admin_token.get_secret_value() if settings.admin_token else None
     if admin is None:
         ensure_admin_token(factory, settings.admin_token_file)
     blobs = blob_store_for(settings.redis_url)
-    ctx = context.configure(settings, factory, blobs, clock)
+    port = scheduler(settings, factory, blobs, clock)
     return AppState(
         settings=settings, clock=clock, engine=engine, session_factory=factory,
         authenticator=Authenticator(factory, admin, clock=clock),
-        # through app.state, so a test may swap the hooks after the app is built
+        # through app.state, so a test may swap the scheduler after the app is built
         heartbeats=_heartbeat_writer(settings, engine, clock,
-                                     lambda device_id: app.state.scheduler_hooks.device_changed(device_id)),
-        celery=celery_app.configure(settings),
+                                     lambda device_id: app.state.scheduler.device_changed(device_id)),
         blobs=blobs,
         step_protocol=StepProtocol(factory, blobs, settings.data_dir, clock),
-        version_watch=VersionWatch.for_store(blobs, ctx.tuning.long_poll_interval_s),
-        slices_watch=VersionWatch.for_store(blobs, ctx.tuning.long_poll_interval_s,
+        version_watch=VersionWatch.for_store(blobs, port.tuning.long_poll_interval_s),
+        slices_watch=VersionWatch.for_store(blobs, port.tuning.long_poll_interval_s,
                                             keys.SLICES_VERSION),
-        scheduler_hooks=SchedulerHooks(ctx),
+        scheduler=port,
         heartbeat_rate=DeviceRate(settings.heartbeat_rate_per_minute, settings.heartbeat_burst,
                                   lambda: clock().timestamp()),
     )
@@ -195,9 +190,8 @@ async def _serving(app: FastAPI, *, settings: Settings,
         if settings.bulk_port is not None:
             await _serve_bulk(stack, state, settings)
         if start_scheduler:
-            scheduler = EmbeddedScheduler(settings)
-            await run_in_threadpool(scheduler.start)
-            stack.push_async_callback(run_in_threadpool, scheduler.stop)
+            stop = await run_in_threadpool(state.scheduler.run_embedded)
+            stack.push_async_callback(run_in_threadpool, stop)
         stack.push_async_callback(state.heartbeats.aclose)
         yield
 
@@ -207,18 +201,15 @@ async def _serve_peers(stack: AsyncExitStack, state: AppState, settings: Setting
     go through Redis and the workers apply every step."""
     listener = PeerListener(advertised_host(settings.peer_host), settings.peer_port,
                             capacity_bytes=settings.peer_shelf_bytes)
-    local = LocalApplier() if settings.apply_on_replica else None
     stack.push_async_callback(run_in_threadpool, listener.stop)
-    if local is not None:
-        stack.push_async_callback(run_in_threadpool, local.stop)
     try:
         listener.start()
     except OSError as exc:
         log.warning("peer port %s not available (%s): upload bodies go through Redis",
                     settings.peer_port, exc)
         return
-    state.scheduler_hooks.local = local
-    stack.callback(setattr, state.scheduler_hooks, "local", None)
+    if settings.apply_on_replica:
+        stack.push_async_callback(run_in_threadpool, state.scheduler.apply_here())
 
 
 async def _serve_bulk(stack: AsyncExitStack, state: AppState, settings: Settings) -> None:
@@ -240,10 +231,3 @@ async def _serve_bulk(stack: AsyncExitStack, state: AppState, settings: Settings
         return
     state.bulk_listener = listener
     stack.callback(setattr, state, "bulk_listener", None)
-
-
-def app_from_env() -> FastAPI:
-    """For `uvicorn --factory api.main:app_from_env` (several worker processes)."""
-    app = create_app()
-    tune_interpreter(app.state.settings)
-    return app

@@ -26,12 +26,13 @@ import numpy as np
 from domain.settings import Settings
 from domain.store.db import make_engine, make_session_factory, transaction, upgrade
 from domain.store.models import Device, Job
+from domain.tuning import Tuning
 from engine.jobinfo import job_info
 from engine.step import ShardResult
 from hotstate import keys
 from hotstate.blobs import MemoryBlobStore
 from hotstate.gradstore import pack_result
-from scheduler.context import SchedulerContext, Tuning
+from scheduler.context import SchedulerContext
 from scheduler.tasks.reconcile import run_reconcile, run_reconcile_job
 from scheduler.tasks.steps import run_apply_step
 

@@ -2,7 +2,7 @@
 
 JSON only (never pickle); task arguments are ids, never objects. Two queues: `control`
 (reconcile, placement) and `steps` (apply_step), so a slow placement pass never delays a step.
-`celery -A scheduler.celery_app worker` and `phalanx worker` both use `app`.
+Processes start it through their composition root (`roots.worker`, `roots.api`).
 """
 
 from __future__ import annotations

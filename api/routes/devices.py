@@ -36,7 +36,7 @@ def register_device(body: DeviceRegister, request: Request, session: SessionDep,
         device, secret = devices.register_device(
             session, enrollment_secret=body.enrollment_token, name=body.name,
             labels=body.labels, spec=body.spec.model_dump(exclude_none=True), now=clock())
-    request.app.state.scheduler_hooks.device_changed(device.id)
+    request.app.state.scheduler.device_changed(device.id)
     return {"device_id": device.id, "device_token": secret, "name": device.name,
             "labels": device.labels, "state": device.state,
             "heartbeat_interval_s": settings.heartbeat_interval_s,
@@ -110,7 +110,7 @@ def _admin_change(change, device_id: str, request: Request, session, clock):
     with session.begin():
         device, changed = change(session, device_id, clock())
     if changed:
-        request.app.state.scheduler_hooks.device_changed(device_id)
+        request.app.state.scheduler.device_changed(device_id)
     return device
 
 
@@ -147,7 +147,7 @@ def delete_device(device_id: str, _: AdminDep, request: Request, session: Sessio
     with session.begin():
         device = devices.delete_device(session, device_id, clock())
     request.app.state.authenticator.cache.forget(device_id=device_id)
-    request.app.state.scheduler_hooks.device_changed(device_id)
+    request.app.state.scheduler.device_changed(device_id)
     return device
 
 

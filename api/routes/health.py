@@ -10,8 +10,6 @@ from fastapi.responses import JSONResponse
 from sqlalchemy import text
 from starlette.concurrency import run_in_threadpool
 
-from scheduler.celery_app import broker_problem
-
 log = logging.getLogger(__name__)
 router = APIRouter(tags=["health"])
 
@@ -43,10 +41,9 @@ def _check(request: Request) -> dict[str, str]:
             problems["redis"] = f"redis unreachable ({type(exc).__name__})"
         # the broker apart from the blob store: its transport is a separate import that a
         # broken install lacks while redis-py itself works
-        problem = broker_problem(request.app.state.celery, timeout_s=1.0)
+        problem = request.app.state.scheduler.broker_problem(timeout_s=1.0)
         if problem is not None:
-            log.warning("readyz: %s", problem.detail)
-            problems["broker"] = problem.public
+            problems["broker"] = problem
     return problems
 
 

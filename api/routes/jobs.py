@@ -10,7 +10,6 @@ from api.schemas.common import EventRead, Limit, Offset, Page, errors, page_of
 from api.schemas.jobs import JobCreate, JobDryRun, JobRead, StepMetricRead
 from domain.errors import Invalid
 from domain.store import events, jobs
-from scheduler import plan as placement_plan
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=errors(401, 403, 422))
 
@@ -34,16 +33,16 @@ def submit_job(body: JobCreate, request: Request, principal: UserDep, settings: 
     with session.begin():  # the dataset must be one this token may use: 404 otherwise
         plan = jobs.plan_summary(spec, jobs.check_spec(spec, settings.data_dir, session,
                                                         principal))
-        req = placement_plan.request_for(spec, plan["memory_per_device_bytes"])
+        scheduler, memory = request.app.state.scheduler, plan["memory_per_device_bytes"]
         if dry_run:
             return JSONResponse(JobDryRun(
                 name=spec["name"], spec=spec, total_steps=plan["total_steps"],
                 owner=principal.user, plan=plan,
-                placement=placement_plan.eligibility(session, req)).model_dump(mode="json"))
-        if (why := placement_plan.refusal(session, req)) is not None:
+                placement=scheduler.eligibility(session, spec, memory)).model_dump(mode="json"))
+        if (why := scheduler.refusal(session, spec, memory)) is not None:
             raise Invalid("model", why)
         job = jobs.submit_job(session, spec, plan=plan, now=clock(), principal=principal)
-    request.app.state.scheduler_hooks.job_changed(job.id)
+    request.app.state.scheduler.job_changed(job.id)
     return _read(job)
 
 
@@ -70,7 +69,7 @@ def cancel_job(job_id: str, request: Request, principal: UserDep, session: Sessi
     with session.begin():
         job = jobs.cancel_job(session, job_id, clock(), principal)
         held = jobs.holdings_of(session, [job_id])[job_id]
-    request.app.state.scheduler_hooks.job_changed(job_id)
+    request.app.state.scheduler.job_changed(job_id)
     return _read(job, held)
 
 

@@ -81,7 +81,7 @@ def report_diverged(job_id: str, step: int, body: DivergedIn, request: Request,
     failed = request.app.state.step_protocol.diverged(principal.device_id, job_id, step,
                                                      body.shard, body.reason, body.kind)
     if failed:
-        request.app.state.scheduler_hooks.job_changed(job_id)
+        request.app.state.scheduler.job_changed(job_id)
     return DivergedOut(failed=failed)
 
 

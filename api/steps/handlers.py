@@ -70,7 +70,7 @@ def serve_weights(state: AppState, device_id: str, job_id: str, step: int,
     try:
         payload, nonce, ahead = state.step_protocol.weights(device_id, job_id, step, part)
     except StateMissing:
-        state.scheduler_hooks.job_changed(job_id)  # restore now, not at the next beat
+        state.scheduler.job_changed(job_id)  # restore now, not at the next beat
         raise
     if part is not None:
         SLICES_SERVED.labels("ahead" if ahead else "committed").inc()
@@ -104,7 +104,7 @@ def accept_upload(state: AppState, device_id: str, job_id: str, step: int,
     UPLOADED_RESULTS.labels("partial").inc(up.partials)
     UPLOADED_RESULTS.labels("shard").inc(up.shard_results)
     if up.complete:  # sent once a claim period (a TTL key): a repeat costs one SET NX
-        state.scheduler_hooks.step_complete(job_id, step)
+        state.scheduler.step_complete(job_id, step)
     return {"accepted": up.accepted, "duplicates": up.duplicates}
 
 

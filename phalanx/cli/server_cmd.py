@@ -72,15 +72,15 @@ def server(
         common.update(ssl_certfile=str(settings.tls_cert_file),  # type: ignore[attr-defined]
                       ssl_keyfile=str(settings.tls_key_file))  # type: ignore[attr-defined]
     if settings.embedded:  # type: ignore[attr-defined]
-        from api.main import create_app
+        from roots.api import create_app
 
         if workers > 1:
             typer.echo("phalanx: embedded mode (no PHALANX_REDIS_URL): running 1 worker", err=True)
         uvicorn.run(create_app(settings, start_scheduler=True), **common)  # type: ignore[arg-type]
     elif workers > 1:
-        uvicorn.run("api.main:app_from_env", factory=True, workers=workers, **common)
+        uvicorn.run("roots.api:app_from_env", factory=True, workers=workers, **common)
     else:
-        from api.main import create_app
+        from roots.api import create_app
 
         uvicorn.run(create_app(settings), **common)  # type: ignore[arg-type]
 

@@ -43,13 +43,13 @@ def register(app: typer.Typer) -> None:
         """Run scheduler tasks (reconcile, placement, apply_step) from the Redis broker."""
         settings = load_settings()  # before scheduler.celery_app: it reads them at import
         from api.process import tune_interpreter
-        from scheduler.celery_app import configure
+        from roots.worker import install
 
         if settings.embedded:
             typer.echo("PHALANX_REDIS_URL is not set: in embedded mode `phalanx server` runs "
                        "the scheduler itself; a separate worker needs Redis.", err=True)
             raise typer.Exit(2)
-        celery = configure(settings)
+        celery = install(settings)
         problem = _wait_for_broker(celery, broker_wait)
         if problem is not None:
             # one line and a non-zero exit (the supervisor restarts us), not Celery's

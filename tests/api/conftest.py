@@ -14,9 +14,9 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 
-from api.main import create_app
 from domain.settings import Settings
 from domain.store.models import utcnow
+from roots.api import create_app
 from tests.support.env import ADMIN_TOKEN as ADMIN
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from fastapi.testclient import TestClient
 
-from api.main import create_app
 from domain.store.models import ApiToken, Device
+from roots.api import create_app
 from tests.api.conftest import make_settings
 
 

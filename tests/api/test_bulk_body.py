@@ -138,8 +138,8 @@ def test_at_most_max_bodies_are_held_at_once() -> None:
 
 
 def test_the_app_built_by_create_app_reads_uploads_whole(tmp_path) -> None:
-    from api.main import create_app
     from domain.settings import Settings
+    from roots.api import create_app
     from scheduler import context
 
     app = create_app(Settings(database_url=f"sqlite:///{tmp_path / 'db.sqlite'}",

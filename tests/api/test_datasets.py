@@ -76,7 +76,7 @@ def test_upload_without_a_file_is_422(api):
 def test_upload_over_the_limit_is_413(db_url, tmp_path):
     from fastapi.testclient import TestClient
 
-    from api.main import create_app
+    from roots.api import create_app
     from tests.api.conftest import ADMIN, make_settings
 
     app = create_app(make_settings(db_url, tmp_path / "d", max_upload_bytes=2000))

@@ -14,8 +14,8 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from api.fast_path import FastPath
-from api.main import create_app
 from domain.store.models import TelemetrySample
+from roots.api import create_app
 from tests.api.conftest import Api, FakeClock, make_settings, sample
 
 

@@ -6,7 +6,7 @@ import re
 
 from fastapi.testclient import TestClient
 
-from api.main import create_app
+from roots.api import create_app
 from tests.api.conftest import make_settings
 
 

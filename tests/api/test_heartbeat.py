@@ -118,7 +118,7 @@ def test_a_cordoned_device_comes_back_cordoned(api):
     assert api.heartbeat(device).json()["state"] == "Cordoned"
 
 
-def test_device_changes_reach_the_scheduler_hooks(api):
+def test_device_changes_reach_the_scheduler(api):
     seen: list[str] = []
 
     class Hooks:
@@ -128,7 +128,7 @@ def test_device_changes_reach_the_scheduler_hooks(api):
         def device_changed(self, device_id):
             seen.append(device_id)
 
-    api.app.state.scheduler_hooks = Hooks()
+    api.app.state.scheduler = Hooks()
     device = api.register()
     api.post(f"/v1/devices/{device['device_id']}/cordon")
     api.heartbeat(device, {"telemetry": [], "pause": {"reason": "busy"}})

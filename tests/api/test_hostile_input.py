@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
-from api.main import create_app
 from api.steps.bulk_listener import BadRequest, content_length
 from domain.settings import Settings
 from domain.store.models import Dataset
+from roots.api import create_app
 from scheduler.celery_app import broker_problem, make_celery
 from tests.api.conftest import make_settings, sample
 from tests.support.arrays import npz_bytes

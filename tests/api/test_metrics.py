@@ -13,10 +13,10 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import delete, insert
 
-from api.main import create_app
 from domain.store.energy import integrate_power
 from domain.store.events import event_row
 from domain.store.models import Device, Event, Job, ShardAssignment, StepMetric, TelemetrySample
+from roots.api import create_app
 from tests.api.conftest import make_settings, sample
 from tests.support.env import ADMIN_TOKEN as ADMIN
 from tests.support.server import start_server

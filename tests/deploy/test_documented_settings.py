@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 from domain.settings import Settings
-from scheduler.context import Tuning
+from domain.tuning import Tuning
 from tests.support.server import REPO_ROOT
 
 NAME = re.compile(r"PHALANX_[A-Z0-9_]*[A-Z0-9]")

@@ -14,9 +14,9 @@ import typer.main
 import yaml
 
 from domain.settings import Settings
+from domain.tuning import Tuning
 from phalanx import __version__
 from phalanx.cli.main import app as phalanx_app
-from scheduler.context import Tuning
 from tests.deploy.tools import DEPLOY, promtool
 from tests.support.server import REPO_ROOT, self_signed_pair
 
@@ -57,10 +57,10 @@ def check_command(argv: list[str]) -> None:
         except Exception as exc:  # typer's (vendored) click raises UsageError subclasses
             pytest.fail(f"{shlex.join(argv)}: {exc}")
     elif argv[0] == "celery":
-        assert argv[1:3] == ["-A", "scheduler.celery_app"], argv
-        from scheduler import celery_app
+        assert argv[1:3] == ["-A", "roots.worker"], argv
+        from roots import worker
 
-        assert celery_app.app.main, "scheduler.celery_app.app is the Celery app"
+        assert worker.app.main, "roots.worker.app is the Celery app"
     else:
         pytest.fail(f"unexpected command {argv}")
 
@@ -241,7 +241,7 @@ def test_beat_answers_its_liveness_probe_only_with_remote_control_on() -> None:
     assert "--enable-remote-control" in beat["command"]
     probe = beat["livenessProbe"]["exec"]["command"]
     assert probe[:2] == ["sh", "-c"]
-    assert "celery -A scheduler.celery_app inspect ping" in probe[2]
+    assert "celery -A roots.worker inspect ping" in probe[2]
     assert "-d celerybeat@$HOSTNAME" in probe[2]
 
 

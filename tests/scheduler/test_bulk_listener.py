@@ -14,9 +14,9 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from api.main import create_app
 from domain.settings import Settings
 from hotstate import keys
+from roots.api import create_app
 from scheduler import context
 from scheduler.tasks.steps import run_apply_step
 from tests.scheduler.helpers import admin, job, running_job, shard_result_blobs, shards_of

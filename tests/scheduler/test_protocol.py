@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
-from api.main import create_app
 from api.steps.protocol import ForeignShard, StateMissing
 from domain.settings import Settings
 from engine.data import load_dataset
@@ -23,6 +22,7 @@ from engine.jobinfo import job_info
 from engine.sampler import shard_indices
 from engine.step import ShardResult, pre_reduce, reduce_results
 from hotstate import keys
+from roots.api import create_app
 from scheduler import context
 from scheduler.tasks.reconcile import run_reconcile, run_reconcile_job
 from scheduler.tasks.steps import run_apply_step

@@ -21,8 +21,8 @@ import pytest
 from fastapi.routing import iter_route_contexts
 
 from api import body_auth
-from api.main import create_app
 from domain.settings import Settings
+from roots.api import create_app
 from tests.support.env import ADMIN_TOKEN
 from tests.support.server import LiveServer
 

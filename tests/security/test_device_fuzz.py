@@ -22,8 +22,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from agent.runtime.agent import FEATURES
-from api.main import create_app
 from api.schemas.devices import MAX_NAMES, MAX_SAMPLES_PER_S
+from roots.api import create_app
 from scheduler import context
 from scheduler.tasks.reconcile import run_reconcile, run_reconcile_job
 from tests.api.conftest import Api, FakeClock, make_settings
