@@ -7,7 +7,15 @@ from typing import Annotated
 import typer
 
 from phalanx import __version__
-from phalanx.cli import agents_cmd, demo_cmd, server_cmd, train_cmd, user_cmds, worker_cmd
+from phalanx.cli import (
+    agents_cmd,
+    demo_cmd,
+    model_cmds,
+    server_cmd,
+    train_cmd,
+    user_cmds,
+    worker_cmd,
+)
 
 app = typer.Typer(
     name="phalanx",
@@ -36,7 +44,7 @@ def version() -> None:
     typer.echo(__version__)
 
 
-for module in (server_cmd, worker_cmd, train_cmd, user_cmds, agents_cmd, demo_cmd):
+for module in (server_cmd, worker_cmd, train_cmd, user_cmds, model_cmds, agents_cmd, demo_cmd):
     module.register(app)
 
 if __name__ == "__main__":
