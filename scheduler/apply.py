@@ -136,8 +136,10 @@ def run_range(ctx: SchedulerContext, job: Job, info: JobInfo, index: int,
     if state is None:
         return Outcome.STALE
     plan = plan or plan_step(ctx, job, info)
-    results = read_results(ctx, job, info, plan, index) if plan is not None else None
-    if plan is None or results is None:
+    if plan is None:
+        return Outcome.INCOMPLETE
+    results = read_results(ctx, job, info, plan, index)
+    if results is None:
         return Outcome.INCOMPLETE
     applied = apply_range(ctx, job, info, plan, index, state, results)
     if len(info.slices) > 1:
