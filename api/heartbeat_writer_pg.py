@@ -29,6 +29,7 @@ from api.schemas.devices import HeartbeatIn
 from domain.store import heartbeats_pg
 from domain.store.db import libpq_url
 from domain.store.heartbeats import BatchOutcome, batch_outcome, read_batch
+from wire.states import ACTIVE_STATES
 
 log = logging.getLogger(__name__)
 MAX_BATCH = 2000
@@ -38,8 +39,8 @@ ACTIVE_ARCHS_TTL_S = 2.0
 # batch of 8 at 1,000 devices, worse as the fleet grows). These connections run only the
 # batch statement and two small indexed reads, so index plans are always right for them.
 PLANNER_OPTIONS = "-c enable_seqscan=off -c enable_hashjoin=off -c enable_mergejoin=off"
-ACTIVE_ARCHS_SQL = ("SELECT DISTINCT spec->'model'->>'arch' AS arch FROM jobs "
-                    "WHERE state IN ('Pending', 'Running')")
+ACTIVE_ARCHS_SQL = ("SELECT DISTINCT spec->'model'->>'arch' AS arch FROM jobs WHERE state IN ("
+                    + ", ".join(f"'{state}'" for state in ACTIVE_STATES) + ")")
 
 _Pending = tuple[str, str, HeartbeatIn, "asyncio.Future[Any]"]
 

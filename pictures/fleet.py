@@ -10,10 +10,14 @@ from collections.abc import Sequence
 from typing import Any
 
 from pictures.report import STYLE
+from wire.states import DeviceState, JobState
 
-STATE_COLORS = {"Ready": "#16a34a", "NotReady": "#dc2626", "Cordoned": "#ca8a04",
-                "Draining": "#ca8a04", "Running": "#2563eb", "Pending": "#6b7280",
-                "Succeeded": "#16a34a", "Failed": "#dc2626", "Cancelled": "#ca8a04"}
+# str keys: a state's value (an Enum member hashes by its name)
+STATE_COLORS = {DeviceState.READY.value: "#16a34a", DeviceState.NOT_READY.value: "#dc2626",
+                DeviceState.CORDONED.value: "#ca8a04", DeviceState.DRAINING.value: "#ca8a04",
+                JobState.RUNNING.value: "#2563eb", JobState.PENDING.value: "#6b7280",
+                JobState.SUCCEEDED.value: "#16a34a", JobState.FAILED.value: "#dc2626",
+                JobState.CANCELLED.value: "#ca8a04"}
 PAGE_STYLE = STYLE + """
 table.list { border-collapse: collapse; margin: 8px 0 20px; }
 table.list th, table.list td { padding: 3px 12px 3px 0; text-align: left; border-bottom: 1px solid #eee; }
@@ -86,9 +90,9 @@ def fleet(devices: Sequence[dict[str, Any]], jobs: Sequence[dict[str, Any]],
             f"<td>{_e(None if loss is None else f'{loss:.4f}')}</td>"
             f"<td>{_e(None if acc is None else f'{acc:.2%}')}</td>"
             f"<td>{len(j.get('devices') or [])}</td><td>{_e(j.get('reason'))}</td></tr>")
-    ready = sum(1 for d in devices if d.get("state") == "Ready")
+    ready = sum(1 for d in devices if d.get("state") == DeviceState.READY)
     body = (f"<h1>Phalanx</h1><nav>{ready} of {len(devices)} phones Ready · "
-            f"{sum(1 for j in jobs if j.get('state') == 'Running')} job(s) running · refreshes "
+            f"{sum(1 for j in jobs if j.get('state') == JobState.RUNNING)} job(s) running · refreshes "
             f'every {refresh_s} s · <a href="/ui/logout">log out</a></nav>'
             f"<h2>Fleet</h2><table class=\"list fleet\"><tr><th>phone</th><th>state</th>"
             f"<th>paused</th><th>°C</th><th>battery</th><th>shards</th><th>labels</th>"

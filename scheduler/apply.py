@@ -438,7 +438,7 @@ def commit_rows(ctx: SchedulerContext, job: Job, info: JobInfo, plan: SlicePlan,
         values = {"step": new_state.step, "step_started_at": now, "state_nonce": plan.nonce,
                   "metrics": finished or {**(job.metrics or {}), **summary}}
         if finished is not None:
-            succeeded = StateEvent("Succeeded", f"trained {job.total_steps or finished.get('steps')}"
+            succeeded = StateEvent(JobState.SUCCEEDED.value, f"trained {job.total_steps or finished.get('steps')}"
                                    f" steps; train_loss {finished['train_loss']:.6g}",
                                    data=finished)
             won = transition(session, job.id, JobState.SUCCEEDED, succeeded, now=now,

@@ -221,7 +221,7 @@ def shard_counts(mapping: Mapping[int, str]) -> dict[str, int]:
 
 def fail_job(session: Session, job: Job, reason: str, now: dt.datetime) -> bool:
     """Running or Pending -> Failed with a reason; releases its shards. True if it changed."""
-    won = transition(session, job.id, JobState.FAILED, StateEvent("Failed", reason, "Warning"),
+    won = transition(session, job.id, JobState.FAILED, StateEvent(JobState.FAILED.value, reason, "Warning"),
                      now=now, reason=reason, finished_at=now)
     if won:
         release(session, job.id)

@@ -22,6 +22,7 @@ from agent.runtime.buffer import TelemetryBuffer
 from agent.runtime.monitor import Monitor
 from agent.runtime.state import AgentState
 from agent.runtime.upgrader import Upgrader
+from wire.states import DeviceState
 
 log = logging.getLogger(__name__)
 BATCH = 100  # samples per request: an outage's backlog goes out in a few quick requests
@@ -76,7 +77,7 @@ class HeartbeatLoop:
         if isinstance(interval, (int, float)) and 0.05 <= interval <= 3600:
             self.interval_s = float(interval)
         self.state.device_state = resp.get("state")
-        drain = resp.get("state") == "Draining"
+        drain = resp.get("state") == DeviceState.DRAINING
         self.rotation_asked = self.logs_asked = False
         self.upgrade_asked = None
         for cmd in resp.get("commands") or []:

@@ -165,7 +165,7 @@ def cancel_job(session: Session, job_id: str, now: dt.datetime, principal: Princ
     job = get_job(session, job_id, principal)
     by = principal.name or principal.kind
     cancelled = transition(session, job_id, JobState.CANCELLED,
-                           StateEvent("Cancelled", f"cancelled by {by}"), now=now,
+                           StateEvent(JobState.CANCELLED.value, f"cancelled by {by}"), now=now,
                            reason=f"cancelled by {by}", finished_at=now)
     if not cancelled:
         session.refresh(job)

@@ -63,7 +63,7 @@ def _set_flags(session: Session, device: Device, now: dt.datetime, *, cordoned: 
 def cordon(session: Session, device_id: str, now: dt.datetime) -> tuple[Device, bool]:
     device = get_device(session, device_id, for_update=True)
     changed = _set_flags(session, device, now, cordoned=True, draining=device.draining,
-                         reason="Cordoned", message="cordoned: no new work is placed here")
+                         reason=DeviceState.CORDONED.value, message="cordoned: no new work is placed here")
     return device, changed
 
 
@@ -76,7 +76,7 @@ def uncordon(session: Session, device_id: str, now: dt.datetime) -> tuple[Device
 
 def drain(session: Session, device_id: str, now: dt.datetime) -> tuple[Device, bool]:
     device = get_device(session, device_id, for_update=True)
-    changed = _set_flags(session, device, now, cordoned=True, draining=True, reason="Draining",
+    changed = _set_flags(session, device, now, cordoned=True, draining=True, reason=DeviceState.DRAINING.value,
                          message="draining: cordoned, and asked to let go of its work")
     return device, changed
 

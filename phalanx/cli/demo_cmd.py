@@ -13,6 +13,8 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
+from wire.states import JobState
+
 console = Console(width=None if sys.stdout.isatty() else 140)
 err = Console(stderr=True)
 
@@ -104,7 +106,7 @@ def sim(
         typer.echo(json.dumps(report, indent=2))
     else:
         print_report(report)
-    if report["errors"] or (report.get("job") and report["job"].get("state") != "Succeeded"):
+    if report["errors"] or (report.get("job") and report["job"].get("state") != JobState.SUCCEEDED):
         raise typer.Exit(1)
 
 

@@ -36,6 +36,7 @@ from phalanx.client import (
     save_config,
 )
 from phalanx.demo import view
+from wire.states import JobState
 
 # Piped (grep, a file, a script) a table keeps each row on one line, as kubectl's does; rich
 # would otherwise wrap it to COLUMNS or 80 columns, cutting the values a script looks for.
@@ -462,7 +463,7 @@ def jobs_submit(
     if output is Output.json:
         emit(job, output, describe)
     else:
-        out.print(f"{job.get('id')} submitted ({job.get('state', 'Pending')})", highlight=False)
+        out.print(f"{job.get('id')} submitted ({job.get('state', JobState.PENDING.value)})", highlight=False)
     if watch:
         jobs_watch(str(job["id"]), server=server, token=token)
 
@@ -583,7 +584,7 @@ def jobs_watch(job_id: IdArg, server: ServerOpt = None, token: TokenOpt = None) 
     if acc is not None:
         line += f" (val accuracy {acc:.2%})"
     out.print(line, highlight=False)
-    if job.get("state") != "Succeeded":
+    if job.get("state") != JobState.SUCCEEDED:
         raise typer.Exit(EXIT_JOB_FAILED)
 
 

@@ -27,6 +27,7 @@ from phalanx.demo.faults import FaultPlan
 from phalanx.demo.server import EmbeddedServer, start_embedded_server
 from phalanx.sim.phone import PhoneOptions, PhoneRack, SimulatedPhone
 from phalanx.sim.profiles import fleet_mix
+from wire.states import DeviceState, JobState
 
 # the phones heartbeat every 2 s in the demo (demo.server.DEMO_SETTINGS): two beats and a margin
 ENERGY_WAIT_S = 5.0
@@ -77,7 +78,7 @@ class DemoResult:
 
     @property
     def succeeded(self) -> bool:
-        return self.job.get("state") == "Succeeded"
+        return self.job.get("state") == JobState.SUCCEEDED
 
 
 def default_data_dir() -> Path:
@@ -127,7 +128,7 @@ class Demo:
     def wait_ready(self, client: PhalanxClient, n: int, timeout_s: float = 180.0) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            ready = [d for d in client.devices() if d.get("state") == "Ready"]
+            ready = [d for d in client.devices() if d.get("state") == DeviceState.READY]
             if len(ready) >= n:
                 self.say(f"{len(ready)} phones Ready")
                 return
@@ -169,7 +170,7 @@ class Demo:
             while job.get("state") not in view.TERMINAL:
                 if time.monotonic() > deadline:
                     raise PhalanxError(f"{job_id} did not finish within {self.opts.timeout_s:.0f}s")
-                pending_since = (pending_since or time.monotonic()) if job.get("state") == "Pending" else None
+                pending_since = (pending_since or time.monotonic()) if job.get("state") == JobState.PENDING else None
                 if pending_since and time.monotonic() - pending_since > self.opts.pending_s:
                     raise PhalanxError(f"{job_id} still Pending after {self.opts.pending_s:.0f}s: "
                                        f"{job.get('reason') or 'no reason given'}")
@@ -216,7 +217,7 @@ class Demo:
             self.close()
 
     def save_checkpoint(self, client: PhalanxClient, job: dict[str, Any]) -> Path | None:
-        if job.get("state") != "Succeeded":
+        if job.get("state") != JobState.SUCCEEDED:
             return None
         path = self.data_dir / "checkpoints" / f"{job['id']}.npz"
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -13,10 +13,15 @@ from typing import Any
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-TERMINAL = ("Succeeded", "Failed", "Cancelled")
-STATE_STYLE = {"Ready": "green", "Running": "cyan", "Succeeded": "green", "NotReady": "red",
-               "Failed": "red", "Cancelled": "yellow", "Cordoned": "yellow",
-               "Draining": "yellow", "Pending": "blue"}
+from wire.states import FINISHED_STATES, DeviceState, JobState
+
+TERMINAL = FINISHED_STATES
+# str keys: a state's value (an Enum member hashes by its name)
+STATE_STYLE = {DeviceState.READY.value: "green", JobState.RUNNING.value: "cyan",
+               JobState.SUCCEEDED.value: "green", DeviceState.NOT_READY.value: "red",
+               JobState.FAILED.value: "red", JobState.CANCELLED.value: "yellow",
+               DeviceState.CORDONED.value: "yellow", DeviceState.DRAINING.value: "yellow",
+               JobState.PENDING.value: "blue"}
 
 
 def dash(value: Any, fmt: str = "{}") -> str:
@@ -265,7 +270,7 @@ class JobProgress:
 
     def update(self, job: dict[str, Any]) -> None:
         state = styled(job.get("state"))
-        if job.get("state") == "Pending" and job.get("reason"):
+        if job.get("state") == JobState.PENDING and job.get("reason"):
             state += f" [dim]({str(job['reason'])[:60]})[/dim]"
         fields = {"state": state,
                   "loss": dash(metric(job, "train_loss"), "{:.4f}"),

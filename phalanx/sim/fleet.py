@@ -29,6 +29,7 @@ from agent.runtime.agent import FEATURES, compute_class
 from phalanx.sim.compute import take_work
 from phalanx.sim.model import PhoneModel
 from phalanx.sim.profiles import fleet_mix
+from wire.states import FINISHED_STATES
 
 this_class = functools.cache(compute_class)  # the simulated phones' (this machine's): once
 
@@ -278,7 +279,7 @@ class Fleet:
                 break
             if job_id:
                 job = await self.job(job_id) or job
-                if job and job.get("state") in ("Succeeded", "Failed", "Cancelled"):
+                if job and job.get("state") in FINISHED_STATES:
                     break
         self.stats.finished = time.monotonic()
         self.stopping.set()
