@@ -36,11 +36,7 @@ from pydantic_settings import BaseSettings  # noqa: E402
 
 from agent.config import AgentConfig  # noqa: E402
 from domain.settings import Settings  # noqa: E402
-
-try:  # the scheduler's knobs (PHALANX_SCHED_*), wherever they live
-    from domain.tuning import Tuning
-except ImportError:  # before they moved below the scheduler
-    from scheduler.context import Tuning  # type: ignore[no-redef]
+from domain.tuning import Tuning  # noqa: E402
 
 COMMAND = ".venv/bin/python scripts/docs_tables.py"
 

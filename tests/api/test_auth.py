@@ -22,7 +22,14 @@ def test_user_token_reads_and_submits_but_cannot_administer(api):
     user = api.user_token()
     device = api.register()
     assert api.get("/v1/devices", token=user).status_code == 200
-    assert api.get("/v1/jobs", token=user).status_code == 200
+    submitted = api.post("/v1/jobs", token=user, json={
+        "name": "mine", "model": {"arch": "logreg"}, "dataset": "digits",
+        "global_batch_size": 16, "shards": 2, "epochs": 1})
+    assert submitted.status_code == 201, submitted.text
+    job = submitted.json()
+    assert job["state"] == "Pending" and job["owner"] is not None
+    listed = api.get("/v1/jobs", token=user)
+    assert listed.status_code == 200 and [j["id"] for j in listed.json()["items"]] == [job["id"]]
     assert api.post(f"/v1/devices/{device['device_id']}/cordon", token=user).status_code == 403
     assert api.post("/v1/enrollment-tokens", token=user, json={}).status_code == 403
     assert api.post("/v1/tokens", token=user, json={"name": "x"}).status_code == 403

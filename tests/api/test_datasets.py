@@ -85,6 +85,7 @@ def test_upload_over_the_limit_is_413(db_url, tmp_path):
                            files={"file": ("big.npz", _npz(200), "application/octet-stream")},
                            headers={"Authorization": f"Bearer {ADMIN}"})
     assert resp.status_code == 413
+    assert resp.json() == {"detail": "request body larger than the 2000-byte limit"}
     app.state.engine.dispose()
 
 

@@ -11,8 +11,10 @@ from tests.api.conftest import make_settings
 
 
 def test_healthz_readyz_and_docs(api):
-    assert api.client.get("/healthz").json() == {"status": "ok"}
-    assert api.client.get("/readyz").status_code == 200
+    healthz = api.client.get("/healthz")
+    assert healthz.status_code == 200 and healthz.json() == {"status": "ok"}
+    readyz = api.client.get("/readyz")
+    assert readyz.status_code == 200 and readyz.json() == {"status": "ready"}
     assert api.client.get("/docs").status_code == 200
     paths = api.client.get("/openapi.json").json()["paths"]
     assert "/v1/devices/{device_id}/heartbeat" in paths and "/v1/jobs" in paths
@@ -23,14 +25,20 @@ def test_readyz_is_503_naming_what_is_down(sqlite_url, tmp_path):
     app = create_app(settings)
     with TestClient(app) as client:
         resp = client.get("/readyz")
-    assert resp.status_code == 503 and "redis" in resp.json()["detail"]
+    # docs/api.md: 503 {"detail": "...", "checks": {part: why}}, naming what is down only
+    body = resp.json()
+    assert resp.status_code == 503 and set(body) == {"detail", "checks"}
+    assert body["checks"]["redis"] == "redis unreachable (ConnectionError)"
+    assert "database" not in body["checks"]
+    assert body["detail"] == "; ".join(body["checks"].values())
     app.state.engine.dispose()
 
 
 def test_readyz_with_redis_configured(sqlite_url, redis_url, tmp_path):
     app = create_app(make_settings(sqlite_url, tmp_path / "d", redis_url=redis_url))
     with TestClient(app) as client:
-        assert client.get("/readyz").status_code == 200
+        ready = client.get("/readyz")
+        assert ready.status_code == 200 and ready.json() == {"status": "ready"}
     app.state.engine.dispose()
 
 
