@@ -15,7 +15,7 @@ import io
 import re
 import zipfile
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import numpy as np
 import typer
@@ -32,6 +32,9 @@ from phalanx.cli.user_cmds import (
     read_spec,
 )
 from phalanx.modelio import MissingExtra
+
+if TYPE_CHECKING:  # the export code (engine, numpy models) loads when a command runs
+    from phalanx.modelio.export import DatasetFacts
 
 models_app = typer.Typer(help="Export trained models; import ONNX graphs as model.layers.",
                          no_args_is_help=True)
@@ -137,7 +140,7 @@ def models_import(
     typer.echo("\n".join(lines) + "\n" + body, nl=False)
 
 
-def _write(spec: dict[str, Any], facts: Any, arrays: dict[str, np.ndarray], fmt: Format,
+def _write(spec: dict[str, Any], facts: DatasetFacts, arrays: dict[str, np.ndarray], fmt: Format,
            path: Path, meta: dict[str, str]) -> None:
     from phalanx.modelio.export import export_bytes, load_trained
 
@@ -156,7 +159,7 @@ def _write(spec: dict[str, Any], facts: Any, arrays: dict[str, np.ndarray], fmt:
               f"{model.n_params:,} parameters, step {trained.step})", highlight=False)
 
 
-def _facts(n_train: int, shape: Any, classes: int) -> Any:
+def _facts(n_train: int, shape: Any, classes: int) -> DatasetFacts:
     from phalanx.modelio.export import DatasetFacts
 
     dims = tuple(int(d) for d in shape)

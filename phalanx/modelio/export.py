@@ -42,17 +42,6 @@ class Trained:
     step: int
     metadata: dict[str, str] = field(default_factory=dict)
 
-    def flat(self) -> tuple[np.ndarray, np.ndarray]:
-        """The parameter and buffer vectors the engine computes with."""
-        model = self.job.model
-        params = np.zeros(model.n_params, np.float32)
-        buffers = np.zeros(model.n_buffers, np.float32)
-        for name, s in model.layout.items():
-            s.view(params)[...] = self.params[name]
-        for name, s in model.buffer_layout.items():
-            s.view(buffers)[...] = self.buffers[name]
-        return params, buffers
-
 
 def load_trained(spec: dict[str, Any], facts: DatasetFacts,
                  arrays: Mapping[str, np.ndarray]) -> Trained:

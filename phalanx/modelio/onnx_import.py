@@ -74,7 +74,41 @@ def import_onnx(model: Any, weights: bool = False) -> Imported:
                             f"layers ({end!r})")
     if not layers:
         raise ImportRefused("the graph has no layers")
+    _clear_positional_names(layers, g)
     return Imported(layers, g.input_shape(), g.num_classes(), g.arrays)
+
+
+def _clear_positional_names(layers: list[dict[str, Any]], g: _Graph) -> None:
+    """The engine names an unnamed layer by its place (`layers.3`, `layers.3.body.0`): a
+    weight-derived name that is another layer's place (a torch attribute called `layers`)
+    gets a suffix, or the engine would refuse the graph for the duplicate."""
+    places = _places(layers, "layers.")
+    g.names |= places
+    for layer in _walk(layers):
+        if layer.get("name") in places:
+            layer["name"] = g.rename(layer["name"])
+
+
+def _places(layers: list[dict[str, Any]], prefix: str) -> set[str]:
+    """The names the engine gives the unnamed layers of `layers`, nested ones included."""
+    out: set[str] = set()
+    for i, layer in enumerate(layers):
+        name = layer.get("name") or f"{prefix}{i}"
+        if "name" not in layer:
+            out.add(name)
+        if layer["type"] == "residual":
+            out |= _places(layer["layers"], f"{name}.body.")
+            out |= _places(layer.get("shortcut", []), f"{name}.shortcut.")
+    return out
+
+
+def _walk(layers: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    for layer in layers:
+        out.append(layer)
+        if layer["type"] == "residual":
+            out += _walk(layer["layers"]) + _walk(layer.get("shortcut", []))
+    return out
 
 
 def _attrs(node: Any) -> dict[str, Any]:
@@ -164,6 +198,16 @@ class _Graph:
             name, n = f"{base}_{n}", n + 1
         self.names.add(name)
         return name
+
+    def rename(self, name: str) -> str:
+        """`name` made unique again (its weights follow it)."""
+        new, n = name, 1
+        while new in self.names:
+            new, n = f"{name}_{n}", n + 1
+        self.names.add(new)
+        for key in [k for k in self.arrays if k.rsplit(".", 1)[0] == name]:
+            self.arrays[f"{new}.{key.rsplit('.', 1)[1]}"] = self.arrays.pop(key)
+        return new
 
     # -- the walk ---------------------------------------------------------------------------
 

@@ -6,6 +6,7 @@ name and node."""
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -49,10 +50,22 @@ class Exported:
             return self.net(torch.from_numpy(x)).numpy()
 
 
-@pytest.fixture(scope="module", params=["resnet18", "mobilenet_v2"])
-def exported(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-             ) -> Exported:
-    return Exported(request.param, tmp_path_factory.mktemp(request.param))
+@pytest.fixture(scope="module")
+def zoo(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Exported]:
+    """Each torchvision model exported once for the module, when a test first asks."""
+    made: dict[str, Exported] = {}
+
+    def get(name: str) -> Exported:
+        if name not in made:
+            made[name] = Exported(name, tmp_path_factory.mktemp(name))
+        return made[name]
+
+    return get
+
+
+@pytest.fixture(params=["resnet18", "mobilenet_v2"])
+def exported(request: pytest.FixtureRequest, zoo: Callable[[str], Exported]) -> Exported:
+    return zoo(request.param)
 
 
 def imported(cli: Cli, model: Path, *args: str) -> tuple[list[dict[str, Any]], str]:
@@ -97,9 +110,10 @@ def test_the_server_accepts_the_imported_layers_and_plans_the_same_count(
 
 
 def test_an_imported_model_exports_back_to_onnx_that_computes_torchs_forward(
-        exported: Exported, cli: Cli, tmp_path: Path) -> None:
+        zoo: Callable[[str], Exported], cli: Cli, tmp_path: Path) -> None:
     """Import with the weights, export offline: the ONNX Runtime output is torch's."""
     ort = require("onnxruntime")
+    exported = zoo("resnet18")
     layers, _ = imported(cli, exported.path, "--weights", str(tmp_path / "w.npz"))
     spec = {"model": {"layers": layers}, "dataset": "synthetic:3x32x32:10"}
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(spec))
@@ -161,6 +175,32 @@ def test_the_dynamo_exporters_mean_reshape_and_matmul_come_in_as_the_same_functi
         ["y"], {"x": x})[0]
     got = model.logits(params, np.zeros(0, np.float32), x)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_weight_names_that_are_other_layers_places_do_not_clash(cli: Cli, tmp_path: Path) -> None:
+    """A torch attribute called `layers` names weights `layers.4.weight`, which is where the
+    engine puts an unnamed layer: that name gets a suffix, the others stay torch's."""
+    torch = require("torch")
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            nn = torch.nn
+            self.layers = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                                        nn.Flatten(), nn.Linear(4, 5), nn.ReLU(),
+                                        nn.Linear(5, 10))
+
+        def forward(self, x: Any) -> Any:
+            return self.layers(x)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        torch.onnx.export(Net().eval(), (torch.zeros(1, 3, 8, 8),), str(tmp_path / "n.onnx"),
+                          dynamo=False)
+    layers, _ = imported(cli, tmp_path / "n.onnx")
+    assert [layer.get("name") for layer in layers] == [
+        "layers.0", None, None, "layers.4_1", None, "layers.6"]
+    assert parameter_count(CUSTOM, (3, 8, 8), 10, {"layers": layers}) == 4 * 28 + 25 + 60
 
 
 def test_an_unsupported_operator_is_refused_naming_it_and_its_node(
