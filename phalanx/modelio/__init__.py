@@ -1,7 +1,8 @@
 """A trained model leaves Phalanx, and a PyTorch model comes in (docs/models.md).
 
-`export`: a job's checkpoint as safetensors or a torch state_dict under torchvision's names, and
-`onnx_export`: its forward graph as ONNX, for ONNX Runtime (Mobile) in an app. `onnx_import`: an
+`trained`: a job's model rebuilt from its spec with its checkpoint's arrays; `export`: that as
+safetensors or a torch state_dict under torchvision's names, and `onnx_export`: its forward
+graph as ONNX, for ONNX Runtime (Mobile) in an app. `onnx_import`: an
 ONNX graph of supported operators as `model.layers`. onnx, onnxruntime and safetensors are the
 optional extra `export` (torch is `torch`): each is imported where it is used, and a missing one
 is a `MissingExtra` that says what to install.

@@ -18,7 +18,7 @@ import numpy as np
 from engine.models import graph
 from engine.norm import EPS
 from phalanx.modelio import need
-from phalanx.modelio.export import Trained
+from phalanx.modelio.trained import Trained
 
 OPSET = 17  # ONNX Runtime 1.14+ (Mobile included) runs it
 IR_VERSION = 8  # opset 17's; a newer IR would shut out older runtimes for nothing
