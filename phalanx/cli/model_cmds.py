@@ -34,7 +34,7 @@ from phalanx.cli.user_cmds import (
 from phalanx.modelio import MissingExtra
 
 if TYPE_CHECKING:  # the export code (engine, numpy models) loads when a command runs
-    from phalanx.modelio.export import DatasetFacts
+    from phalanx.modelio.trained import DatasetFacts
 
 models_app = typer.Typer(help="Export trained models; import ONNX graphs as model.layers.",
                          no_args_is_help=True)
@@ -142,7 +142,8 @@ def models_import(
 
 def _write(spec: dict[str, Any], facts: DatasetFacts, arrays: dict[str, np.ndarray], fmt: Format,
            path: Path, meta: dict[str, str]) -> None:
-    from phalanx.modelio.export import export_bytes, load_trained
+    from phalanx.modelio.export import export_bytes
+    from phalanx.modelio.trained import load_trained
 
     try:
         trained = load_trained(spec, facts, arrays)
@@ -160,7 +161,7 @@ def _write(spec: dict[str, Any], facts: DatasetFacts, arrays: dict[str, np.ndarr
 
 
 def _facts(n_train: int, shape: Any, classes: int) -> DatasetFacts:
-    from phalanx.modelio.export import DatasetFacts
+    from phalanx.modelio.trained import DatasetFacts
 
     dims = tuple(int(d) for d in shape)
     if len(dims) != 3:
