@@ -29,7 +29,7 @@ from api.schemas.devices import HeartbeatIn
 from domain.store import heartbeats_pg
 from domain.store.db import libpq_url
 from domain.store.heartbeats import BatchOutcome, batch_outcome, read_batch
-from wire.states import ACTIVE_STATES
+from domain.store.heartbeats_pg import ACTIVE_ARCHS
 
 log = logging.getLogger(__name__)
 MAX_BATCH = 2000
@@ -39,8 +39,6 @@ ACTIVE_ARCHS_TTL_S = 2.0
 # batch of 8 at 1,000 devices, worse as the fleet grows). These connections run only the
 # batch statement and two small indexed reads, so index plans are always right for them.
 PLANNER_OPTIONS = "-c enable_seqscan=off -c enable_hashjoin=off -c enable_mergejoin=off"
-ACTIVE_ARCHS_SQL = ("SELECT DISTINCT spec->'model'->>'arch' AS arch FROM jobs WHERE state IN ("
-                    + ", ".join(f"'{state}'" for state in ACTIVE_STATES) + ")")
 
 _Pending = tuple[str, str, HeartbeatIn, "asyncio.Future[Any]"]
 
@@ -152,14 +150,14 @@ class AsyncPgHeartbeatWriter:
 
     def _read_refused(self, refused: list[tuple[str, str, HeartbeatIn]]) -> dict[str, Any]:
         with Session(self.engine) as session:
-            return read_batch(session, refused)
+            return read_batch(session, refused, self.clock())
 
     async def _active_archs(self, conn: psycopg.AsyncConnection) -> set[str]:
         """Archs of Pending/Running jobs (devices lacking a profile for one are asked for it)."""
         fetched_at, archs = self._archs
         if time.monotonic() - fetched_at < ACTIVE_ARCHS_TTL_S:
             return archs
-        rows = await (await conn.execute(ACTIVE_ARCHS_SQL)).fetchall()
+        rows = await (await conn.execute(ACTIVE_ARCHS)).fetchall()
         archs = {row.arch for row in rows if row.arch}
         self._archs = (time.monotonic(), archs)
         return archs

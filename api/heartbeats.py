@@ -18,13 +18,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from sqlalchemy import Engine, select
+from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 from api.schemas.devices import HeartbeatIn
-from domain.store.heartbeats import BatchOutcome, apply_heartbeats
-from domain.store.models import Job
-from wire.states import ACTIVE_STATES
+from domain.store.heartbeats import BatchOutcome, active_archs_query, apply_heartbeats
 
 log = logging.getLogger(__name__)
 MAX_BATCH = 2000
@@ -143,8 +141,7 @@ class HeartbeatWriter:
         fetched_at, archs = self._archs
         if time.monotonic() - fetched_at < ACTIVE_ARCHS_TTL_S:
             return archs
-        specs = session.scalars(select(Job.spec).where(Job.state.in_(ACTIVE_STATES)))
-        archs = {str((spec or {}).get("model", {}).get("arch")) for spec in specs} - {"None"}
+        archs = {arch for arch in session.scalars(active_archs_query()) if arch}
         self._archs = (time.monotonic(), archs)
         return archs
 

@@ -10,9 +10,13 @@ state derived (`domain.store.lifecycle`), a `NodeReady` event recorded when it w
 `Paused`/`Resumed` event when the batch's last pause differs from the stored one. A heartbeat
 is answered by its own token's verdict: a forged token riding along with a real one is refused.
 
-Both writers apply exactly these rules from the merged batch: `apply_heartbeats` below (one
-SELECT, one executemany per column set, bulk INSERTs) and `domain.store.heartbeats_pg` (one SQL
-statement, its event texts and state expression taken from here).
+Each rule is written once, below, as an expression both writers run: the token that may
+heartbeat (`token_live`, `token_owns`), the latest sample moving only forward
+(`latest_telemetry_values`), the state (`domain.store.lifecycle.leased_state_sql`), the events
+(`came_back`, `pause_changed`: on values here, on columns in the Postgres statement) and the
+active architectures (`active_archs_query`). `apply_heartbeats` below runs them through
+SQLAlchemy on SQLite (one SELECT, one executemany per column set, bulk INSERTs);
+`domain.store.heartbeats_pg` compiles them into its one Postgres statement.
 tests/api/test_heartbeat_writers.py feeds one batch to both and compares every row and event.
 """
 
@@ -23,15 +27,33 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from sqlalchemy import bindparam, case, insert, or_, select, update
+from sqlalchemy import (
+    ColumnElement,
+    Select,
+    TableClause,
+    and_,
+    bindparam,
+    case,
+    func,
+    insert,
+    not_,
+    or_,
+    select,
+    update,
+)
 from sqlalchemy.orm import Session
+from sqlalchemy.sql.expression import Alias
 
 from domain.errors import Forbidden, Invalid, Unauthorized
 from domain.store.events import event_row
 from domain.store.lifecycle import NOT_READY, derive_state, leased_state_sql
-from domain.store.models import ApiToken, Device, Event, TelemetrySample
+from domain.store.models import ApiToken, Device, Event, Job, TelemetrySample
+from wire.states import ACTIVE_STATES
 
 DEVICES = Device.__table__
+TOKENS = ApiToken.__table__
+# the batch's time: a bound value here, the statement's parameter in Postgres
+NOW = bindparam("now", type_=TOKENS.c.expires_at.type)
 SAMPLE_FIELDS = ("battery_pct", "charging", "battery_temp_c", "cpu_temp_c", "power_w",
                  "cpu_freq_mhz", "throttled", "busy")
 OPTIONAL_COLUMNS = ("agent_version", "capabilities", "profiles")
@@ -91,6 +113,46 @@ def check_clock(body: HeartbeatIn, now: dt.datetime) -> None:
                           f"{sample.ts.isoformat()} is ahead of the server's clock "
                           f"({now.isoformat()}) by more than {MAX_CLOCK_AHEAD_S:g} s: "
                           "set the phone's clock")
+
+
+# ---- the rules, each once: run on SQLite below, compiled into the Postgres statement ----
+
+def token_live(token: TableClause | Alias, now: Any = NOW) -> ColumnElement[bool]:
+    """A device token that may heartbeat now: not revoked, not past the end of its grace."""
+    return and_(token.c.kind == "device", not_(token.c.revoked),
+                or_(token.c.expires_at.is_(None), token.c.expires_at > now))
+
+
+def token_owns(token_device_id: Any, device_id: Any) -> Any:
+    """A device token acts only for its own device (values, or columns)."""
+    return token_device_id == device_id
+
+
+def latest_telemetry_values(sample: Any, sample_at: Any) -> dict[str, ColumnElement[Any]]:
+    """The device's latest sample only ever moves forward in time (a buffered old sample goes
+    to the history, not over a newer latest); no sample keeps the stored one."""
+    stored, stored_at = DEVICES.c.latest_telemetry, DEVICES.c.latest_telemetry_at
+    newer = or_(stored_at.is_(None), stored_at < sample_at)
+    return {"latest_telemetry": case((newer, func.coalesce(sample, stored)), else_=stored),
+            "latest_telemetry_at": case((newer, func.coalesce(sample_at, stored_at)),
+                                        else_=stored_at)}
+
+
+def came_back(old_state: Any) -> Any:
+    """A NodeReady event: the lease renewed a device that was NotReady (a value or a column)."""
+    return old_state == NOT_READY
+
+
+def pause_changed(old_reason: Any, new_reason: Any) -> Any:
+    """A Paused or Resumed event: the pause reason changed. On values `!=` is IS DISTINCT FROM;
+    SQL callers pass both sides through COALESCE(_, '') (a reason is never empty)."""
+    return old_reason != new_reason
+
+
+def active_archs_query() -> Select[Any]:
+    """The archs of Pending and Running jobs: a device with no profile for one is asked for it."""
+    arch = Job.spec[("model", "arch")].as_string()
+    return select(arch.label("arch")).distinct().where(Job.state.in_(ACTIVE_STATES))
 
 
 NODE_READY = ("NodeReady", "heartbeat renewed the lease")
@@ -182,11 +244,9 @@ def _bulk_update(session: Session, rows: list[dict[str, Any]]) -> None:
         values: dict[str, Any] = {
             k: bindparam(k, type_=DEVICES.c[k].type) for k in keys if k != "b_id"
         }
-        if "latest_telemetry" in values:  # the latest sample only ever moves forward in time
-            newer = or_(DEVICES.c.latest_telemetry_at.is_(None),
-                        DEVICES.c.latest_telemetry_at < values["latest_telemetry_at"])
-            for column in ("latest_telemetry", "latest_telemetry_at"):
-                values[column] = case((newer, values[column]), else_=DEVICES.c[column])
+        if "latest_telemetry" in values:
+            values.update(latest_telemetry_values(values["latest_telemetry"],
+                                                  values["latest_telemetry_at"]))
         values["state"] = leased_state_sql()
         stmt = update(DEVICES).where(DEVICES.c.id == bindparam("b_id")).values(values)
         session.connection().execute(stmt, group)
@@ -229,29 +289,30 @@ def token_due(created: dt.datetime | None, expires_at: dt.datetime | None, now: 
     return created is not None and (now - created).total_seconds() >= max_age_s
 
 
-def _authorize(token: Any, device_id: str, now: dt.datetime) -> Exception | None:
-    """The heartbeat's bearer token, checked against the row read in this same transaction."""
+def _authorize(token: Any, device_id: str) -> Exception | None:
+    """The verdict on a heartbeat's bearer token (`read_batch`'s row, whose `live` the query
+    computed with `token_live`), and why it is refused."""
     if token is None:
         return UnknownToken()
-    if token.revoked:
-        return Unauthorized("bearer token revoked")
-    if token.expires_at is not None and token.expires_at <= now:
-        return Unauthorized("bearer token expired")
-    if token.device_id != device_id:
+    if not token.live:
+        return Unauthorized("bearer token revoked" if token.revoked else "bearer token expired")
+    if not token_owns(token.device_id, device_id):
         return Forbidden("a device token may act only for its own device")
     return None
 
 
-def read_batch(session: Session, items: list[tuple[str, str, HeartbeatIn]]) -> dict[str, Any]:
+def read_batch(session: Session, items: list[tuple[str, str, HeartbeatIn]],
+               now: dt.datetime) -> dict[str, Any]:
     """token hash -> its device row, for the whole batch in one query (auth and state at once)."""
     hashes = sorted({token_hash for _, token_hash, _ in items})
-    query = (select(ApiToken.token_hash, ApiToken.revoked, ApiToken.expires_at,
-                    ApiToken.created.label("token_created"), ApiToken.device_id, Device.state, Device.cordoned, Device.draining,
+    query = (select(ApiToken.token_hash, ApiToken.revoked, token_live(TOKENS).label("live"),
+                    ApiToken.created.label("token_created"), ApiToken.expires_at,
+                    ApiToken.device_id, Device.state, Device.cordoned, Device.draining,
                     Device.pause_reason, Device.profiles, Device.logs_requested_at,
                     Device.upgrade_to)
              .join(Device, Device.id == ApiToken.device_id)
              .where(ApiToken.token_hash.in_(hashes), ApiToken.kind == "device"))
-    return {row.token_hash: row for row in session.execute(query)}
+    return {row.token_hash: row for row in session.execute(query, {"now": now})}
 
 
 def apply_heartbeats(session: Session, items: list[tuple[str, str, HeartbeatIn]],
@@ -259,22 +320,22 @@ def apply_heartbeats(session: Session, items: list[tuple[str, str, HeartbeatIn]]
                      active_archs: frozenset[str] | set[str] = frozenset(),
                      token_max_age_s: float = float("inf")) -> BatchOutcome:
     """items: (device id from the path, SHA-256 of the bearer token, body)."""
-    rows = read_batch(session, items)
+    rows = read_batch(session, items, now)
     changed: list[str] = []
     verdicts: dict[tuple[str, str], dict[str, Any] | Exception] = {}
     updates, samples, new_events = [], [], []
     for entry in merge_batch(items):
         device = rows.get(entry.token_hash)
-        refusal = _authorize(device, entry.device_id, now)
+        refusal = _authorize(device, entry.device_id)
         if refusal is not None:
             verdicts[(entry.device_id, entry.token_hash)] = refusal
             continue
         updates.append(_update_row(entry, now))
         samples.extend(_sample_row(entry.device_id, s, now) for s in entry.samples)
-        if device.state == NOT_READY:
+        if came_back(device.state):
             new_events.append(event_row(*NODE_READY, now=now, device_id=entry.device_id))
             changed.append(entry.device_id)
-        if entry.pause_reason != device.pause_reason:
+        if pause_changed(device.pause_reason, entry.pause_reason):
             new_events.append(event_row(*pause_event(entry.pause), now=now,
                                         device_id=entry.device_id))
             changed.append(entry.device_id)
@@ -308,12 +369,12 @@ def batch_outcome(items: list[tuple[str, str, HeartbeatIn]], renewed: dict[tuple
     """The replies to a batch run by `domain.store.heartbeats_pg`: `renewed` maps each accepted
     (device, token hash) to its returned row; `why` holds the token rows of the refused ones."""
     changed = [row.id for row in renewed.values()
-               if row.old_state == NOT_READY or row.pause != row.old_pause]
+               if came_back(row.old_state) or pause_changed(row.old_pause, row.pause)]
     outcome = BatchOutcome(replies=[], changed_devices=sorted(set(changed)))
     for device_id, token_hash, _ in items:
         row = renewed.get((device_id, token_hash))
         if row is None:
-            refusal = _authorize(why.get(token_hash), device_id, now)
+            refusal = _authorize(why.get(token_hash), device_id)
             outcome.replies.append(refusal or Unauthorized("bearer token refused"))
         else:
             outcome.replies.append(_reply(

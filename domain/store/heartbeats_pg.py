@@ -5,9 +5,10 @@ A single statement of data-modifying CTEs, run in autocommit (so the statement i
 transaction): `UPDATE devices ... FROM json_to_recordset(...)` authenticates each merged
 device batch against its own token row and renews the lease, storing the latest sample,
 capabilities, profiles and pause; `INSERT ... SELECT` appends the samples of the (device, token)
-pairs it accepted; two more INSERTs record the NodeReady and Paused/Resumed events. The state
-expression is compiled from `leased_state_sql` and the event texts come in as parameters, so
-the rules are written once. JSON parameters keep the SQL text fixed (prepared once per
+pairs it accepted; two more INSERTs record the NodeReady and Paused/Resumed events. Every rule
+in it is compiled from its one expression in `domain.store.heartbeats` (the token that may
+heartbeat, the latest sample, the state, the events' conditions, the active architectures) and
+the event texts come in as parameters. JSON parameters keep the SQL text fixed (prepared once per
 connection) whatever the batch size; placeholders are psycopg's, for the asyncio writer
 (api.heartbeat_writer_pg).
 """
@@ -18,13 +19,46 @@ import datetime as dt
 import json
 from typing import Any
 
+from sqlalchemy import ClauseElement, func, literal_column
 from sqlalchemy.dialects import postgresql
 
-from domain.store.heartbeats import NODE_READY, HeartbeatIn, merge_batch, pause_event
-from domain.store.lifecycle import NOT_READY, leased_state_sql
+from domain.store.heartbeats import (
+    NODE_READY,
+    TOKENS,
+    HeartbeatIn,
+    active_archs_query,
+    came_back,
+    latest_telemetry_values,
+    merge_batch,
+    pause_changed,
+    pause_event,
+    token_live,
+    token_owns,
+)
+from domain.store.lifecycle import leased_state_sql
 
-STATE = str(leased_state_sql().compile(dialect=postgresql.dialect(),
-                                       compile_kwargs={"literal_binds": True}))
+
+def sql(expression: ClauseElement) -> str:
+    """An expression as Postgres text, its constants inline."""
+    return str(expression.compile(dialect=postgresql.psycopg.dialect(),
+                                  compile_kwargs={"literal_binds": True}))
+
+
+def _column(name: str) -> ClauseElement:
+    return literal_column(name)
+
+
+_t = TOKENS.alias("t")
+_latest = latest_telemetry_values(_column("v.tel"), _column("v.tel_at"))
+STATE = sql(leased_state_sql())
+TOKEN_ACCEPTS = (sql(token_live(_t, _column("now_")))
+                 + " AND " + sql(token_owns(_t.c.device_id, _column("v.id")))
+                 ).replace("now_", "%(now)s")  # the statement's parameter
+LATEST = {name: sql(value) for name, value in _latest.items()}
+CAME_BACK = sql(came_back(_column("old_state")))
+PAUSE_CHANGED = sql(pause_changed(func.coalesce(_column("old_pause"), ""),
+                                  func.coalesce(_column("pause"), "")))
+ACTIVE_ARCHS = sql(active_archs_query())
 
 BATCH = """
 WITH v AS (
@@ -36,21 +70,14 @@ WITH v AS (
     lease_renewed_at = %(now)s, updated = %(now)s,
     state = """ + STATE + """,
     pause_reason = v.pause,
-    latest_telemetry = CASE WHEN v.tel_at > devices.latest_telemetry_at
-                              OR devices.latest_telemetry_at IS NULL
-                            THEN COALESCE(v.tel, devices.latest_telemetry)
-                            ELSE devices.latest_telemetry END,
-    latest_telemetry_at = CASE WHEN v.tel_at > devices.latest_telemetry_at
-                                 OR devices.latest_telemetry_at IS NULL
-                               THEN COALESCE(v.tel_at, devices.latest_telemetry_at)
-                               ELSE devices.latest_telemetry_at END,
+    latest_telemetry = """ + LATEST["latest_telemetry"] + """,
+    latest_telemetry_at = """ + LATEST["latest_telemetry_at"] + """,
     agent_version = COALESCE(v.agent_version, devices.agent_version),
     capabilities = COALESCE(v.caps, devices.capabilities),
     profiles = COALESCE(v.profiles, devices.profiles)
   FROM v CROSS JOIN LATERAL (
          SELECT t.created, t.expires_at FROM api_tokens AS t
-         WHERE t.token_hash = v.token_hash AND t.kind = 'device' AND t.device_id = v.id
-           AND NOT t.revoked AND (t.expires_at IS NULL OR t.expires_at > %(now)s) LIMIT 1) AS ok,
+         WHERE t.token_hash = v.token_hash AND """ + TOKEN_ACCEPTS + """ LIMIT 1) AS ok,
        devices AS old
   WHERE devices.id = v.id AND old.id = devices.id
   RETURNING devices.id, v.token_hash, old.state AS old_state, old.pause_reason AS old_pause,
@@ -74,11 +101,11 @@ WITH v AS (
 ), ready AS (
   INSERT INTO events (ts, reason, message, device_id, kind, data, created, updated)
   SELECT %(now)s, %(ready_reason)s, %(ready_message)s, id, 'Normal', '{}', %(now)s, %(now)s
-  FROM renewed WHERE old_state = %(not_ready)s
+  FROM renewed WHERE """ + CAME_BACK + """
 ), paused AS (
   INSERT INTO events (ts, reason, message, device_id, kind, data, created, updated)
   SELECT %(now)s, pause_event, pause_message, id, 'Normal', '{}', %(now)s, %(now)s
-  FROM renewed WHERE pause IS DISTINCT FROM old_pause
+  FROM renewed WHERE """ + PAUSE_CHANGED + """
 )
 SELECT * FROM renewed
 """
@@ -104,8 +131,7 @@ def batch_params(items: list[tuple[str, str, HeartbeatIn]], now: dt.datetime) ->
         + body.model_dump_json(include={"telemetry"})[1:]
         for device_id, token_hash, body in items if body.telemetry)
     return {"now": now, "devices": json.dumps(devices), "samples": f"[{samples}]",
-            "ready_reason": NODE_READY[0], "ready_message": NODE_READY[1],
-            "not_ready": NOT_READY}
+            "ready_reason": NODE_READY[0], "ready_message": NODE_READY[1]}
 
 
 async def apply_batch_async(conn: Any, items: list[tuple[str, str, HeartbeatIn]],

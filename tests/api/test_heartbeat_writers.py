@@ -95,7 +95,7 @@ def run_postgres(url: str) -> heartbeats.BatchOutcome:
     renewed = asyncio.run(statement())
     refused = [item for item in items if (item[0], item[1]) not in renewed]
     with make_session_factory(make_engine(url))() as session:
-        why = heartbeats.read_batch(session, refused)
+        why = heartbeats.read_batch(session, refused, NOW)
     return heartbeats.batch_outcome(items, renewed, why, NOW, **OPTIONS)
 
 
