@@ -21,12 +21,12 @@ import numpy as np
 import typer
 import yaml
 
+from phalanx.cli import user_cmds
 from phalanx.cli.user_cmds import (
     IdArg,
     ServerOpt,
     TokenOpt,
     connect,
-    fail,
     jobs_app,
     out,
     read_spec,
@@ -55,6 +55,13 @@ ShapeOpt = Annotated[Optional[str], typer.Option(
     "--input-shape", help="the model's input C,H,W (3,32,32 or 3x32x32): else the dataset's")]
 # export does not train: any training-set size the spec accepts builds the same model
 ANY_SIZE = 1 << 30
+
+
+def fail(message: str) -> None:
+    """One line and exit 1; the message escaped, or rich would take `[export]` for markup."""
+    from rich.markup import escape
+
+    user_cmds.fail(escape(message))
 
 
 def jobs_export(job_id: IdArg, fmt: FormatOpt = Format.onnx, out_file: OutOpt = None,

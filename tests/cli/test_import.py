@@ -5,6 +5,7 @@ name and node."""
 
 from __future__ import annotations
 
+import sys
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -242,3 +243,12 @@ def test_what_the_layers_cannot_express_is_refused_with_the_reason(
     line = one_line_error(cli("models", "import", str(tmp_path / "junk.onnx"), server=None,
                               token=None))
     assert "junk.onnx" in line
+
+
+def test_without_the_export_extra_the_command_says_what_to_install(
+        cli: Cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "onnx", None)  # as if it were not installed
+    (tmp_path / "m.onnx").write_bytes(b"")
+    line = one_line_error(cli("models", "import", str(tmp_path / "m.onnx"), server=None,
+                              token=None))
+    assert "this needs the onnx package: pip install 'phalanx[export]'" in line, line
