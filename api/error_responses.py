@@ -13,11 +13,25 @@ from fastapi.exceptions import RequestValidationError
 from sqlalchemy.exc import IntegrityError, OperationalError
 from starlette.exceptions import HTTPException
 
-from domain.errors import ApiError
+from domain.errors import (
+    Conflict,
+    DomainError,
+    Forbidden,
+    NotFound,
+    PayloadTooLarge,
+    TooManyRequests,
+    Unauthorized,
+    Unavailable,
+    Unprocessable,
+)
 
 log = logging.getLogger(__name__)
+# each domain error's HTTP status (a subclass answers as its nearest listed ancestor)
+STATUS: dict[type[DomainError], int] = {
+    Unauthorized: 401, Forbidden: 403, NotFound: 404, Conflict: 409, PayloadTooLarge: 413,
+    Unprocessable: 422, TooManyRequests: 429, Unavailable: 503, DomainError: 400}
 # the handled kinds, for `app.exception_handler`; psycopg's own come from the asyncio writer
-HANDLED = (ApiError, RequestValidationError, IntegrityError, psycopg.IntegrityError,
+HANDLED = (DomainError, RequestValidationError, IntegrityError, psycopg.IntegrityError,
            OperationalError, psycopg.OperationalError, HTTPException)
 
 
@@ -34,13 +48,18 @@ def validation_detail(errors: Any) -> list[dict[str, Any]]:
     return detail
 
 
+def status_of(exc: DomainError) -> int:
+    return next(STATUS[kind] for kind in type(exc).__mro__ if kind in STATUS)
+
+
 def error_response(exc: Exception) -> tuple[int, Any, dict[str, str]] | None:
     """(status, detail, extra headers) for an exception the API answers; None otherwise."""
-    if isinstance(exc, ApiError):  # busy or unavailable for a moment: say when to come back
-        if exc.status_code in (429, 503):
+    if isinstance(exc, DomainError):  # busy or unavailable for a moment: say when to come back
+        status = status_of(exc)
+        if status in (429, 503):
             wait = math.ceil(getattr(exc, "retry_after_s", 1.0))
-            return exc.status_code, exc.detail, {"Retry-After": str(max(1, wait))}
-        return exc.status_code, exc.detail, {}
+            return status, exc.detail, {"Retry-After": str(max(1, wait))}
+        return status, exc.detail, {}
     if isinstance(exc, RequestValidationError):
         return 422, validation_detail(exc.errors()), {}
     if isinstance(exc, IntegrityError | psycopg.IntegrityError):

@@ -32,7 +32,7 @@ from api.limits import BodyTooLarge
 from api.schemas.common import parse_body
 from api.schemas.devices import HeartbeatIn
 from api.steps.handlers import work_reply
-from domain.errors import ApiError, TooManyRequests, Unauthorized
+from domain.errors import DomainError, TooManyRequests, Unauthorized
 from domain.store.heartbeats import UnknownToken, check_clock
 
 log = logging.getLogger(__name__)
@@ -76,7 +76,7 @@ async def heartbeat_reply(state: AppState, device_id: str, authorization: str | 
     try:
         body = parse_body(HeartbeatIn, raw_body)
         check_clock(body, state.clock())
-    except (RequestValidationError, ApiError):
+    except (RequestValidationError, DomainError):
         if principal is None:  # who asks comes first: a stranger's bad body is a 401, not a 422
             check_device(await run_in_threadpool(auth.lookup, token_hash), device_id)
         raise

@@ -15,7 +15,7 @@ from api.deps import SessionDep
 from api.schemas.common import EventRead
 from api.schemas.devices import DeviceRead
 from api.schemas.jobs import JobRead, StepMetricRead
-from domain.errors import ApiError
+from domain.errors import DomainError
 from domain.store import devices, events, jobs
 from domain.store.tokens import Principal
 from pictures import fleet, report
@@ -36,7 +36,7 @@ def _person(auth: Authenticator, token: str | None) -> Principal | None:
     try:
         token_hash, principal = auth.cached(token)
         principal = principal or auth.lookup(token_hash)
-    except ApiError:
+    except DomainError:
         return None
     return principal if principal.kind in ("admin", "user") else None
 

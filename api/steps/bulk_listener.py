@@ -32,6 +32,7 @@ from typing import Any, BinaryIO
 from urllib.parse import unquote, urlsplit
 
 from pydantic import BaseModel, Field
+from starlette.exceptions import HTTPException
 
 from api.app_state import AppState
 from api.auth import parse_bearer
@@ -44,7 +45,7 @@ from api.schemas.common import parse_query
 from api.steps.bulk_body import MAX_BODIES
 from api.steps.capped_server import CappedThreadingHTTPServer
 from api.steps.handlers import accept_upload, serve_weights
-from domain.errors import ApiError, TooManyRequests
+from domain.errors import TooManyRequests
 from wire.buffers import new_buffer
 from wire.sockopts import set_socket_buffers
 
@@ -54,14 +55,6 @@ UPLOAD = re.compile(r"/v1/jobs/([^/]+)/steps/([0-9]{1,18})/gradients")  # a step
 WEIGHTS = re.compile(r"/v1/jobs/([^/]+)/weights")
 # the API routes' templates: one series per route whichever port served it
 ROUTES = {"POST": "/v1/jobs/{job_id}/steps/{step}/gradients", "GET": "/v1/jobs/{job_id}/weights"}
-
-
-class LengthRequired(ApiError):
-    status_code = 411
-
-
-class BadRequest(ApiError):
-    status_code = 400
 
 
 @dataclass
@@ -75,9 +68,9 @@ class Reply:
 def content_length(value: str | None, limit: int) -> int:
     """The body's announced size, refused (411/400/413) unless it is a number within `limit`."""
     if value is None:
-        raise LengthRequired("Content-Length is required for a gradient upload")
+        raise HTTPException(411, "Content-Length is required for a gradient upload")
     if not re.fullmatch(r"[0-9]{1,19}", value.strip()):  # str.isdigit() takes "²" and "٣"
-        raise BadRequest(f"Content-Length {value!r} is not a byte count")
+        raise HTTPException(400, f"Content-Length {value!r} is not a byte count")
     length = int(value)
     if length > limit:
         raise BodyTooLarge(limit)

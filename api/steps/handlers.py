@@ -20,7 +20,7 @@ from api.metrics import SHARD_RESULTS, SLICES_SERVED, UPLOADED_RESULTS
 from api.schemas.common import parse_query
 from api.schemas.work import WorkOut
 from api.steps.protocol import NotYetApplied, StateMissing
-from domain.errors import ApiError
+from domain.errors import DomainError
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ STATE_HEADER = "X-Phalanx-State"  # the nonce of the state a weights message is
 def serve_weights(state: AppState, device_id: str, job_id: str, step: int,
                   part: int | None = None) -> tuple[bytes | memoryview, dict[str, str]]:
     """The weights message of step `step` (`part`: one slice's) and its headers; blocking.
-    Refusals are `ApiError`s (one mapping to HTTP per transport: api.error_responses)."""
+    Refusals are `DomainError`s (one mapping to HTTP per transport: api.error_responses)."""
     try:
         payload, nonce, ahead = state.step_protocol.weights(device_id, job_id, step, part)
     except StateMissing:
@@ -115,7 +115,7 @@ async def carries_device_token(state: AppState, scope: dict[str, Any]) -> bool:
                           if name == b"authorization"), None)
     try:
         principal = await principal_for(state.authenticator, authorization)
-    except ApiError:
+    except DomainError:
         return False
     return principal.kind == "device"
 

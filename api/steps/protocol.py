@@ -23,7 +23,7 @@ import numpy as np
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from domain.errors import ApiError, Conflict, Forbidden, Invalid, NotFound, Unavailable
+from domain.errors import Conflict, Forbidden, Invalid, NotFound, Unavailable, Unprocessable
 from domain.store.jobs import fail_diverged
 from domain.store.models import Job, ShardAssignment
 from engine.data import load_dataset
@@ -60,10 +60,8 @@ class ForeignShard(Forbidden):
     """A shard, or a job, this device holds nothing of."""
 
 
-class BadUpload(ApiError):
+class BadUpload(Unprocessable):
     """A results message that does not decode or does not fit the job's model."""
-
-    status_code = 422
 
 
 class NotThere(NotFound):
@@ -74,8 +72,8 @@ class NotYetApplied(Conflict):
     """A slice of the next step asked for before it is applied (the phone waits and asks again)."""
 
 
-class BadSlice(ApiError):
-    status_code = 422
+class BadSlice(Unprocessable):
+    """A slice index the job does not have."""
 
 
 class StateMissing(Unavailable):

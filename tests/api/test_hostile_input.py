@@ -7,8 +7,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
+from starlette.exceptions import HTTPException
 
-from api.steps.bulk_listener import BadRequest, content_length
+from api.steps.bulk_listener import content_length
 from domain.settings import Settings
 from domain.store.models import Dataset
 from roots.api import create_app
@@ -55,8 +56,9 @@ def test_a_synthetic_dataset_with_unicode_digits_is_a_422(api) -> None:
 
 @pytest.mark.parametrize("value", ["²", "٣", "1e3", "-5", " ", "99999999999999999999999"])
 def test_content_length_on_the_bulk_port_is_ascii_digits_only(value: str) -> None:
-    with pytest.raises(BadRequest, match="not a byte count"):
+    with pytest.raises(HTTPException, match="not a byte count") as refused:
         content_length(value, 1 << 20)
+    assert refused.value.status_code == 400
     assert content_length(" 42 ", 1 << 20) == 42
 
 
