@@ -250,6 +250,8 @@ def test_rebalance_splits_shards_by_the_speed_measured_for_the_job_s_arch() -> N
     (4, {"a": 0.0, "b": 0.0}, {"a": 2, "b": 2}),  # all zero: even
     (2, {"a": 1.0, "b": 3.0, "c": 100.0}, {"a": 0, "b": 1, "c": 1}),  # zeros lifted by quota
     (4, {"a": 10.0, "b": 9.0, "z": 0.0}, {"a": 2, "b": 1, "z": 1}),  # the smaller quota gives
+    (4, {"a": 1.6e308, "b": 1.2e308}, {"a": 2, "b": 2}),  # no sum or product overflows
+    (5, {"a": 1e-300, "b": 4e-300}, {"a": 1, "b": 4}),
 ])
 def test_shards_split_by_largest_remainder_and_zeros_are_lifted(total, weights, counts) -> None:
     assert proportional_counts(total, weights) == counts

@@ -84,6 +84,7 @@ def test_a_spec_s_placement_becomes_the_request() -> None:
 def test_a_bare_spec_takes_the_documented_placement_defaults() -> None:
     """docs/api.md: min_devices 1, max_devices 8, selector {}, min_battery 20, max_temp_c 45,
     backend any, shards 16, exactness class."""
+    assert PlacementRequest.from_spec("job-y", {}).priority == 0
     req = PlacementRequest.from_spec("job-y", {}, priority=4)
     assert (req.arch, req.shards, req.min_devices, req.max_devices, dict(req.selector)) == (
         "", 16, 1, 8, {})
