@@ -9,6 +9,7 @@ import html
 from collections.abc import Sequence
 from typing import Any
 
+from pictures.numbers import percent, significant
 from pictures.report import STYLE
 from wire.states import DeviceState, JobState
 
@@ -87,8 +88,8 @@ def fleet(devices: Sequence[dict[str, Any]], jobs: Sequence[dict[str, Any]],
             f'<tr data-job="{_e(j.get("id"))}"><td><a href="/ui/jobs/{_e(j.get("id"))}">'
             f"{_e(j.get('name'))}</a></td><td>{_state(j.get('state'))}</td>"
             f"<td>{_e(j.get('step'))}/{_e(j.get('total_steps'))}</td>"
-            f"<td>{_e(None if loss is None else f'{loss:.4f}')}</td>"
-            f"<td>{_e(None if acc is None else f'{acc:.2%}')}</td>"
+            f"<td>{_e(None if loss is None else significant(loss))}</td>"
+            f"<td>{_e(None if acc is None else percent(acc))}</td>"
             f"<td>{len(j.get('devices') or [])}</td><td>{_e(j.get('reason'))}</td></tr>")
     ready = sum(1 for d in devices if d.get("state") == DeviceState.READY)
     body = (f"<h1>Phalanx</h1><nav>{ready} of {len(devices)} phones Ready · "

@@ -12,79 +12,48 @@ from __future__ import annotations
 
 import datetime as dt
 import html
+import math
 from bisect import bisect_left
 from collections.abc import Sequence
 from typing import Any
 
-WIDTH, HEIGHT, PAD_L, PAD_R, PAD_T, PAD_B = 560, 220, 56, 16, 24, 36
-COLORS = ("#2563eb", "#dc2626", "#16a34a", "#9333ea", "#ea580c")
-EVENT_COLORS = {"Warning": "#dc2626", "Normal": "#2563eb"}
+from pictures.chart import PAD_B, PAD_L, PAD_R, PAD_T, WIDTH, line_chart
+from pictures.numbers import metric
+from pictures.ticks import nice_ticks
+from wire.states import JobState
+
+_SHOWN_METRICS = (("train_loss", "train loss"), ("train_accuracy", "train accuracy"),
+                  ("val_loss", "val loss"), ("val_accuracy", "val accuracy"))
+EVENT_COLORS = {"Warning": "#dc2626", "Normal": "#7c3aed"}
+# what each mark of the timeline means, in the order the legend lists them
+TIMELINE_MARKS = {
+    "held": "shards a phone held (the number: how many), from step to step",
+    "Warning": "a Warning on a phone: a fault, a pause, a straggler, a lost lease",
+    "Normal": "a Normal event on a phone: placed, shards moved, joined, resumed",
+    "job": "an event of the whole job (no one phone), dashed across every lane",
+}
+__all__ = ["event_steps", "holdings", "line_chart", "render", "timeline", "TIMELINE_MARKS"]
 
 
 def _num(value: Any) -> float | None:
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) \
-        else None
-
-
-def _ticks(lo: float, hi: float, n: int = 5) -> list[float]:
-    if hi <= lo:
-        return [lo]
-    step = (hi - lo) / (n - 1)
-    return [lo + i * step for i in range(n)]
-
-
-def _fmt(v: float) -> str:
-    a = abs(v)
-    if a >= 1e6 or (0 < a < 1e-3):
-        return f"{v:.2e}"
-    return f"{v:,.0f}" if a >= 100 else f"{v:.3g}"
-
-
-def line_chart(title: str, series: dict[str, list[tuple[float, float]]], unit: str = "") -> str:
-    """An SVG line chart; each series is a polyline with `data-series` and one point per value."""
-    drawn = {k: v for k, v in series.items() if v}
-    if not drawn:
-        return f'<figure class="chart"><figcaption>{html.escape(title)}</figcaption>' \
-               f'<p class="empty">no data</p></figure>'
-    xs = [x for pts in drawn.values() for x, _ in pts]
-    ys = [y for pts in drawn.values() for _, y in pts]
-    x0, x1 = min(xs), max(xs) if max(xs) > min(xs) else min(xs) + 1
-    y0, y1 = min(ys), max(ys)
-    if y1 <= y0:
-        y0, y1 = y0 - 0.5, y1 + 0.5
-    w, h = WIDTH - PAD_L - PAD_R, HEIGHT - PAD_T - PAD_B
-
-    def px(x: float) -> float:
-        return PAD_L + (x - x0) / (x1 - x0) * w
-
-    def py(y: float) -> float:
-        return PAD_T + h - (y - y0) / (y1 - y0) * h
-
-    out = [f'<figure class="chart"><figcaption>{html.escape(title)}</figcaption>',
-           f'<svg viewBox="0 0 {WIDTH} {HEIGHT}" width="{WIDTH}" height="{HEIGHT}" '
-           f'role="img" aria-label="{html.escape(title)}">',
-           f'<rect x="{PAD_L}" y="{PAD_T}" width="{w}" height="{h}" class="plot"/>']
-    for t in _ticks(y0, y1):
-        out.append(f'<line x1="{PAD_L}" x2="{PAD_L + w}" y1="{py(t):.1f}" y2="{py(t):.1f}" '
-                   f'class="grid"/><text x="{PAD_L - 4}" y="{py(t) + 4:.1f}" '
-                   f'text-anchor="end">{_fmt(t)}</text>')
-    for t in _ticks(x0, x1):
-        out.append(f'<text x="{px(t):.1f}" y="{PAD_T + h + 16}" text-anchor="middle">'
-                   f'{t:.0f}</text>')
-    out.append(f'<text x="{PAD_L + w / 2}" y="{HEIGHT - 4}" text-anchor="middle">step</text>')
-    for i, (name, pts) in enumerate(drawn.items()):
-        color = COLORS[i % len(COLORS)]
-        points = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in pts)
-        out.append(f'<polyline data-series="{html.escape(name)}" data-points="{len(pts)}" '
-                   f'points="{points}" fill="none" stroke="{color}" stroke-width="1.6"/>')
-        out.append(f'<text x="{PAD_L + 8 + 130 * i}" y="{PAD_T - 8}" fill="{color}">'
-                   f'■ {html.escape(name)}{(" (" + unit + ")") if unit else ""}</text>')
-    out.append("</svg></figure>")
-    return "".join(out)
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    return float(value) if ok and math.isfinite(value) else None
 
 
 def _series(metrics: Sequence[dict[str, Any]], key: str) -> list[tuple[float, float]]:
     return [(float(m["step"]), v) for m in metrics if (v := _num(m.get(key))) is not None]
+
+
+def _validation(job: dict[str, Any], metrics: Sequence[dict[str, Any]], key: str
+                ) -> list[tuple[float, float]]:
+    """The validation points the curve holds (every `eval_every` steps), and a finished job's
+    validation of its final weights at its last step (the step that made them)."""
+    points = _series(metrics, key)
+    final, last = _num((job.get("metrics") or {}).get(key)), int(job.get("total_steps") or 0) - 1
+    if job.get("state") == JobState.SUCCEEDED and final is not None and last >= 0 and \
+            all(x != last for x, _ in points):
+        points.append((float(last), final))
+    return points
 
 
 def _rate(metrics: Sequence[dict[str, Any]]) -> list[tuple[float, float]]:
@@ -155,7 +124,8 @@ def holdings(events: Sequence[tuple[float, dict[str, Any]]], end: float
 
 def timeline(events: Sequence[dict[str, Any]], metrics: Sequence[dict[str, Any]],
              total_steps: int, names: dict[str, str] | None = None) -> str:
-    """One lane per phone: the shards it held from step to step, the job's events on it."""
+    """One lane per phone: the shards it held from step to step, the job's events on it, and
+    a legend for every kind of mark drawn."""
     placed = event_steps(events, metrics)
     end = float(max(total_steps, max((float(m["step"]) for m in metrics), default=0) + 1, 1))
     lanes = holdings(placed, end)
@@ -163,13 +133,15 @@ def timeline(events: Sequence[dict[str, Any]], metrics: Sequence[dict[str, Any]]
                                    if ev.get("device_id")})
     lane_h, w = 26, WIDTH * 2 - PAD_L - PAD_R
     height = PAD_T + lane_h * (len(devices) + 1) + PAD_B
+    axis = nice_ticks(0, end, zero=True, integer=True)
 
     def px(step: float) -> float:
-        return PAD_L + 90 + step / end * (w - 90)
+        return PAD_L + 90 + step / axis.hi * (w - 90)
 
     out = [f'<figure class="timeline"><figcaption>Which phone held how many shards, step by '
            f'step, with the job\'s events</figcaption><svg viewBox="0 0 {WIDTH * 2} {height}" '
            f'width="{WIDTH * 2}" height="{height}" role="img" aria-label="timeline">']
+    drawn = {"held"} if any(lanes.values()) else set()
     for i, device in enumerate(devices):
         y = PAD_T + lane_h * i
         label = (names or {}).get(device, device)
@@ -182,19 +154,56 @@ def timeline(events: Sequence[dict[str, Any]], metrics: Sequence[dict[str, Any]]
                        f'</title></rect><text x="{px(since) + 3:.1f}" y="{y + 17}" '
                        f'class="count">{held}</text>')
     axis_y = PAD_T + lane_h * len(devices)
-    for t in _ticks(0, end):
-        out.append(f'<text x="{px(t):.1f}" y="{axis_y + 16}" text-anchor="middle">{t:.0f}</text>')
+    for t in axis.values:
+        out.append(f'<text class="tick x" x="{px(t):.1f}" y="{axis_y + 16}" '
+                   f'text-anchor="middle">{axis.label(t)}</text>')
+    out.append(f'<text x="{px(axis.hi / 2):.1f}" y="{axis_y + 32}" text-anchor="middle">step'
+               f'</text>')
     for step, ev in placed:
-        color = EVENT_COLORS.get(str(ev.get("kind")), "#2563eb")
-        device = ev.get("device_id")
-        top = PAD_T + lane_h * devices.index(str(device)) if device in devices else PAD_T
-        bottom = top + lane_h if device in devices else axis_y
-        out.append(f'<line data-event="{html.escape(str(ev.get("reason")))}" x1="{px(step):.1f}" '
-                   f'x2="{px(step):.1f}" y1="{top}" y2="{bottom}" stroke="{color}" '
-                   f'stroke-width="2"><title>step {step:.0f}: {html.escape(str(ev.get("reason")))}'
-                   f' — {html.escape(str(ev.get("message", "")))}</title></line>')
-    out.append("</svg></figure>")
+        out.append(_event_mark(step, ev, devices, px, lane_h, axis_y))
+        drawn.add(_mark_kind(ev, devices))
+    out.append("</svg>")
+    out.append(_legend([k for k in TIMELINE_MARKS if k in drawn]))
+    out.append("</figure>")
     return "".join(out)
+
+
+def _mark_kind(ev: dict[str, Any], devices: Sequence[str]) -> str:
+    if str(ev.get("device_id")) not in devices:
+        return "job"
+    return "Warning" if ev.get("kind") == "Warning" else "Normal"
+
+
+def _event_mark(step: float, ev: dict[str, Any], devices: Sequence[str], px: Any,
+                lane_h: int, axis_y: int) -> str:
+    """An event as a vertical line: on its phone's lane, or dashed across all of them."""
+    color = EVENT_COLORS["Warning" if ev.get("kind") == "Warning" else "Normal"]
+    kind = _mark_kind(ev, devices)
+    device = str(ev.get("device_id"))
+    top = PAD_T + lane_h * devices.index(device) if kind != "job" else PAD_T
+    bottom = top + lane_h if kind != "job" else axis_y
+    dashes = ' stroke-dasharray="4 3"' if kind == "job" else ""
+    reason = html.escape(str(ev.get("reason")))
+    return (f'<line data-event="{reason}" data-mark="{kind}" x1="{px(step):.1f}" '
+            f'x2="{px(step):.1f}" y1="{top}" y2="{bottom}" stroke="{color}" stroke-width="2"'
+            f'{dashes}><title>step {step:.0f}: {reason} — '
+            f'{html.escape(str(ev.get("message", "")))}</title></line>')
+
+
+def _legend(kinds: Sequence[str]) -> str:
+    """The timeline's legend: a swatch of each kind of mark drawn and what it means."""
+    swatches = {
+        "held": '<rect x="1" y="1" width="20" height="10" class="held"/>',
+        "Warning": f'<line x1="11" x2="11" y1="0" y2="12" stroke="{EVENT_COLORS["Warning"]}" '
+                   f'stroke-width="2"/>',
+        "Normal": f'<line x1="11" x2="11" y1="0" y2="12" stroke="{EVENT_COLORS["Normal"]}" '
+                  f'stroke-width="2"/>',
+        "job": '<line x1="11" x2="11" y1="0" y2="12" stroke="#555" stroke-width="2" '
+               'stroke-dasharray="4 3"/>',
+    }
+    items = "".join(f'<li data-legend="{k}"><svg width="22" height="12" aria-hidden="true">'
+                    f'{swatches[k]}</svg> {html.escape(TIMELINE_MARKS[k])}</li>' for k in kinds)
+    return f'<ul class="legend">{items}</ul>' if items else ""
 
 
 STYLE = """
@@ -205,6 +214,9 @@ figcaption { font-weight: 600; margin-bottom: 4px; } svg text { font-size: 11px;
 .plot { fill: #fafafa; stroke: #ddd; } .grid { stroke: #eee; }
 .held { fill: #bfdbfe; stroke: #2563eb; } .count { font-size: 10px; fill: #1e3a8a; }
 table.events td { padding: 1px 10px 1px 0; vertical-align: top; } .Warning { color: #dc2626; }
+ul.legend { list-style: none; padding: 0; margin: 4px 0 0; font-size: 12px; color: #333; }
+ul.legend li { display: inline-block; margin-right: 16px; } ul.legend svg { vertical-align: -1px; }
+.hover { fill: transparent; } .hover:hover { fill: rgba(37, 99, 235, 0.08); }
 """
 
 
@@ -231,18 +243,20 @@ def render(job: dict[str, Any], metrics: Sequence[dict[str, Any]],
     spec = job.get("spec") or {}
     facts = [("state", job.get("state")), ("steps", f"{job.get('step')}/{job.get('total_steps')}"),
              ("model", (spec.get("model") or {}).get("arch")), ("dataset", spec.get("dataset")),
-             ("train loss", m.get("train_loss")), ("val accuracy", m.get("val_accuracy")),
+             *((label, metric(key, m.get(key))) for key, label in _SHOWN_METRICS),
              ("parameters", (job.get("plan") or {}).get("parameters")),
              ("exactness", job.get("exactness") or spec.get("exactness")),
              ("compute class", _compute_class(job)),
              ("reason", job.get("reason"))]
     rows = "".join(f"<tr><td>{html.escape(k)}</td><td>{html.escape(str(v))}</td></tr>"
                    for k, v in facts if v is not None)
+    marked = ("validation",)
     charts = [
         line_chart("Loss", {"train": _series(metrics, "train_loss"),
-                            "validation": _series(metrics, "val_loss")}),
+                            "validation": _validation(job, metrics, "val_loss")}, marked=marked),
         line_chart("Accuracy", {"train": _series(metrics, "train_accuracy"),
-                                "validation": _series(metrics, "val_accuracy")}),
+                                "validation": _validation(job, metrics, "val_accuracy")},
+                   as_percent=True, marked=marked),
         line_chart("Step time", {"seconds": _series(metrics, "step_seconds")}, "s"),
         line_chart("Throughput", {"samples/s": _rate(metrics)}),
         line_chart("Energy from the batteries (cumulative)", {"joules": _energy(metrics)}, "J"),

@@ -36,6 +36,7 @@ from phalanx.client import (
     save_config,
 )
 from phalanx.demo import view
+from pictures.numbers import metric
 from wire.states import JobState
 
 # Piped (grep, a file, a script) a table keeps each row on one line, as kubectl's does; rich
@@ -108,6 +109,18 @@ def tabled(data: Any, output: Output, table: Callable[..., Any]) -> Any:
 def describe(obj: dict[str, Any]) -> str:
     """kubectl-describe-like text: the object as block YAML."""
     return yaml.safe_dump(obj, sort_keys=False, default_flow_style=False, allow_unicode=True)
+
+
+def describe_job(job: dict[str, Any]) -> str:
+    """describe, the job's metrics rounded to what matters (a loss 0.026, an accuracy 98.61%);
+    -o json and -o yaml keep every digit."""
+    shown = {k: _rounded(k, v) for k, v in (job.get("metrics") or {}).items()}
+    return describe({**job, "metrics": shown} if "metrics" in job else job)
+
+
+def _rounded(name: str, value: Any) -> Any:
+    shown = metric(name, value)
+    return shown if shown is value or shown.endswith("%") else float(shown.replace(",", ""))
 
 
 def parse_labels(pairs: list[str]) -> dict[str, str]:
@@ -486,7 +499,7 @@ def jobs_describe(job_id: IdArg, server: ServerOpt = None, token: TokenOpt = Non
     with connect(server, token) as client:
         job = client.job(job_id)
         events = client.job_events(job_id) if output is Output.table else []
-    emit(job, output, describe)
+    emit(job, output, describe_job)
     if events:
         out.print("Events:")
         out.print(view.event_table(events[-10:]))
