@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from agent.runtime.agent import FEATURES, compute_class
 from domain.settings import Settings
 from domain.store.db import make_engine, make_session_factory, transaction, upgrade
 from domain.store.models import Device, Job
@@ -35,6 +36,7 @@ from hotstate.gradstore import pack_result
 from scheduler.context import SchedulerContext
 from scheduler.tasks.reconcile import run_reconcile, run_reconcile_job
 from scheduler.tasks.steps import run_apply_step
+from wire.states import DeviceState, JobState
 
 DATASET = "synthetic:3x32x32:10:4096"
 
@@ -52,8 +54,11 @@ def start_job(ctx: SchedulerContext, shards: int) -> str:
             "global_batch_size": 4 * shards, "shards": shards, "epochs": 100, "seed": 0,
             "checkpoint_every": 100000, "placement": {"min_devices": 1, "max_devices": 1}}
     with transaction(ctx.session_factory) as s:
-        s.add(Device(id="dev-bench", name="bench", state="Ready", lease_renewed_at=ctx.clock()))
-        job = Job(name="bench", spec=spec, state="Pending",
+        # a class job stays on the compute class it is first placed on: the device says its own
+        s.add(Device(id="dev-bench", name="bench", state=DeviceState.READY.value,
+                     lease_renewed_at=ctx.clock(),
+                     capabilities={"features": list(FEATURES), "compute_class": compute_class()}))
+        job = Job(name="bench", spec=spec, state=JobState.PENDING.value,
                   total_steps=job_info("b", spec, root_dir(ctx)).total_steps)
         s.add(job)
         s.flush()

@@ -203,7 +203,7 @@ def ordered_sum(arrays: Sequence[np.ndarray] | GradBlocks, n: int) -> np.ndarray
 GradBlocks = Callable[[int, int], Sequence[np.ndarray]]
 
 # Told, on the thread that wrote it, that the new state's elements in a block are final: the
-# caller can copy or checksum them while they are in that core's cache (scheduler.tasks.steps
+# caller can copy or checksum them while they are in that core's cache (scheduler.apply
 # fills and checksums the weights message this way). Blocks come in any order, each once.
 BlockDone = Callable[[slice], None]
 

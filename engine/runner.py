@@ -1,6 +1,6 @@
 """One runner for everything that computes a job: the phone's compute worker
 (agent.runtime.worker), the fleet simulator (phalanx.sim.compute), the scheduler
-(engine.jobinfo, scheduler.tasks.steps) and the reference trainer (phalanx.train_local).
+(engine.jobinfo, scheduler.apply) and the reference trainer (phalanx.train_local).
 
 Invariant 1 (a distributed run ends where the reference trainer ends) rests on all of them
 building the model from the spec the same way, drawing each shard's micro-batch the same way and

@@ -1,7 +1,7 @@
 """The parameter vector cut into slices that are applied apart (issue 21 item 2).
 
 A job with `slices: P` has its vector cut into P contiguous ranges, fixed at job start; each
-slice's step is reduced and updated by its own task (scheduler.tasks.steps), reading only its
+slice's step is reduced and updated by its own task (scheduler.apply), reading only its
 range of the uploaded gradients and of the optimizer state, so a step's CPU and bytes spread
 over the workers. Cuts fall between parameter tensors: every per-tensor rule (LARS's trust
 ratio needs a tensor's whole norm) stays inside one slice. Every other rule is element-wise

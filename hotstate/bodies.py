@@ -8,7 +8,7 @@ most of the step (docs/benchmarks.md). Now the replica keeps the body in its own
 is the same process, from the replica's peer port (api.steps.peer_listener) otherwise.
 
 A replica that dies or cannot be reached takes its bodies with it. The applier then deletes the
-results that named them (scheduler.tasks.steps.load_results), their devices see those shards as
+results that named them (scheduler.apply.read_results), their devices see those shards as
 to do again and recompute them: a step is never applied with a result missing. The replica is
 marked unreachable in Redis for a while (`keys.peer_down`), and replicas marked so store bodies
 in Redis as before, so a peer port that workers cannot reach (a firewall, a wrong
@@ -171,7 +171,7 @@ Piece = tuple[str, Range]
 
 def fetch_pieces(blobs: BlobStore, pieces: Iterable[Piece]) -> dict[Piece, bytes | memoryview | None]:
     """`fetch_bodies` for ranges of bodies: what a sliced step's task reads (its slice of each
-    gradient, scheduler.tasks.slices), so each task moves only its share of the bytes. A piece
+    gradient, scheduler.apply), so each task moves only its share of the bytes. A piece
     that cannot be had whole is None."""
     out: dict[Piece, bytes | memoryview | None] = {}
     remote: dict[str, list[tuple[Piece, str]]] = defaultdict(list)

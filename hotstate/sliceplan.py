@@ -1,4 +1,4 @@
-"""A sliced step's plan in the hot state (scheduler.tasks.slices writes it, the API reads it to
+"""A sliced step's plan in the hot state (scheduler.apply.plan_step writes it, the API reads it to
 serve a slice of the next step's weights as soon as it is applied)."""
 
 from __future__ import annotations

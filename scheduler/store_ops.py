@@ -16,7 +16,6 @@ from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
 from domain.store.compute_class import fingerprint_of
-from domain.store.events import record as record_event  # noqa: F401 - reconcile's name for it
 from domain.store.models import Device, Job, ShardAssignment
 from domain.store.states import Event as StateEvent
 from domain.store.states import transition

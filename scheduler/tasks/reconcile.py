@@ -21,6 +21,7 @@ import time
 
 from sqlalchemy.exc import IntegrityError
 
+from domain.store import events
 from domain.store.db import transaction
 from domain.store.devices import prune_telemetry
 from domain.store.lifecycle import mark_stale_devices
@@ -186,9 +187,9 @@ def release_finished(ctx: SchedulerContext, job: Job) -> str:
     with transaction(ctx.session_factory) as session:
         released = store_ops.release(session, job.id)
         if released:
-            store_ops.record_event(session, "Released",
-                                   f"{job.state}: released {released} shard assignment(s)",
-                                   now=ctx.clock(), job_id=job.id)
+            events.record(session, "Released",
+                          f"{job.state}: released {released} shard assignment(s)",
+                          now=ctx.clock(), job_id=job.id)
     keep_final = [k for k in ctx.blobs.keys(keys.job_prefix(job.id))]
     if keep_final:
         ctx.blobs.delete(*keep_final)
