@@ -18,6 +18,9 @@ from engine.slices import MAX_SLICES
 SCHEDULES = ("constant", "cosine", "step")
 OPTIMIZER_TYPES = ("sgd", "adamw", "lars")  # engine.optim implements each
 UPLOAD_PRECISIONS = ("float32", "bfloat16", "float16")  # engine.precision rounds to each
+AUDIT_RATE = 0.02  # verification.audit_rate's default: the share of upload nodes audited
+PROBATION_STEPS = 20  # verification.probation_steps' default: steps a new phone is audited in full
+MAX_PROBATION_STEPS = 100_000
 
 
 class SpecError(ValueError):
@@ -47,6 +50,12 @@ class TrainSpec:
     upload_precision: str = "float32"  # engine.precision: how shard gradients travel
     exactness: str = DEFAULT_EXACTNESS  # engine.kernels: portable (any CPU) or class
     slices: int = 1  # engine.slices: the vector's parts applied apart
+    # the scheduler's audits (scheduler.policy.audit), no part of the math: the share of upload
+    # nodes computed again by a second phone, and the steps each phone is audited in full.
+    # A spec without `verification` (stored before audits existed) audits nothing; the API
+    # fills the documented defaults (AUDIT_RATE, PROBATION_STEPS) into every job it takes
+    audit_rate: float = 0.0
+    probation_steps: int = 0
     crop_padding: int = 0  # augment: random crop after zero-padding by this much
     horizontal_flip: bool = False  # augment: mirror half the samples
     nesterov: bool = False
@@ -67,6 +76,8 @@ class TrainSpec:
         model = _section(spec, "model")
         opt = _section(spec, "optimizer")
         aug = _section(spec, "augment")
+        verify = _section(spec, "verification")
+        audited = "verification" in spec  # absent: a spec from before audits, which audits none
         layers = model.get("layers") or []
         if not isinstance(layers, list):
             raise SpecError("model.layers must be a list of layer objects")
@@ -99,6 +110,10 @@ class TrainSpec:
             upload_precision=str(spec.get("upload_precision", "float32")),
             exactness=str(spec.get("exactness", DEFAULT_EXACTNESS)),
             slices=_read(spec, "slices", 1, int),
+            audit_rate=_read(verify, "audit_rate", AUDIT_RATE if audited else 0.0, float,
+                             "verification."),
+            probation_steps=_read(verify, "probation_steps", PROBATION_STEPS if audited else 0,
+                                  int, "verification."),
             crop_padding=_read(aug, "crop_padding", 0, int, "augment."),
             horizontal_flip=_read(aug, "horizontal_flip", False, bool, "augment."),
             momentum=_read(opt, "momentum", 0.9, float, "optimizer."),
@@ -141,6 +156,10 @@ class TrainSpec:
             raise SpecError(f"exactness must be one of {', '.join(EXACTNESS)}")
         if not 1 <= self.slices <= MAX_SLICES:
             raise SpecError(f"slices must be in [1, {MAX_SLICES}]")
+        if not 0 <= self.audit_rate <= 1:
+            raise SpecError("verification.audit_rate must be in [0, 1]")
+        if not 0 <= self.probation_steps <= MAX_PROBATION_STEPS:
+            raise SpecError(f"verification.probation_steps must be in [0, {MAX_PROBATION_STEPS}]")
         if not 0 <= self.crop_padding <= 64:
             raise SpecError("augment.crop_padding must be in [0, 64]")
         if not 0 <= self.label_smoothing < 1:

@@ -20,6 +20,7 @@ from engine.kernels import DEFAULT_EXACTNESS
 from engine.models import ARCHS as BUILTIN_ARCHS
 from engine.models import CUSTOM
 from engine.slices import MAX_SLICES
+from engine.spec import AUDIT_RATE, MAX_PROBATION_STEPS, PROBATION_STEPS
 from wire.states import JobState
 
 ARCHS = (*BUILTIN_ARCHS, CUSTOM)  # the engine's list: one place says what exists
@@ -101,6 +102,17 @@ class PlacementSpec(RequestModel):
         return value
 
 
+class VerificationSpec(RequestModel):
+    audit_rate: float = Field(
+        AUDIT_RATE, ge=0, le=1, description="the share of upload nodes (what a phone uploads: "
+        "the shards it holds pre-added up the reduction tree) computed again by a second phone "
+        "and compared byte for byte before the step commits; drawn per step and node by the "
+        "server, unseen by the phone; 0: none, 1: every node (docs/scheduler.md, \"Audits\")")
+    probation_steps: int = Field(
+        PROBATION_STEPS, ge=0, le=MAX_PROBATION_STEPS, description="a phone's every upload "
+        "node is audited until this many of its steps were audited and agreed")
+
+
 class JobCreate(RequestModel):
     name: str = Field(min_length=1, max_length=200)
     model: ModelSpec
@@ -126,6 +138,9 @@ class JobCreate(RequestModel):
     label_smoothing: float = Field(0.0, ge=0, lt=1, description="the target is (1 - e) on the "
                                    "label plus e / classes on every class (torch's)")
     checkpoint_every: int = Field(50, ge=1, le=100000)
+    verification: VerificationSpec = Field(
+        default_factory=VerificationSpec, description="audits: a phone's result is checked, "
+        "not trusted (DESIGN.md invariant 7)")
     exactness: Literal["portable", "class"] = Field(
         DEFAULT_EXACTNESS, description="portable: every shard gives the same bits on any CPU "
         "(x86 or ARM, whatever BLAS kernel), so any phone whose agent computes the portable path "
