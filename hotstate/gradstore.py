@@ -138,6 +138,24 @@ def stored_nodes(blobs: BlobStore, job_id: str, step: int, shards: int,
     return {node: key for (node, key), found in zip(candidates.items(), there) if found}
 
 
+def audit_nodes(blobs: BlobStore, job_id: str, step: int, shards: int,
+                node: tuple[int, int], role: str) -> dict[tuple[int, int], str]:
+    """The results stored for an audit of `node` as `role` (keys.audit): the node itself, or
+    the parts of it an auditor uploaded apart; their ranges -> their keys (one round trip)."""
+    lo, hi = node
+    candidates = {n: keys.audit(job_id, step, n[0], n[1] - n[0], role)
+                  for n in tree.nodes(shards, range(lo, hi)) if lo <= n[0] and n[1] <= hi}
+    there = blobs.which_exist(list(candidates.values()))
+    return {n: key for (n, key), found in zip(candidates.items(), there) if found}
+
+
+def audited_shards(blobs: BlobStore, job_id: str, step: int, shards: int,
+                   node: tuple[int, int], role: str) -> set[int]:
+    """The shards of `node` that stored audit results (as `role`) cover."""
+    return {k for lo, hi in audit_nodes(blobs, job_id, step, shards, node, role)
+            for k in range(lo, hi)}
+
+
 def covered_at_most(blobs: BlobStore, job_id: str, step: int, stored: int) -> int:
     """Count `stored` more shards in the results stored for the step (called after storing
     them); the new count, an upper bound on the shards the step's results cover: each result

@@ -69,6 +69,19 @@ def grad(job_id: str, step: int, shard: int, span: int = 1) -> str:
     return f"job:{job_id}:grad:{step}:{shard}" + (f"-{shard + span}" if span != 1 else "")
 
 
+def audit(job_id: str, step: int, shard: int, span: int, role: str) -> str:
+    """A second (role `audit`) or third (`decide`) device's result for node shard..shard+span-1
+    of the step (scheduler.audits): stored apart, never over the holder's `grad` key, and
+    never added into the step; only compared with it."""
+    return f"job:{job_id}:audit:{step}:{shard}-{shard + span}:{role}"
+
+
+def uploader(job_id: str, step: int, shard: int, span: int, role: str = "result") -> str:
+    """The device whose upload won the `grad` key (role `result`) or an audit key of that
+    node: whom an audit finds lying, and whose unaudited results a checkpoint holds."""
+    return f"job:{job_id}:by:{step}:{shard}-{shard + span}:{role}"
+
+
 def covered(job_id: str, step: int) -> str:
     """The shards of every result stored for the step, added up (gradstore.covered_at_most)."""
     return f"job:{job_id}:covered:{step}"
@@ -123,11 +136,11 @@ def slow_factor(job_id: str, device_id: str) -> str:
 
 
 def step_of_key(key: str) -> int | None:
-    """The step number in a `job:{id}:state:{t}`, `...:grad:{t}:{k}`, `...:covered:{t}` or
-    `...:body:{t}:{upload}` key."""
+    """The step number in a `job:{id}:state:{t}`, `...:grad:{t}:{k}`, `...:covered:{t}`,
+    `...:body:{t}:{upload}`, `...:audit:{t}:...` or `...:by:{t}:...` key."""
     parts = key.split(":")
     if len(parts) >= 4 and parts[2] in ("state", "weights", "grad", "body", "apply", "slices",
-                                        "covered"):
+                                        "covered", "audit", "by"):
         try:
             return int(parts[3])
         except ValueError:

@@ -15,7 +15,7 @@ import threading
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -37,6 +37,7 @@ from hotstate import keys
 from hotstate.blobs import BlobStore
 from hotstate.bodies import drop_body, keep_body
 from hotstate.gradstore import (
+    audited_shards,
     covered_at_most,
     offset_in,
     pack_ref,
@@ -154,15 +155,38 @@ class LRU:
 
 
 @dataclass(frozen=True)
+class AuditWork:
+    """A node of the current step this device computes again for an audit (scheduler.audits):
+    shards lo..hi-1, as `role` (`audit`, or `decide` when two results differ)."""
+
+    lo: int
+    hi: int
+    role: str
+
+    def holds(self, node: tuple[int, int]) -> bool:
+        return self.lo <= node[0] and node[1] <= self.hi
+
+
+AUDIT_ROLES = ("audit", "decide")
+
+
+@dataclass(frozen=True)
 class DeviceView:
     """What one device holds, as of one value of the version key (its `Holdings`): its shards
-    per job and those jobs' rows."""
+    per job (primary and backup), the nodes it audits at its jobs' current steps, and those
+    jobs' rows."""
 
     held: dict[str, frozenset[int]]
     jobs: dict[str, JobRow]
+    audits: dict[str, tuple[AuditWork, ...]] = field(default_factory=dict)
 
     def first_job(self) -> str | None:
         return next(iter(self.held), None)
+
+    def readable(self, job_id: str) -> frozenset[int]:
+        """The shards whose data and weights it may read: those it holds and those it audits."""
+        audited = {k for a in self.audits.get(job_id, ()) for k in range(a.lo, a.hi)}
+        return self.held.get(job_id, frozenset()) | audited
 
 
 @dataclass(frozen=True)
@@ -214,11 +238,19 @@ class StepProtocol:
 
     def _read_holdings(self, version: bytes) -> Holdings:
         held: dict[str, dict[str, set[int]]] = {}
+        audits: dict[str, dict[str, list[tuple[int, AuditWork]]]] = {}
         with self.session_factory() as session:  # no ORM objects: rows only
-            for device, job_id, shard in session.execute(
-                    select(ShardAssignment.device_id, ShardAssignment.job_id, ShardAssignment.shard)
+            for device, job_id, shard, role, span, since in session.execute(
+                    select(ShardAssignment.device_id, ShardAssignment.job_id, ShardAssignment.shard,
+                           ShardAssignment.role, ShardAssignment.span,
+                           ShardAssignment.since_step)
                     .order_by(ShardAssignment.id)):
-                held.setdefault(device, {}).setdefault(job_id, set()).add(int(shard))
+                per_job = held.setdefault(device, {}).setdefault(job_id, set())
+                if role in AUDIT_ROLES:  # one row a node, for one step (`since_step`)
+                    audits.setdefault(device, {}).setdefault(job_id, []).append(
+                        (int(since), AuditWork(int(shard), int(shard) + int(span or 1), role)))
+                else:
+                    per_job.add(int(shard))
             job_ids = {j for per_device in held.values() for j in per_device}
             jobs = {row[0]: JobRow(row[0], row[1], row[2], dict(row[3] or {}), row[4], row[5])
                     for row in session.execute(
@@ -228,17 +260,21 @@ class StepProtocol:
         views = {}
         for device, per_job in held.items():
             live = [j for j in per_job if j in jobs]  # a job deleted meanwhile holds nothing
+            audited = {j: tuple(work for step, work in audits.get(device, {}).get(j, ())
+                                if step == jobs[j].step) for j in live}
             views[device] = DeviceView({j: frozenset(per_job[j]) for j in live},
-                                       {j: jobs[j] for j in live})
+                                       {j: jobs[j] for j in live},
+                                       {j: work for j, work in audited.items() if work})
         return Holdings(version, views)
 
     def _job_and_held(self, device_id: str, job_id: str) -> tuple[JobRow | None, frozenset[int]]:
+        """The job's row and the shards this device may read of it (held or audited)."""
         view = self.view(device_id)
         job = view.jobs.get(job_id)
         if job is None:  # a job this device holds nothing of: only its existence matters
             with self.session_factory() as session:
                 job = self._job(session, job_id)
-        return job, view.held.get(job_id, frozenset())
+        return job, view.readable(job_id)
 
     def info(self, job: JobRow) -> JobInfo:
         return job_info(job.id, job.spec, self.data_dir)
@@ -260,6 +296,9 @@ class StepProtocol:
             return None  # being restored; reconcile wakes us when the weights are back
         todo = sorted(held - uploaded_shards(self.blobs, job.id, job.step,
                                              int(job.spec["shards"]), over=held))
+        if not todo:  # its own shards are in: a node it audits, one at a time (alone, so the
+            # agent pre-adds it into that node and nothing else)
+            todo = self._audit_todo(job, view.audits.get(job_id, ()))
         if not todo:
             return None
         info = self.info(job)
@@ -267,6 +306,17 @@ class StepProtocol:
         return Assignment(job_id=job.id, step=job.step, shards=todo, spec=job.spec,
                           pre_reduce=can_pre_add(info.spec.upload_precision),
                           slices=slices, state=job.state_nonce, **info.assignment_facts())
+
+    def _audit_todo(self, job: JobRow, audits: tuple[AuditWork, ...]) -> list[int]:
+        """The shards of the first node this device audits that it has not uploaded yet."""
+        shards = int(job.spec["shards"])
+        for work in audits:
+            done = audited_shards(self.blobs, job.id, job.step, shards, (work.lo, work.hi),
+                                  work.role)
+            todo = [k for k in range(work.lo, work.hi) if k not in done]
+            if todo:
+                return todo
+        return []
 
     # -- GET /v1/jobs/{id}/weights?step=t[&slice=k] --------------------------------------------
     def weights(self, device_id: str, job_id: str, step: int,
@@ -433,10 +483,17 @@ class StepProtocol:
             if r.count != r.span * info.spec.per_shard_batch:
                 raise BadUpload(f"shard {r.shard}: {r.count} samples, expected "
                                 f"{r.span * info.spec.per_shard_batch}")
-        foreign = sorted({k for r in results for k in range(*r.node)} - held)
+        audits = self.view(device_id).audits.get(job_id, ())
+        own = self.view(device_id).held.get(job_id, frozenset())
+        roles = [next((a.role for a in audits if a.holds(r.node)), None) for r in results]
+        foreign = sorted({k for r, role in zip(results, roles) if role is None
+                          for k in range(*r.node)} - own)
         if foreign:
             raise ForeignShard(f"shards {foreign} of {job_id} are not assigned to {device_id}")
-        accepted, duplicates, counted = store_results(self.blobs, job_id, step, body, results)
+        if any(roles):  # a node computed again for an audit: kept apart, never applied
+            return self._audited(device_id, job, info.spec.shards, body, results, roles)
+        accepted, duplicates, counted = store_results(self.blobs, job_id, step, body, results,
+                                                      device_id)
         if job.step_started_at is not None and accepted:
             took = (self.clock() - job.step_started_at).total_seconds()
             self.blobs.set(keys.latency(job_id, device_id), f"{took:.4f}".encode(), ttl=3600)
@@ -450,37 +507,81 @@ class StepProtocol:
                         partials=sum(r.span > 1 for r in results),
                         shard_results=sum(r.span == 1 for r in results))
 
+    def _audited(self, device_id: str, job: JobRow, shards: int, body: bytes,
+                 results: list[ShardResult], roles: list[str | None]) -> Uploaded:
+        """An auditor's (or decider's) upload: each result under its own key (first wins).
+        Complete when the step's own results are all in too: the step's apply, which waited
+        for the audit, is sent again."""
+        if not all(roles):
+            raise BadUpload("an upload is either a node audited or the device's own shards, "
+                            "not both in one message")
+        accepted, duplicates = store_audit_results(
+            self.blobs, job.id, job.step, body, list(zip(results, [str(r) for r in roles])),
+            device_id)
+        complete = len(uploaded_shards(self.blobs, job.id, job.step, shards)) >= shards
+        return Uploaded(accepted, duplicates, complete and bool(accepted),
+                        partials=sum(r.span > 1 for r in results),
+                        shard_results=sum(r.span == 1 for r in results))
+
 
 def store_results(blobs: BlobStore, job_id: str, step: int, body: bytes | memoryview,
-                  results: list[ShardResult]) -> tuple[list[int], list[int], int]:
+                  results: list[ShardResult], device_id: str | None = None
+                  ) -> tuple[list[int], list[int], int]:
     """Each shard's result (or partial) under its key, first upload wins; returns the shards
     of the results that won, of those that lost, and the step's count of stored shards after
     counting the winners (gradstore.covered_at_most; 0 when none won). The body is kept once
     as it came (before any reference to it), and each result's key points into it; a body that
-    won nothing is dropped again."""
-    offsets = [(offset_in(r.grad_sum, body), offset_in(r.stats, body)) for r in results]
+    won nothing is dropped again. `device_id`: the uploader, kept beside each result that won
+    (keys.uploader: whom an audit of it judges)."""
+    accepted: list[int] = []
+    counted = 0
+    try:
+        won, duplicates = _store_once(
+            blobs, job_id, step, body, [(r, keys.grad(job_id, step, r.shard, r.span),
+                                         keys.uploader(job_id, step, r.shard, r.span))
+                                        for r in results], device_id, accepted)
+    finally:  # what was stored is counted even when a later write fails
+        counted = covered_at_most(blobs, job_id, step, len(accepted)) if accepted else 0
+    return won, duplicates, counted
+
+
+def store_audit_results(blobs: BlobStore, job_id: str, step: int, body: bytes | memoryview,
+                        results: list[tuple[ShardResult, str]], device_id: str
+                        ) -> tuple[list[int], list[int]]:
+    """An auditor's results, each under its audit key for its role (keys.audit), first wins;
+    never counted as the step's: they are compared, not applied."""
+    return _store_once(blobs, job_id, step, body, [
+        (r, keys.audit(job_id, step, r.shard, r.span, role),
+         keys.uploader(job_id, step, r.shard, r.span, role)) for r, role in results],
+        device_id, [])
+
+
+def _store_once(blobs: BlobStore, job_id: str, step: int, body: bytes | memoryview,
+                named: list[tuple[ShardResult, str, str]], device_id: str | None,
+                accepted: list[int]) -> tuple[list[int], list[int]]:
+    """Each result under its key (set if absent) and, when it won, its uploader under the
+    other; `accepted` grows as they win (the caller counts them even when a write fails)."""
+    offsets = [(offset_in(r.grad_sum, body), offset_in(r.stats, body)) for r, _, _ in named]
     by_ref = any(g is not None and s is not None for g, s in offsets)
     body_key = ""
     if by_ref:  # on this replica's shelf in production (hotstate.bodies), else in the store
         body_key = keep_body(blobs, job_id, step, body,
                              keys.upload_body(job_id, step, uuid.uuid4().hex))
-    accepted: list[int] = []
     duplicates: list[int] = []
     referenced = False
-    try:
-        for r, (g_off, s_off) in sorted(zip(results, offsets), key=lambda x: x[0].shard):
-            ref = g_off is not None and s_off is not None
-            blob = pack_ref(r, body_key, g_off, s_off) if ref else pack_result(r)
-            if blobs.set_if_absent(keys.grad(job_id, step, r.shard, r.span), blob):
-                accepted.extend(range(*r.node))
-                referenced = referenced or ref
-            else:
-                duplicates.extend(range(*r.node))
-    finally:  # what was stored is counted even when a later write fails
-        counted = covered_at_most(blobs, job_id, step, len(accepted)) if accepted else 0
+    for (r, key, by), (g_off, s_off) in sorted(zip(named, offsets), key=lambda x: x[0][0].shard):
+        ref = g_off is not None and s_off is not None
+        blob = pack_ref(r, body_key, g_off, s_off) if ref else pack_result(r)
+        if blobs.set_if_absent(key, blob):
+            if device_id is not None:
+                blobs.set(by, device_id.encode())
+            accepted.extend(range(*r.node))
+            referenced = referenced or ref
+        else:
+            duplicates.extend(range(*r.node))
     if by_ref and not referenced:
         drop_body(blobs, body_key)
-    return accepted, duplicates, counted
+    return accepted, duplicates
 
 
 def chunk_rows(sample: tuple[int, ...]) -> int:

@@ -7,6 +7,7 @@ spec, job spec, metrics); everything a query filters or sorts on is a real colum
 from __future__ import annotations
 
 import datetime as dt
+import secrets
 import uuid
 from typing import Any
 
@@ -109,6 +110,9 @@ class Device(Base):
     upgrade_started_at: Mapped[dt.datetime | None] = mapped_column(default=None)
     # the last version it could not install: not asked again until a rollout names another
     upgrade_failed: Mapped[str | None] = mapped_column(String(40), default=None)
+    # why an audit found this device's result wrong (scheduler.audits): set with `cordoned`,
+    # lifted with it by an admin's uncordon; None: not quarantined
+    quarantine_reason: Mapped[str | None] = mapped_column(Text, default=None)
 
 
 class AgentRollout(Base):
@@ -213,12 +217,19 @@ class Job(Base):
     finished_at: Mapped[dt.datetime | None] = mapped_column(default=None)
     # when the current step's work was handed out (stall and straggler detection)
     step_started_at: Mapped[dt.datetime | None] = mapped_column(default=None)
+    # the secret the audit draw is keyed with (scheduler.policy.audit.drawn): never shown to a
+    # phone, so none can tell which of its nodes are audited. None: a job from before audits
+    # (its id stands in)
+    audit_key: Mapped[str | None] = mapped_column(String(32), default=lambda: secrets.token_hex(16))
 
 
 class ShardAssignment(Base):
     """Shard `shard` of a job, held by a device from `since_step` on.
 
-    role "primary" is the owner; "backup" is a straggler's second copy (first upload wins).
+    role "primary" is the owner; "backup" is a straggler's second copy (first upload wins);
+    "audit" and "decide" (scheduler.audits) are one row per audited node of step `since_step`,
+    shards `shard`..`shard + span - 1`, computed again by a second (and, when the two differ,
+    a third) device and stored apart from the holder's result.
     """
 
     __tablename__ = "shard_assignments"
@@ -232,6 +243,22 @@ class ShardAssignment(Base):
     )
     role: Mapped[str] = mapped_column(String(10), default="primary")
     since_step: Mapped[int] = mapped_column(Integer, default=0)
+    span: Mapped[int] = mapped_column(Integer, default=1, server_default="1")
+
+
+class AuditRecord(Base):
+    """What audits know of one device in one job: how many of its steps were audited in full
+    and agreed (its probation: scheduler.policy.audit.on_probation), and the first step whose
+    applied state holds a result of it that no audit checked (where a rewind must go back to
+    when it is found lying; None: every result of it in the state was audited)."""
+
+    __tablename__ = "audit_records"
+
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"),
+                                        primary_key=True)
+    device_id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    verified_steps: Mapped[int] = mapped_column(Integer, default=0)
+    first_unaudited_step: Mapped[int | None] = mapped_column(Integer, default=None)
 
 
 class Event(Base):
