@@ -68,11 +68,17 @@ def sim(
     cleanup: Annotated[bool, typer.Option(help="delete the simulated devices at the end")] = True,
     label: Annotated[list[str], typer.Option("--label", "-l", help="k=v on every phone")] = [],  # noqa: B006
     output: Annotated[str, typer.Option("--output", "-o", help="table or json")] = "table",
+    mode: Annotated[str, typer.Option(help="light (a PhoneModel and an httpx request per phone), "
+                                      "swarm (100,000 phones on one core: phalanx.sim.swarm) or "
+                                      "auto (swarm above 1,000 phones without --compute)")] = "auto",
+    work_every: Annotated[float, typer.Option(help="swarm: seconds between a phone's work polls "
+                                              "(wait=0); 0: none")] = 0.0,
 ) -> None:
     """Many lightweight simulated phones in one process against a real server."""
     from phalanx.cli.user_cmds import parse_labels, read_spec
     from phalanx.client import PhalanxError, resolve_target
     from phalanx.sim.fleet import FleetOptions, FleetStats, run_fleet
+    from phalanx.sim.swarm import SwarmOptions, run_swarm, swarm_mode
 
     try:
         target = resolve_target(server, token)
@@ -98,7 +104,11 @@ def sim(
                       f"errors {rep['errors']}", highlight=False)
 
     try:
-        report = run_fleet(opts, progress)
+        if swarm_mode(mode, opts):
+            report = run_swarm(SwarmOptions.from_fleet(opts, work_every_s=work_every,
+                                                       json_progress=output == "json"))
+        else:
+            report = run_fleet(opts, progress)
     except SystemExit as exc:
         err.print(f"[red]error:[/red] {exc}", highlight=False)
         raise typer.Exit(1) from None
