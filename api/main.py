@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+import threading
 from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from functools import partial
@@ -191,9 +192,31 @@ async def _serving(app: FastAPI, *, settings: Settings,
             await _serve_bulk(stack, state, settings)
         if start_scheduler:
             stop = await run_in_threadpool(state.scheduler.run_embedded)
-            stack.push_async_callback(run_in_threadpool, stop)
+            stack.push_async_callback(_stop_within, stop, EMBEDDED_STOP_S)
         stack.push_async_callback(state.heartbeats.aclose)
         yield
+
+
+# How long the server waits at shutdown for the embedded scheduler to stop (docs/cli.md,
+# "Stopping"): its beat looks only at its next tick, up to reconcile_interval_s away, and its
+# worker at its next poll. What has not stopped then ends with the process; a task still running
+# is finished first (Celery's thread pool is joined at exit), so no step is cut in two.
+EMBEDDED_STOP_S = 1.0
+
+
+async def _stop_within(stop: Callable[[], None], seconds: float) -> None:
+    """Call `stop` in a thread of its own and wait `seconds` at most for it to return."""
+    stopped = threading.Event()
+
+    def run() -> None:
+        try:
+            stop()
+        finally:
+            stopped.set()
+
+    threading.Thread(target=run, name="stopping", daemon=True).start()
+    if not await run_in_threadpool(stopped.wait, seconds):
+        log.info("still stopping after %.1f s: left to end with the process", seconds)
 
 
 async def _serve_peers(stack: AsyncExitStack, state: AppState, settings: Settings) -> None:

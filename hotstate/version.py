@@ -9,6 +9,10 @@ the watcher reads the key once per bump instead of every few milliseconds (at 8 
 was ~27 GETs a step from one replica, on its event loop). While the subscription is down
 (Redis restarting), or to catch a notice lost meanwhile, the watcher also reads the key every
 `interval_s` (then SAFETY_POLL_S while listening).
+
+At shutdown the server stops every watcher of its process (`stop_waits`): each wait returns at
+once and every later one too, so a long poll answers as at its timeout instead of holding the
+server until its graceful timeout.
 """
 
 from __future__ import annotations
@@ -42,6 +46,13 @@ def bump_version(blobs: BlobStore, key: str = keys.VERSION) -> None:
 
 def current_version(blobs: BlobStore, key: str = keys.VERSION) -> bytes:
     return blobs.get(key) or b""
+
+
+def stop_waits() -> None:
+    """The server is stopping: every watcher of this process answers its waiters now, and
+    every later wait at once (from any thread)."""
+    for watcher in list(_WATCHERS):
+        watcher.stop()
 
 
 # How often a watcher reads a shared store's key while its subscription is live: only a notice
@@ -78,7 +89,29 @@ class VersionWatch:
         self._listener: threading.Thread | None = None
         # whether other processes publish bumps of the key (Redis): asked once, not per poll
         self._has_notices = blobs.notices(key) is not None
+        self._stopping = False
         _WATCHERS.add(self)
+
+    @property
+    def stopping(self) -> bool:
+        """Whether the server is stopping: a long poll answers as at its timeout."""
+        return self._stopping
+
+    def stop(self) -> None:
+        """Wake every waiter now and make later waits return at once (from any thread)."""
+        self._stopping = True
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        try:
+            loop.call_soon_threadsafe(self._wake)
+        except RuntimeError:  # the loop closed meanwhile
+            pass
+
+    def _wake(self) -> None:
+        old, self._changed = self._changed, asyncio.Event()
+        if old is not None:
+            old.set()
 
     def poke(self) -> None:
         """Re-read the key now (from any thread): a bump in this process, or a notice of one
@@ -99,12 +132,13 @@ class VersionWatch:
         return self._seen
 
     async def wait_change(self, since: bytes, timeout: float) -> bytes:
-        """Return the version once it differs from `since`, or after `timeout` seconds."""
+        """Return the version once it differs from `since`, or after `timeout` seconds, or at
+        once while stopping."""
         self._ensure_running()
         deadline = time.monotonic() + timeout
         self._waiters += 1
         try:
-            while self._seen == since:
+            while self._seen == since and not self._stopping:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     break
@@ -171,7 +205,5 @@ class VersionWatch:
             return False
         if value != self._seen:
             self._seen = value
-            old, self._changed = self._changed, asyncio.Event()
-            if old is not None:
-                old.set()
+            self._wake()
         return True

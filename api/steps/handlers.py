@@ -42,6 +42,8 @@ async def work_reply(state: AppState, device_id: str, authorization: str | None,
 
 
 async def long_poll_work(state: AppState, device_id: str, wait: float, url: URL) -> dict[str, Any]:
+    """The device's assignment, waiting up to `wait` s for one; no assignment at the timeout
+    or once the server is stopping (the agent asks again, of the next server)."""
     deadline = time.monotonic() + min(wait, state.settings.work_long_poll_max_s)
     while True:
         since = state.version_watch.snapshot()
@@ -49,7 +51,7 @@ async def long_poll_work(state: AppState, device_id: str, wait: float, url: URL)
         remaining = deadline - time.monotonic()
         if found is not None:
             return {"assignment": replace(found, bulk_url=_bulk_url(state, url))}
-        if remaining <= 0:
+        if remaining <= 0 or state.version_watch.stopping:
             return {"assignment": None}
         await state.version_watch.wait_change(since, remaining)
 
@@ -82,7 +84,8 @@ async def wait_for_weights(state: AppState, device_id: str, job_id: str, step: i
                            ) -> tuple[bytes | memoryview, dict[str, str]]:
     """`serve_weights`, waiting up to `wait` s for a slice of the next step to be applied
     (each slice applied moves the slices' version key, and so does a sliced step's commit,
-    after the version key: the rows this process reads are the new ones by then)."""
+    after the version key: the rows this process reads are the new ones by then). Once the
+    server is stopping it answers as at the timeout: not yet applied."""
     deadline = time.monotonic() + min(wait, state.settings.work_long_poll_max_s)
     while True:
         since = state.slices_watch.snapshot()
@@ -90,7 +93,7 @@ async def wait_for_weights(state: AppState, device_id: str, job_id: str, step: i
             return await run_in_threadpool(serve_weights, state, device_id, job_id, step, part)
         except NotYetApplied:
             remaining = deadline - time.monotonic()
-            if remaining <= 0:
+            if remaining <= 0 or state.slices_watch.stopping:
                 raise
             await state.slices_watch.wait_change(since, remaining)
 

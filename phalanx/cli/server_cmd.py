@@ -51,6 +51,8 @@ def server(
 
     import uvicorn
 
+    from phalanx.cli.serving import GRACEFUL_S, serve
+
     if bulk_port is None:
         bulk_port = int(os.environ.get("PHALANX_BULK_PORT") or (port + 1 if port < 65535 else 0))
     if bulk_port:  # the environment carries it to uvicorn's worker processes too
@@ -67,7 +69,7 @@ def server(
 
     tune_interpreter(settings)  # type: ignore[arg-type]
     common = {"host": host, "port": port, "access_log": access_log, "log_level": "info",
-              "loop": "auto", "http": "auto", "timeout_graceful_shutdown": 10}
+              "loop": "auto", "http": "auto", "timeout_graceful_shutdown": GRACEFUL_S}
     if settings.tls_cert_file is not None:  # type: ignore[attr-defined]
         common.update(ssl_certfile=str(settings.tls_cert_file),  # type: ignore[attr-defined]
                       ssl_keyfile=str(settings.tls_key_file))  # type: ignore[attr-defined]
@@ -76,13 +78,15 @@ def server(
 
         if workers > 1:
             typer.echo("phalanx: embedded mode (no PHALANX_REDIS_URL): running 1 worker", err=True)
-        uvicorn.run(create_app(settings, start_scheduler=True), **common)  # type: ignore[arg-type]
+        config = uvicorn.Config(create_app(settings, start_scheduler=True),  # type: ignore[arg-type]
+                                **common)
     elif workers > 1:
-        uvicorn.run("roots.api:app_from_env", factory=True, workers=workers, **common)
+        config = uvicorn.Config("roots.api:app_from_env", factory=True, workers=workers, **common)
     else:
         from roots.api import create_app
 
-        uvicorn.run(create_app(settings), **common)  # type: ignore[arg-type]
+        config = uvicorn.Config(create_app(settings), **common)  # type: ignore[arg-type]
+    serve(config)  # SIGTERM, SIGHUP and Ctrl-C stop it alike (phalanx.cli.serving)
 
 
 @db_app.command("upgrade")
