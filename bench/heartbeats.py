@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -29,7 +30,6 @@ import psycopg
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.proc_cpu import process_cpu  # noqa: E402
 from domain.store.db import libpq_url  # noqa: E402
 from tests.support.server import start_server  # noqa: E402
 
@@ -105,22 +105,44 @@ def run_wrk(url: str, script: Path, args: argparse.Namespace, env: dict[str, str
     return json.loads(out.strip().splitlines()[-1])
 
 
-def cpu_seconds() -> dict[str, float]:
-    """CPU time so far (user + system) of the live Python and Postgres processes: where a
-    request's cost goes, which a noisy shared machine blurs less than rates. (wrk has exited by
-    the time it is read; this script's own Python idles while wrk runs.)"""
-    totals: dict[str, float] = {}
-    for _, name, seconds in process_cpu():
-        group = "postgres" if name.startswith("postgres") else \
-            "python" if name.startswith("python") else "other"
-        totals[group] = totals.get(group, 0.0) + seconds
+def process_cpu_sessions() -> list[tuple[int, int, float]]:
+    """(pid, session id, user + system seconds so far) of every readable process (/proc)."""
+    tick, found = os.sysconf("SC_CLK_TCK"), []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()  # state, ppid, pgrp, session, ...
+        found.append((int(pid), int(fields[3]), (int(fields[11]) + int(fields[12])) / tick))
+    return found
+
+
+def cpu_seconds(server_pid: int, db_url: str) -> dict[str, float]:
+    """CPU time so far (user + system) of this run's own processes only, which a noisy shared
+    machine blurs less than rates: the server (uvicorn's parent and workers: its session), the
+    Postgres backends connected to the bench's database (not WAL writer or checkpointer, which
+    serve every database) and wrk (the children this script has reaped)."""
+    database = db_url.rpartition("/")[2]
+    with psycopg.connect(libpq_url(db_url), autocommit=True) as conn:
+        backends = {pid for (pid,) in conn.execute(
+            "SELECT pid FROM pg_stat_activity WHERE datname = %s AND pid <> pg_backend_pid()",
+            (database,))}
+    totals = {"server": 0.0, "postgres": 0.0}
+    for pid, session, seconds in process_cpu_sessions():
+        if session == server_pid:
+            totals["server"] += seconds
+        elif pid in backends:
+            totals["postgres"] += seconds
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    totals["wrk"] = children.ru_utime + children.ru_stime
     return totals
 
 
 def cpu_per_request(before: dict[str, float], after: dict[str, float], requests: int) -> str:
-    """µs of CPU per request of the server's Python and of Postgres."""
-    return " ".join(f"{group} {(after.get(group, 0) - before.get(group, 0)) / requests * 1e6:.0f}"
-                    for group in ("python", "postgres"))
+    """µs of CPU per request of the server, its Postgres backends and wrk."""
+    return " ".join(f"{group} {(after[group] - before[group]) / requests * 1e6:.0f}"
+                    for group in ("server", "postgres", "wrk"))
 
 
 def count_samples(db_url: str) -> int:
@@ -166,11 +188,11 @@ def main() -> None:
         rounds = []
         before = count_samples(db_url)
         for _ in range(args.rounds):
-            cpu0 = cpu_seconds()
+            cpu0 = cpu_seconds(server.process.pid, db_url)
             healthz = run_wrk(f"{server.url}/healthz", work / "healthz.lua", args, env)
-            cpu1 = cpu_seconds()
+            cpu1 = cpu_seconds(server.process.pid, db_url)
             beats = run_wrk(server.url, work / "heartbeat.lua", args, env)
-            cpu2 = cpu_seconds()
+            cpu2 = cpu_seconds(server.process.pid, db_url)
             healthz["cpu"] = cpu_per_request(cpu0, cpu1, healthz["requests"])
             beats["cpu"] = cpu_per_request(cpu1, cpu2, beats["requests"])
             rounds.append((healthz, beats))
