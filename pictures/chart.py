@@ -107,17 +107,20 @@ def _hover_bands(drawn: dict[str, list[tuple[float, float]]], px: Callable[[floa
     return "".join(out)
 
 
-def sparkline(points: Points, axis: Axis | None = None, width: int = 120, height: int = 24,
-              label: str = "", value: Callable[[float], str] = significant) -> str:
+def sparkline(points: Points, axis: Axis | None = None, span: tuple[float, float] | None = None,
+              label: str = "", value: Callable[[float], str] = significant, zero: bool = False,
+              width: int = 120, height: int = 24) -> str:
     """A small line of `points` (time, value) without axes, its last value as a dot; `axis`:
-    the value range to draw in (a battery's 0-100), else the points' own; the `<title>` says
-    the range and the last value."""
+    the value range to draw in (a battery's 0-100), else the points' own (from 0 if `zero`);
+    `span`: the times the width stands for (the last hour), else the points' own; the
+    `<title>` says the range and the last value."""
     pts = finite(points)
     if not pts:
         return '<span class="spark empty">-</span>'
     ys = [y for _, y in pts]
-    axis = axis or nice_ticks(min(ys), max(ys))
-    x0, x1 = pts[0][0], pts[-1][0] if pts[-1][0] > pts[0][0] else pts[0][0] + 1
+    axis = axis or nice_ticks(min(ys), max(ys), zero=zero)
+    x0, x1 = span or (pts[0][0], pts[-1][0])
+    x1 = x1 if x1 > x0 else x0 + 1
 
     def px(x: float) -> float:
         return 1 + (x - x0) / (x1 - x0) * (width - 4)
