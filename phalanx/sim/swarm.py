@@ -4,8 +4,9 @@ What a phone is here: a row of a `PhoneTable` (its device id, token, battery, te
 failures, unsent samples, in arrays) and entries in one timer heap, not an object or a task.
 A ticker moves what is due onto a ready list; `connections` worker coroutines, each with its
 own keep-alive HTTP/1.1 connection (`phalanx.sim.rawhttp`), take from it and speak for
-whichever phone is due. Heartbeats go before enrollments, so the enrolled part of the fleet
-keeps its beat while the rest enrolls.
+whichever phone is due. Heartbeats go before enrollments (which hold at most half the
+connections, and an eighth whatever is due), so the enrolled part of the fleet keeps its beat
+while the rest enrolls.
 
 A phone does what the real agent does (agent/runtime/heartbeat.py): it enrolls with
 `POST /v1/devices/register`; every interval (the server's, jittered by ±`jitter`) it takes a
@@ -157,8 +158,10 @@ class Swarm:
         self.to_enroll: deque[int] = deque(range(opts.phones))
         self.idle: deque[asyncio.Future[None]] = deque()
         self.stopping = False
-        # registrations hold at most half the connections: heartbeats due never wait for them
+        # registrations take at most half the connections, and an eighth even while heartbeats
+        # wait: the enrolled phones keep their beat, and enrollment goes on if the server lags
         self.enroll_slots, self.enrolling = max(1, opts.connections // 2), 0
+        self.enroll_floor = max(1, opts.connections // 8)
         self.enroll_tokens: list[str] = [opts.enroll_token] if opts.enroll_token else []
         self.failing = 0  # phones whose last attempt failed
         self.beaten = 0  # phones with `opts.beats` heartbeats accepted
@@ -190,11 +193,12 @@ class Swarm:
     async def _next(self) -> tuple[float, int] | None:
         """The next due entry, a phone to enroll as (0.0, -1 - phone), or None when stopping."""
         while not self.stopping:
-            if self.ready:
-                return self.ready.popleft()
-            if self.to_enroll and self.enrolling < self.enroll_slots:
+            if self.to_enroll and (self.enrolling < self.enroll_floor or (
+                    not self.ready and self.enrolling < self.enroll_slots)):
                 self.enrolling += 1
                 return 0.0, -1 - self.to_enroll.popleft()
+            if self.ready:
+                return self.ready.popleft()
             waiter = asyncio.get_running_loop().create_future()
             self.idle.append(waiter)
             await waiter

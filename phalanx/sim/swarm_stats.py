@@ -53,6 +53,20 @@ class LatencyHistogram:
                 return min(self.max_s, FLOOR_S * 2 ** ((i + 1) / PER_DOUBLING))
         return self.max_s
 
+    def sparse(self) -> dict[int, int]:
+        """The counts that are not zero, by bucket: what `from_sparse` reads back."""
+        return {i: c for i, c in enumerate(self.counts) if c}
+
+    @classmethod
+    def from_sparse(cls, counts: dict[Any, int], max_s: float = 0.0) -> LatencyHistogram:
+        hist = cls()
+        for i, c in counts.items():
+            hist.counts[int(i)] += c
+            hist.n += c
+        top = max((int(i) for i in counts), default=-1)
+        hist.max_s = max_s or (FLOOR_S * 2 ** ((top + 1) / PER_DOUBLING) if top >= 0 else 0.0)
+        return hist
+
     def summary_ms(self) -> dict[str, float]:
         if not self.n:
             return {}
@@ -148,6 +162,7 @@ class SwarmStats:
                 "heartbeats_ok": w.ok("heartbeat"),
                 "heartbeats_per_s": round(w.requests("heartbeat") / span, 1),
                 "heartbeat_ms": hb.summary_ms() if hb else {},
+                "heartbeat_hist": hb.sparse() if hb else {},  # LatencyHistogram.from_sparse
                 "registered": w.ok("register"),
                 "statuses": {ep: dict(c) for ep, c in sorted(w.statuses.items())},
                 "lag_p99_ms": round(1000 * self.window_lag.percentile(0.99), 1),
