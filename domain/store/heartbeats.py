@@ -187,10 +187,16 @@ class DeviceBatch:
 def latest_sample(body: HeartbeatIn) -> dict[str, Any] | None:
     if not body.telemetry:
         return None
-    newest = max(body.telemetry, key=lambda s: s.ts)
-    values = newest.model_dump(exclude_none=True)
+    newest = max(body.telemetry, key=_sample_ts)
+    # the sample's fields as validated (floats, bools; no nested models), as model_dump(
+    # exclude_none=True) gives them at a tenth of its cost; a test compares the two
+    values = {name: value for name, value in newest.__dict__.items() if value is not None}
     values["ts"] = newest.ts.timestamp()
     return values
+
+
+def _sample_ts(sample: Any) -> dt.datetime:
+    return sample.ts
 
 
 def merge_batch(items: list[tuple[str, str, HeartbeatIn]]) -> list[DeviceBatch]:

@@ -59,3 +59,37 @@ def test_the_batch_statement_uses_indexes_not_table_scans(pg_api, pg_url):
     # a table scan per batch would make every heartbeat cost O(fleet)
     assert "Seq Scan" not in plan, plan
     assert "pk_devices" in plan, plan
+
+
+def test_the_batch_parameters_carry_every_validated_value_as_model_dump_gives_it():
+    """batch_params encodes the whole batch in one pydantic-core call (not json.dumps and a
+    model_dump_json per body): the documents must still say what the models say, None fields,
+    a naive timestamp made UTC and a batch's two heartbeats of one device included."""
+    import json
+
+    from domain.store.heartbeats import latest_sample
+
+    bodies = [HeartbeatIn.model_validate(
+        {"telemetry": [sample(5.0), {**sample(7.25), "battery_pct": None, "throttled": True},
+                       {"ts": "2026-01-02T03:04:05.123456", "busy": False}],
+         "agent_version": "1.2.3", "pause": {"reason": "charging", "detail": "plugged in"}}),
+        HeartbeatIn.model_validate({"telemetry": [sample(1.5)]})]
+    items = [("dev-a", "hash-a", bodies[0]), ("dev-b", "hash-b", bodies[1]),
+             ("dev-a", "hash-a", HeartbeatIn.model_validate({"telemetry": []}))]
+    now = dt.datetime(2026, 12, 7, 12, 0, tzinfo=dt.timezone.utc)
+    params = heartbeats_pg.batch_params(items, now)
+    samples = json.loads(params["samples"])
+    assert samples == [{"id": device_id, "token_hash": token_hash,
+                        **json.loads(body.model_dump_json(include={"telemetry"}))}
+                       for device_id, token_hash, body in items if body.telemetry]
+    devices = {d["id"]: d for d in json.loads(params["devices"])}
+    assert list(devices) == ["dev-a", "dev-b"]  # id order: batches lock rows in one order
+    newest = max(bodies[0].telemetry, key=lambda s: s.ts)
+    expected = {**newest.model_dump(exclude_none=True), "ts": newest.ts.timestamp()}
+    assert latest_sample(bodies[0]) == expected
+    assert devices["dev-a"]["tel"] == expected
+    assert dt.datetime.fromisoformat(devices["dev-a"]["tel_at"]) == \
+        dt.datetime.fromtimestamp(newest.ts.timestamp(), dt.timezone.utc)
+    # the later heartbeat of dev-a says nothing of a pause (resumed) and no version (kept)
+    assert devices["dev-a"]["pause"] is None and devices["dev-a"]["agent_version"] == "1.2.3"
+    assert devices["dev-b"]["pause"] is None and devices["dev-b"]["tel"]["ts"] == 1.5
