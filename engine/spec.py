@@ -65,6 +65,7 @@ class TrainSpec:
     decay_epochs: tuple[float, ...] = ()
     decay_factor: float = 0.1
     lr_scaling: bool = True
+    eval_every: int = 0  # engine.validation: the validation split every this many steps; 0: at the end only
     layers: tuple[Any, ...] = field(default=(), hash=False)  # a custom model's layer graph (engine.layerspec)
     n_train: int | None = None
     name: str = ""
@@ -125,6 +126,7 @@ class TrainSpec:
                                for e in decay),
             decay_factor=_read(opt, "decay_factor", 0.1, float, "optimizer."),
             lr_scaling=_read(opt, "lr_scaling", True, bool, "optimizer."),
+            eval_every=_read(spec, "eval_every", 0, int),
             layers=tuple(layers),
             n_train=None if n_train is None else int(n_train),
             name=str(spec.get("name", "")),
@@ -170,6 +172,8 @@ class TrainSpec:
             raise SpecError("optimizer.lr must be > 0")
         if not 0 <= self.dropout < 1:
             raise SpecError("model.dropout must be in [0, 1)")
+        if self.eval_every < 0:
+            raise SpecError("eval_every must be >= 0 (steps; 0: validation at the end only)")
         if self.warmup_epochs < 0 or self.warmup_epochs >= self.epochs:
             raise SpecError("optimizer.warmup_epochs must be >= 0 and < epochs")
         if self.n_train is not None:

@@ -2,7 +2,8 @@
 
 Every step computes every shard's gradient sum with `compute_shard` and applies them with the
 same `apply_step` the scheduler uses, so a cluster run of the same spec ends where this ends
-(DESIGN.md invariant 1).
+(DESIGN.md invariant 1). With `eval_every` it validates the weights of those steps with
+engine.validation, as the cluster's step commit does: the metrics' `validation` is the curve.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,11 +19,11 @@ import numpy as np
 
 from engine.checkpoint import save_npz, state_to_arrays
 from engine.data import load_dataset
-from engine.kernels import kernels_for
 from engine.runner import final_metrics, job_model, shard_gradient
 from engine.sampler import shard_indices
-from engine.step import apply_step, evaluate, initial_state
+from engine.step import apply_step, initial_state
 from engine.stored import Samples
+from engine.validation import ValidationPoint, validate, validation_due
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,7 @@ def _run_reference(spec: dict[str, Any], out_dir: Path | None, progress: bool,
     state = initial_state(model, ts)
     spe, total = ts.steps_per_epoch, ts.total_steps
     rows: list[EpochRow] = []
+    curve: list[ValidationPoint] = []
     display = _Display(total, progress)
     start = time.perf_counter()
     with display:
@@ -75,7 +77,12 @@ def _run_reference(spec: dict[str, Any], out_dir: Path | None, progress: bool,
                 losses.append(m.train_loss)
                 accs.append(m.train_accuracy)
                 display.advance(m.train_loss)
-            row = _epoch_row(model, state, data, epoch, losses, accs, ts, spe, t0)
+                if validation_due(ts, state.step):
+                    v0 = time.perf_counter()
+                    curve += [p for p in [validate(job, state, data.x_val, data.y_val)] if p]
+                    t0 += time.perf_counter() - v0  # an epoch's samples/s: its steps' time
+            done = curve[-1] if curve and curve[-1].step == state.step - 1 else None
+            row = _epoch_row(job, state, data, epoch, losses, accs, spe, t0, done)
             rows.append(row)
             display.epoch(row)
             if on_epoch is not None:
@@ -85,6 +92,7 @@ def _run_reference(spec: dict[str, Any], out_dir: Path | None, progress: bool,
     validated = None if last.val_loss is None else (last.val_loss, last.val_accuracy)
     metrics = {"val_loss": None, "val_accuracy": None,
                **final_metrics(job, state, losses, accs, data.x_val, data.y_val, validated),
+               "validation": [asdict(p) for p in curve],
                "seconds": round(seconds, 3),
                "samples_per_s": round(state.step * ts.global_batch_size / max(seconds, 1e-9), 1)}
     if out_dir is not None:
@@ -95,18 +103,17 @@ def _run_reference(spec: dict[str, Any], out_dir: Path | None, progress: bool,
     return metrics
 
 
-def _epoch_row(model, state, data, epoch, losses, accs, ts, spe, t0) -> EpochRow:
+def _epoch_row(job, state, data, epoch, losses, accs, spe, t0,
+               validated: ValidationPoint | None) -> EpochRow:
+    """The epoch's line; its validation is the curve's point of this step when it has one."""
     seconds = time.perf_counter() - t0
-    val_loss = val_acc = None
-    if len(data.y_val):
-        ev = evaluate(model, state.params, state.buffers, data.x_val, data.y_val,
-                      kernels=kernels_for(ts.exactness))
-        val_loss, val_acc = ev.loss, ev.accuracy
+    ts = job.spec
+    point = validated or validate(job, state, data.x_val, data.y_val)
     from engine.optim import lr_at
 
     return EpochRow(epoch + 1, state.step, float(np.mean(losses)), float(np.mean(accs)),
-                    val_loss, val_acc, lr_at(ts, state.step - 1),
-                    spe * ts.global_batch_size / max(seconds, 1e-9))
+                    point.val_loss if point else None, point.val_accuracy if point else None,
+                    lr_at(ts, state.step - 1), spe * ts.global_batch_size / max(seconds, 1e-9))
 
 
 class _Display:

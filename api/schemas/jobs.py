@@ -138,6 +138,10 @@ class JobCreate(RequestModel):
     label_smoothing: float = Field(0.0, ge=0, lt=1, description="the target is (1 - e) on the "
                                    "label plus e / classes on every class (torch's)")
     checkpoint_every: int = Field(50, ge=1, le=100000)
+    eval_every: int = Field(0, ge=0, le=100000, description="the validation split's loss and "
+                            "accuracy every this many steps (and at the last), a point of the "
+                            "job's validation curve each; 0: only the final weights' "
+                            "(engine.validation, as phalanx train --local computes them)")
     verification: VerificationSpec = Field(
         default_factory=VerificationSpec, description="audits: a phone's result is checked, "
         "not trusted (DESIGN.md invariant 7)")

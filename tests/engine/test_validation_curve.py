@@ -1,0 +1,68 @@
+"""The validation curve (engine.validation): `eval_every` in the spec, the reference trainer's
+points, and the same points from the cluster's weights of those steps, bit for bit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from api.schemas.jobs import JobCreate
+from engine.data import load_dataset
+from engine.jobinfo import job_info
+from engine.spec import SpecError, TrainSpec
+from engine.validation import validate, validation_due
+from phalanx.train_local import run_reference
+from tests.api.conftest import api_on
+from tests.scheduler.helpers import make_ctx, run_to, start_job, stored_state, tiny_spec
+
+
+@pytest.mark.parametrize(("every", "total", "due"), [
+    (0, 10, []),  # the final metrics only
+    (3, 10, [3, 6, 9, 10]),  # and the last step's, whatever the remainder
+    (5, 10, [5, 10]),
+    (25, 10, [10]),
+    (1, 3, [1, 2, 3]),
+])
+def test_points_every_eval_every_steps_and_the_last(every, total, due) -> None:
+    spec = TrainSpec(arch="mlp", dataset="digits", global_batch_size=10, shards=1, epochs=total,
+                     eval_every=every, n_train=10)
+    assert [n for n in range(total + 1) if validation_due(spec, n)] == due
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, "10", True])
+def test_a_bad_eval_every_is_refused_by_name(bad) -> None:
+    with pytest.raises(SpecError, match="eval_every"):
+        TrainSpec.from_job_spec({"model": {"arch": "mlp"}, "dataset": "digits", "eval_every": bad})
+
+
+def test_the_api_answers_422_naming_eval_every(sqlite_url, tmp_path: Path) -> None:
+    spec = {"name": "j", "model": {"arch": "logreg"}, "dataset": "digits"}
+    with api_on(sqlite_url, tmp_path) as api:
+        for bad in (-1, 100_001, "often"):
+            got = api.post("/v1/jobs", json={**spec, "eval_every": bad})
+            assert got.status_code == 422, got.text
+            assert [e["loc"][-1] for e in got.json()["detail"]] == ["eval_every"], got.text
+    assert JobCreate.model_validate({**spec, "eval_every": 10}).spec()["eval_every"] == 10
+    assert JobCreate.model_validate(spec).spec()["eval_every"] == 0  # kept with its default
+
+
+def test_the_cluster_validates_to_the_reference_curve_bit_for_bit(sqlite_url, tmp_path: Path
+                                                                  ) -> None:
+    spec = tiny_spec(eval_every=3)  # 8 steps: points of steps 3, 6 and the last, 8
+    reference = run_reference(spec, None, progress=False)
+    assert [p["step"] for p in reference["validation"]] == [2, 5, 7]
+    last = reference["validation"][-1]
+    assert (last["val_loss"], last["val_accuracy"]) == (reference["val_loss"],
+                                                        reference["val_accuracy"])
+    ctx = make_ctx(sqlite_url, tmp_path)
+    job_id = start_job(ctx, spec)
+    info = job_info(job_id, spec, ctx.settings.data_dir)
+    data = load_dataset(info.spec.dataset)
+    cluster = []
+    for steps in range(1, info.total_steps + 1):
+        run_to(ctx, job_id, steps)  # the state of `steps` as the step commit holds it
+        if validation_due(info.spec, steps):
+            point = validate(info, stored_state(ctx, job_id, steps), data.x_val, data.y_val)
+            cluster.append(point.__dict__)
+    assert cluster == reference["validation"]
