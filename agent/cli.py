@@ -62,6 +62,7 @@ def cmd_enroll(args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from agent.runtime.agent import AgentRuntime, AgentStopped  # numpy etc. only when running
+    from agent.runtime.executor import close_all
 
     try:
         runtime = AgentRuntime(resolve_path(args.config))
@@ -78,6 +79,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     except AgentStopped as exc:
         print(f"phalanx-agent stopped: {exc}", file=sys.stderr)
         return EXIT_STOPPED
+    finally:  # SIGTERM, SIGHUP and Ctrl-C alike: no compute worker outlives the agent
+        close_all()
     if runtime.upgrader.restart_for:  # runit starts launch.sh again: the new build, on trial
         print(f"phalanx-agent: agent {runtime.upgrader.restart_for} installed; exiting for "
               "the service manager to start it", file=sys.stderr)

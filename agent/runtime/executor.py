@@ -7,11 +7,14 @@ import os
 import subprocess
 import sys
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
 from agent.runtime.workerenv import BACKEND_ENV, CORES_ENV, THREADS_ENV
 from engine.memory import with_malloc_tunables
+
+_STARTED: weakref.WeakSet[ComputeWorker] = weakref.WeakSet()  # this process's, until closed
 
 THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
                "VECLIB_MAXIMUM_THREADS", "NUMEXPR_NUM_THREADS")
@@ -74,6 +77,7 @@ class ComputeWorker:
             [sys.executable, "-m", "agent.runtime.worker"], stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, env=env, text=True, bufsize=1,
         )
+        _STARTED.add(self)
         hello = self._read()
         self.pinned = bool(hello.get("pinned"))
 
@@ -113,6 +117,7 @@ class ComputeWorker:
         return self.proc.poll() is None
 
     def close(self) -> None:
+        _STARTED.discard(self)
         if self.proc.poll() is None:
             try:
                 assert self.proc.stdin is not None
@@ -128,3 +133,11 @@ class ComputeWorker:
                     pipe.close()
                 except OSError:
                     pass
+
+
+def close_all() -> None:
+    """Close every compute worker this process started and has not closed: at the agent's
+    exit, those a work thread it no longer waits for was still measuring or starting (each is
+    asked to quit, and killed after 5 s)."""
+    for worker in list(_STARTED):
+        worker.close()

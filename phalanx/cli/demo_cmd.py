@@ -46,6 +46,7 @@ def demo(
         except KeyboardInterrupt:
             console.print("stopping")
 
+    stop_on_signals()
     try:
         result = Demo(opts, console).run(on_ready=wait_for_ctrl_c)
     except (PhalanxError, RuntimeError) as exc:
@@ -53,6 +54,20 @@ def demo(
         raise typer.Exit(1) from None
     if not result.succeeded:
         raise typer.Exit(1)
+
+
+def stop_on_signals() -> None:
+    """SIGTERM (`kill`) and SIGHUP (a closed terminal) stop the demo as Ctrl-C does: it stops
+    the phones, their compute workers and the server before it exits. A second one while they
+    stop is ignored (a second Ctrl-C is not: it leaves them behind)."""
+
+    def interrupt(signum: int, frame: object) -> None:
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_IGN)
+        raise KeyboardInterrupt
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, interrupt)
 
 
 def sim(

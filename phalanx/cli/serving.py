@@ -24,8 +24,6 @@ import uvicorn
 from uvicorn.config import STARTUP_FAILURE
 from uvicorn.supervisors import multiprocess
 
-from hotstate.version import stop_waits
-
 log = logging.getLogger("uvicorn.error")
 
 STOP_S = 3  # the promise: from the signal to the process's end (docs/cli.md, "Stopping")
@@ -51,6 +49,10 @@ class Server(uvicorn.Server):
                 signal.signal(signal.SIGHUP, hangup)
 
     async def shutdown(self, sockets: list[socket] | None = None) -> None:
+        # imported here: a worker process imports this module before it answers uvicorn's
+        # health checks, and the app (which imports it anyway) only later
+        from hotstate.version import stop_waits
+
         stop_waits()  # the long polls answer now, not at the graceful timeout
         await super().shutdown(sockets)
 

@@ -26,6 +26,21 @@ def _wait_for_broker(celery: Celery, wait_s: float) -> BrokerProblem | None:
     return retrying(broker_problem, celery)
 
 
+def stop_on_hangup(celery: Celery) -> None:
+    """SIGHUP stops the worker as SIGTERM does (a warm shutdown: the tasks running finish,
+    then the process ends); Celery's own answer, away from a terminal, restarts it in place."""
+    from celery.apps.worker import install_worker_term_handler
+
+    worker_cls = celery.Worker  # this app's own subclass
+    install_tweaks = worker_cls.install_platform_tweaks
+
+    def install_platform_tweaks(self: object, worker: object) -> None:
+        install_tweaks(self, worker)
+        install_worker_term_handler(worker, sig="SIGHUP")
+
+    worker_cls.install_platform_tweaks = install_platform_tweaks  # type: ignore[method-assign]
+
+
 def register(app: typer.Typer) -> None:
     """Mount this module's commands on the root app."""
 
@@ -71,4 +86,5 @@ def register(app: typer.Typer) -> None:
 
             # in-memory schedule: the default PersistentScheduler keeps a shelve (pickle) file
             EmbeddedService(celery, thread=True, scheduler_cls=Scheduler).start()
+        stop_on_hangup(celery)
         celery.worker_main(argv)

@@ -8,6 +8,7 @@ enroll/run` (one child process per phone, `phalanx.sim.phone`), and the HTTP API
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import time
 from collections.abc import Callable
@@ -99,8 +100,11 @@ class Demo:
 
     # -- setting up --------------------------------------------------------------------------
     def say(self, message: str) -> None:
-        self.console.print(f"[dim]{time.strftime('%H:%M:%S')}[/dim] {message}", highlight=False,
-                           soft_wrap=True)
+        """A line of the demo's story; none when the terminal is gone (SIGHUP): the demo goes
+        on to stop what it started."""
+        with contextlib.suppress(OSError):
+            self.console.print(f"[dim]{time.strftime('%H:%M:%S')}[/dim] {message}",
+                               highlight=False, soft_wrap=True)
 
     def start_server(self) -> PhalanxClient:
         self.say(f"starting the control plane (embedded: SQLite, in-process Celery) in {self.data_dir}")

@@ -82,15 +82,24 @@ def start_embedded_server(data_dir: Path, *, host: str = "127.0.0.1", port: int 
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
     server = EmbeddedServer(f"http://{host}:{port}", token, data_dir, proc, log_path)
+    try:
+        _wait_healthy(server, timeout_s)
+    except BaseException:  # a timeout, or Ctrl-C/SIGTERM meanwhile: nothing left running
+        server.stop()
+        raise
+    return server
+
+
+def _wait_healthy(server: EmbeddedServer, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"phalanx server exited with {proc.returncode}:\n{server.log_tail()}")
+        if not server.alive:
+            raise RuntimeError(f"phalanx server exited with {server.process.returncode}:\n"
+                               f"{server.log_tail()}")
         try:
             if httpx.get(f"{server.url}/healthz", timeout=2).status_code == 200:
-                return server
+                return
         except httpx.HTTPError:
             pass
         time.sleep(0.2)
-    server.stop()
     raise RuntimeError(f"phalanx server did not answer within {timeout_s:.0f}s:\n{server.log_tail()}")
