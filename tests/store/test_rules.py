@@ -17,7 +17,8 @@ import datetime as dt
 from types import SimpleNamespace
 
 import pytest
-from sqlalchemy import select, update
+from sqlalchemy import select, text, update
+from sqlalchemy.exc import OperationalError
 
 from domain.errors import Forbidden, Invalid, NotFound
 from domain.settings import Settings
@@ -26,6 +27,8 @@ from domain.store.db import make_engine, make_session_factory, transaction
 from domain.store.heartbeats import check_clock
 from domain.store.models import Dataset, Device, Event, Job
 from domain.store.selectors import Requirement, matches, parse_selector, sql_conditions
+from domain.store.states import Event as JobEvent
+from domain.store.states import update_job
 from domain.store.tokens import Principal
 
 NOW = dt.datetime(2026, 12, 7, 12, 0, tzinfo=dt.timezone.utc)
@@ -311,3 +314,30 @@ def test_another_user_s_resource_is_not_found_and_a_shared_one_not_theirs_to_cha
     admins = SimpleNamespace(owner=None, public=False)
     assert not owners.may_change(admins, ALICE) and not owners.may_change(admins, PHONE)
     assert owners.may_change(admins, ADMIN)
+
+
+def test_a_flag_change_waits_for_another_writer_of_the_device(pg_url: str) -> None:
+    """cordon, drain and uncordon read the device FOR UPDATE (Postgres; SQLite locks the whole
+    file): while another transaction holds the row, a second flag change waits rather than
+    deciding from a row about to change. A 100 ms lock timeout turns the wait into an error."""
+    engine = make_engine(pg_url)
+    factory = make_session_factory(engine)
+    dev = add_device(factory, "a", NOW, cordoned=True, state="Cordoned")
+    for verb in (lifecycle.cordon, lifecycle.drain, lifecycle.uncordon):
+        with factory() as holder, factory() as other:
+            lifecycle.get_device(holder, dev, for_update=True)
+            other.execute(text("SET lock_timeout = '100ms'"))
+            with pytest.raises(OperationalError, match="lock timeout"):
+                verb(other, dev, NOW)
+            other.rollback()
+            holder.rollback()
+    engine.dispose()
+
+
+# --- job writes -----------------------------------------------------------------------------
+
+def test_a_guarded_job_write_refuses_a_state_and_an_event_without_its_time() -> None:
+    with pytest.raises(ValueError, match=r"^a job's state changes only through transition\(\)$"):
+        update_job(None, "job-x", expect={}, state="Running")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="^an event needs its time$"):
+        update_job(None, "job-x", expect={}, event=JobEvent("R", "m"))  # type: ignore[arg-type]
