@@ -69,7 +69,11 @@ def server(
 
     tune_interpreter(settings)  # type: ignore[arg-type]
     common = {"host": host, "port": port, "access_log": access_log, "log_level": "info",
-              "loop": "auto", "http": "auto", "timeout_graceful_shutdown": GRACEFUL_S}
+              "loop": "auto", "http": "auto", "timeout_graceful_shutdown": GRACEFUL_S,
+              # --workers N: a worker that has not answered the supervisor's ping by then is
+              # killed and started again; uvicorn's 5 s killed every worker of a loaded machine
+              # (load 40 on 2 cores) while it was still importing, over and over
+              "timeout_worker_healthcheck": 30}
     if settings.tls_cert_file is not None:  # type: ignore[attr-defined]
         common.update(ssl_certfile=str(settings.tls_cert_file),  # type: ignore[attr-defined]
                       ssl_keyfile=str(settings.tls_key_file))  # type: ignore[attr-defined]
