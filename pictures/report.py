@@ -17,7 +17,7 @@ from bisect import bisect_left
 from collections.abc import Sequence
 from typing import Any
 
-from pictures.chart import PAD_B, PAD_L, PAD_R, PAD_T, WIDTH, line_chart
+from pictures.chart import PAD_L, PAD_R, PAD_T, WIDTH, line_chart
 from pictures.numbers import metric
 from pictures.ticks import nice_ticks
 from wire.states import JobState
@@ -30,7 +30,7 @@ TIMELINE_MARKS = {
     "held": "shards a phone held (the number: how many), from step to step",
     "Warning": "a Warning on a phone: a fault, a pause, a straggler, a lost lease",
     "Normal": "a Normal event on a phone: placed, shards moved, joined, resumed",
-    "job": "an event of the whole job (no one phone), dashed across every lane",
+    "job": "an event of the whole job (no one phone), dashed across every lane: red a Warning",
 }
 __all__ = ["event_steps", "holdings", "line_chart", "render", "timeline", "TIMELINE_MARKS"]
 
@@ -132,7 +132,7 @@ def timeline(events: Sequence[dict[str, Any]], metrics: Sequence[dict[str, Any]]
     devices = sorted(set(lanes) | {str(ev["device_id"]) for _, ev in placed
                                    if ev.get("device_id")})
     lane_h, w = 26, WIDTH * 2 - PAD_L - PAD_R
-    height = PAD_T + lane_h * (len(devices) + 1) + PAD_B
+    height = PAD_T + lane_h * len(devices) + 40  # the axis: its ticks and "step" under it
     axis = nice_ticks(0, end, zero=True, integer=True)
 
     def px(step: float) -> float:
