@@ -63,27 +63,12 @@ def test_each_column_sorts_the_fleet_both_ways_and_the_hottest_comes_first(api_s
     assert 'aria-sort="ascending"' in page
 
 
-def test_sparklines_draw_the_last_hour_in_at_most_60_points(api, monkeypatch) -> None:
-    phone, cooler = api.register("phone-1"), api.register("phone-2")
+def test_sparklines_draw_each_phones_last_hour_in_at_most_60_points(api, monkeypatch) -> None:
+    a, b = api.register("phone-a"), api.register("phone-b")
     # every 20 s for 70 minutes (3 s off the buckets' edges): the ten before the hour not drawn
     minutes = [m / 3 + 0.05 for m in range(0, 210)]
-    heartbeats(api, phone, minutes, battery_pct=lambda m: 100 - m, cpu_temp_c=lambda m: 30 + m / 10)
-    heartbeats(api, cooler, [1, 2], cpu_temp_c=25.0)
-    monkeypatch.setattr(ui, "SPARK_DEVICES", 1)  # the first phone in the page's order only
-    log_in(api)
-    page = api.client.get("/ui").text
-    sparks = dict(re.findall(r'<svg class="spark" data-spark="([^"]+)" data-points="(\d+)"', page))
-    assert sparks == {"°C, the last hour": "60", "battery, the last hour": "60"}
-    assert "<title>battery, the last hour: 41% to 100%, now 100%</title>" in page
-    assert "<title>°C, the last hour: 30.0 to 35.9, now 30.0</title>" in page
-    assert page.count('<svg class="spark"') == 2 and cooler["device_id"] in page
-    # sorted the other way round, the cooler phone is the one drawn
-    page = api.client.get("/ui", params={"sort": "temp"}).text
-    assert page.count('<svg class="spark"') == 2 and "25.0 to 25.0" in page
-
-
-def test_samples_a_second_are_shared_out_by_the_shards_each_phone_held(api) -> None:
-    a, b = api.register("phone-a"), api.register("phone-b")
+    heartbeats(api, a, minutes, battery_pct=lambda m: 100 - m, cpu_temp_c=lambda m: 30 + m / 10)
+    heartbeats(api, b, [1, 2], cpu_temp_c=25.0, battery_pct=None)
     now = api.clock.now
     with api.app.state.session_factory() as session:
         job = Job(name="j", spec={}, state="Running", total_steps=600)
@@ -100,9 +85,17 @@ def test_samples_a_second_are_shared_out_by_the_shards_each_phone_held(api) -> N
         session.commit()
     log_in(api)
     page = api.client.get("/ui", params={"sort": "-rate"}).text
-    titles = dict(re.findall(r'<tr data-device="([^"]+)">.*?<title>samples/s, the last hour: '
-                             r'([^<]+)</title>', page))
-    # phone-b holds every shard since step 350: all of the rate; phone-a stopped
-    assert titles[b["device_id"]] == "11 to 43, now 43"
-    assert titles[a["device_id"]] == "0 to 32, now 0"
     assert rows(page) == [b["device_id"], a["device_id"]]
+    sparks = re.findall(r'<tr data-device="([^"]+)">|<svg class="spark" data-spark="([^"]+)" '
+                        r'data-points="(\d+)"[^>]*><title>[^:]+: ([^<]+)</title>', page)
+    assert [s[1:] if s[1] else s[0] for s in sparks] == [
+        b["device_id"], ("°C, the last hour", "2", "25.0 to 25.0, now 25.0"),
+        # phone-b holds every shard since step 350: all of the rate, a quarter before
+        ("samples/s, the last hour", "40", "11 to 43, now 43"),
+        a["device_id"], ("°C, the last hour", "60", "30.0 to 35.9, now 30.0"),
+        ("battery, the last hour", "60", "41% to 100%, now 100%"),
+        ("samples/s, the last hour", "40", "0 to 32, now 0")]  # phone-a stopped
+    monkeypatch.setattr(ui, "SPARK_DEVICES", 1)  # the first phone in the page's order only
+    page = api.client.get("/ui", params={"sort": "battery"}).text
+    assert rows(page) == [a["device_id"], b["device_id"]]  # phone-b's battery unknown: last
+    assert re.findall(r'data-spark="([^,]+),', page) == ["°C", "battery", "samples/s"]
