@@ -124,6 +124,8 @@ def test_cordon_drain_uncordon_record_an_event_only_when_something_changed(facto
     with factory() as session:
         messages = list(session.scalars(select(Event.message).where(Event.device_id == dev)
                                         .order_by(Event.id)))
+        times = set(session.scalars(select(Event.ts).where(Event.device_id == dev)))
+    assert {t.replace(tzinfo=dt.timezone.utc) for t in times} == {NOW}
     assert messages == ["cordoned: no new work is placed here",
                         "draining: cordoned, and asked to let go of its work",
                         "uncordoned: schedulable again"]
@@ -309,8 +311,9 @@ def test_another_user_s_resource_is_not_found_and_a_shared_one_not_theirs_to_cha
                                           "admin may change it")
         assert owners.find_to_change(session, Dataset, "alices", ALICE, "d").name == "alices"
         assert owners.find_to_change(session, Dataset, "bobs", ADMIN, "d").name == "bobs"
-        with pytest.raises(NotFound):
-            owners.find_to_change(session, Dataset, "bobs", ALICE, "d")
+        with pytest.raises(NotFound) as hidden:
+            owners.find_to_change(session, Dataset, "bobs", ALICE, "dataset 'bobs'")
+        assert hidden.value.detail == "dataset 'bobs' not found"
     admins = SimpleNamespace(owner=None, public=False)
     assert not owners.may_change(admins, ALICE) and not owners.may_change(admins, PHONE)
     assert owners.may_change(admins, ADMIN)
@@ -327,6 +330,7 @@ def test_a_flag_change_waits_for_another_writer_of_the_device(pg_url: str) -> No
         with factory() as holder, factory() as other:
             lifecycle.get_device(holder, dev, for_update=True)
             other.execute(text("SET lock_timeout = '100ms'"))
+            assert lifecycle.get_device(other, dev).id == dev  # a plain read does not wait
             with pytest.raises(OperationalError, match="lock timeout"):
                 verb(other, dev, NOW)
             other.rollback()
