@@ -68,16 +68,34 @@ class WorkerProcess(multiprocess.Process):
 
 
 class Supervisor(multiprocess.Multiprocess):
-    """uvicorn's supervisor of --workers N; SIGHUP stops it as SIGTERM does."""
+    """uvicorn's supervisor of --workers N; SIGHUP stops it as SIGTERM does. Once its workers
+    have stopped it ends by the signal it got, as `Server` does: the interpreter's teardown of
+    a process that only supervised took seconds more on a loaded machine."""
+
+    stopped_by: signal.Signals | None = None
 
     def run(self) -> None:
         # uvicorn's supervisor starts (and restarts) its workers by this module-level name
         multiprocess.Process = WorkerProcess  # type: ignore[misc]
         super().run()
+        if self.stopped_by is not None:
+            logging.shutdown()
+            signal.signal(self.stopped_by, signal.SIG_DFL)
+            signal.raise_signal(self.stopped_by)
+
+    def _stop(self, sig: signal.Signals) -> None:
+        log.info("Received %s, exiting.", sig.name)
+        self.stopped_by = sig
+        self.should_exit.set()
+
+    def handle_int(self) -> None:
+        self._stop(signal.SIGINT)
+
+    def handle_term(self) -> None:
+        self._stop(signal.SIGTERM)
 
     def handle_hup(self) -> None:
-        log.info("Received SIGHUP, exiting.")
-        self.should_exit.set()
+        self._stop(signal.SIGHUP)
 
 
 def serve(config: uvicorn.Config) -> None:
