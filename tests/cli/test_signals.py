@@ -7,6 +7,7 @@ waiting in a work long poll (it answers "no work" at once, not at the graceful t
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import re
@@ -23,6 +24,8 @@ import psutil
 import pytest
 import yaml
 
+from hotstate.blobs import MemoryBlobStore
+from hotstate.version import VersionWatch
 from phalanx.cli.serving import STOP_S
 from tests.support.databases import migrated_sqlite
 from tests.support.env import ADMIN_TOKEN, without_settings
@@ -59,6 +62,26 @@ def exit_after_signal(proc: subprocess.Popen[Any], sig: int) -> float:
     proc.send_signal(sig)
     proc.wait(timeout=QUIT_S)
     return time.monotonic() - sent
+
+
+def test_a_stopped_watch_answers_its_waiters_now_and_every_later_wait_at_once() -> None:
+    """What the server does first at shutdown (hotstate.version.stop_waits calls `stop` on every
+    watcher of the process; here only this one, the test's process has others)."""
+    watch = VersionWatch(MemoryBlobStore(), interval_s=60.0)
+
+    async def waits() -> tuple[bytes, bytes, bytes]:
+        since = watch.snapshot()
+        waiting = asyncio.create_task(watch.wait_change(since, timeout=30.0))
+        await asyncio.sleep(0.05)
+        stopper = threading.Thread(target=watch.stop)  # a signal's thread, not the loop's
+        stopper.start()
+        seen = await asyncio.wait_for(waiting, timeout=QUIT_S)
+        later = await asyncio.wait_for(watch.wait_change(since, timeout=30.0), timeout=QUIT_S)
+        stopper.join()
+        return since, seen, later
+
+    since, seen, later = asyncio.run(waits())
+    assert seen == later == since and watch.stopping
 
 
 class LongPoll:
