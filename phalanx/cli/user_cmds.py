@@ -120,7 +120,10 @@ def describe_job(job: dict[str, Any]) -> str:
 
 def _rounded(name: str, value: Any) -> Any:
     shown = metric(name, value)
-    return shown if shown is value or shown.endswith("%") else float(shown.replace(",", ""))
+    if shown is value or shown.endswith("%"):
+        return shown
+    number = shown.replace(",", "")
+    return float(number) if "." in number or "e" in number else int(number)
 
 
 def parse_labels(pairs: list[str]) -> dict[str, str]:
