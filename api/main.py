@@ -199,8 +199,9 @@ async def _serving(app: FastAPI, *, settings: Settings,
 
 # How long the server waits at shutdown for the embedded scheduler to stop (docs/cli.md,
 # "Stopping"): its beat looks only at its next tick, up to reconcile_interval_s away, and its
-# worker at its next poll. What has not stopped then ends with the process; a task still running
-# is finished first (Celery's thread pool is joined at exit), so no step is cut in two.
+# worker at its next poll. What has not stopped then ends with the process, as at a kill: in
+# embedded mode the working state lives in the process and is lost at any stop (a job resumes
+# from its checkpoint), and what reaches the database is written in transactions.
 EMBEDDED_STOP_S = 1.0
 
 
