@@ -9,7 +9,8 @@ connections, and an eighth whatever is due), so the enrolled part of the fleet k
 while the rest enrolls.
 
 A phone does what the real agent does (agent/runtime/heartbeat.py): it enrolls with
-`POST /v1/devices/register`; every interval (the server's, jittered by ±`jitter`) it takes a
+`POST /v1/devices/register` (`enroll_first`, the default: the whole fleet enrolls, then the
+phones start beating, each at a random offset within one interval); every interval (the server's, jittered by ±`jitter`) it takes a
 telemetry sample and sends every sample not yet accepted (at most 100 a request) with its
 agent version, capabilities, profiles and pause; on a transport error, a 5xx or a 429 it keeps
 the samples and tries again after full-jitter exponential backoff (1 s base, 60 s cap, at most
@@ -83,6 +84,7 @@ class SwarmOptions:
     work_every_s: float = 0.0  # 0: no work polls
     timeout_s: float = 30.0
     beats: int = 0  # > 0: stop once every phone has had this many heartbeats accepted
+    enroll_first: bool = True  # every phone enrolls before any heartbeats (else each at once)
     seed: int = 0
     cleanup: bool = True
     labels: dict[str, str] = field(default_factory=dict)
@@ -165,6 +167,8 @@ class Swarm:
         self.enroll_tokens: list[str] = [opts.enroll_token] if opts.enroll_token else []
         self.failing = 0  # phones whose last attempt failed
         self.beaten = 0  # phones with `opts.beats` heartbeats accepted
+        self.enrolled_idle: list[int] = []  # enrolled, waiting for the rest (enroll_first)
+        self.retrying = 0  # registrations waiting for their backoff
         self.stopped = 0
         self.tail = heartbeat_tail()
         self.labels = json.dumps({"sim": self.run_id, **opts.labels}).encode()
@@ -226,6 +230,7 @@ class Swarm:
                     self.enrolling -= 1
                 if self.to_enroll:
                     self._wake()
+                self._start_when_all_enrolled()
                 continue
             self.stats.record_lag(max(0.0, time.monotonic() - due))
             phone, kind = divmod(key, 2)
@@ -281,12 +286,13 @@ class Swarm:
             if self.opts.interval_s is None:
                 self.interval_s = float(reply.get("heartbeat_interval_s") or self.interval_s)
             self.stats.enrolled += 1
-            now = time.monotonic()
-            self.schedule(now + self.rng.uniform(0, self.interval_s), 2 * i + BEAT)
-            if self.opts.work_every_s > 0:
-                self.schedule(now + self.rng.uniform(0, self.opts.work_every_s), 2 * i + WORK)
+            if self.opts.enroll_first:
+                self.enrolled_idle.append(i)
+            else:
+                self._start(i, time.monotonic())
         elif resp is None or resp.status >= 500 or resp.status == 429:
             self.stats.retries += 1
+            self.retrying += 1
             p.failures[i] = min(255, p.failures[i] + 1)
             asyncio.get_running_loop().call_later(self._backoff(p.failures[i], 0.5, 30.0),
                                                   self._enroll_again, i)
@@ -296,7 +302,21 @@ class Swarm:
             self.stopped += 1
         return conn
 
+    def _start(self, i: int, now: float) -> None:
+        """The phone's first heartbeat (and work poll) at a random offset within one period."""
+        self.schedule(now + self.rng.uniform(0, self.interval_s), 2 * i + BEAT)
+        if self.opts.work_every_s > 0:
+            self.schedule(now + self.rng.uniform(0, self.opts.work_every_s), 2 * i + WORK)
+
+    def _start_when_all_enrolled(self) -> None:
+        if self.enrolled_idle and not (self.to_enroll or self.enrolling or self.retrying):
+            now = time.monotonic()
+            for i in self.enrolled_idle:
+                self._start(i, now)
+            self.enrolled_idle = []
+
     def _enroll_again(self, i: int) -> None:
+        self.retrying -= 1
         if not self.stopping:
             self.to_enroll.append(i)
             self._wake()
