@@ -51,6 +51,11 @@ def add_device(factory, name: str, lease: dt.datetime | None, **columns) -> str:
         return device.id
 
 
+def utc(t: dt.datetime) -> dt.datetime:
+    """A stored time as an aware UTC one (SQLite gives it back naive)."""
+    return t.replace(tzinfo=dt.timezone.utc) if t.tzinfo is None else t
+
+
 def device_states(factory) -> dict[str, str]:
     with factory() as session:
         return {d.name: d.state for d in session.scalars(select(Device))}
@@ -95,9 +100,11 @@ def test_a_lease_exactly_the_grace_old_is_still_fresh(db_url: str) -> None:
     assert device_states(factory) == {"at": "Ready", "past": "NotReady", "never": "NotReady",
                                       "flagged": "NotReady", "gone": "NotReady"}
     with factory() as session:
-        messages = set(session.scalars(select(Event.message).where(Event.reason == "NodeNotReady")))
-        kinds = set(session.scalars(select(Event.kind).where(Event.reason == "NodeNotReady")))
-    assert messages == {f"no heartbeat for more than {GRACE:g} s"} and kinds == {"Warning"}
+        marked_events = list(session.scalars(select(Event).where(Event.reason == "NodeNotReady")))
+        updated = {d.name: d.updated for d in session.scalars(select(Device))}
+    assert {(e.message, e.kind, utc(e.ts)) for e in marked_events} == {
+        (f"no heartbeat for more than {GRACE:g} s", "Warning", NOW)}
+    assert utc(updated["past"]) == NOW and utc(updated["at"]) != NOW
     assert reasons(factory, at) == [] and reasons(factory, past) == ["NodeNotReady"]
     with transaction(factory) as session:  # level-triggered: the same pass again changes nothing
         assert lifecycle.mark_stale_devices(session, NOW, GRACE) == []
@@ -125,7 +132,7 @@ def test_cordon_drain_uncordon_record_an_event_only_when_something_changed(facto
         messages = list(session.scalars(select(Event.message).where(Event.device_id == dev)
                                         .order_by(Event.id)))
         times = set(session.scalars(select(Event.ts).where(Event.device_id == dev)))
-    assert {t.replace(tzinfo=dt.timezone.utc) for t in times} == {NOW}
+    assert {utc(t) for t in times} == {NOW}
     assert messages == ["cordoned: no new work is placed here",
                         "draining: cordoned, and asked to let go of its work",
                         "uncordoned: schedulable again"]
