@@ -20,6 +20,7 @@ from agent.config import AgentConfig
 from agent.probes.termux import TermuxBattery
 from agent.runtime import logring, work
 from api import auth
+from api.error_responses import STATUS
 from api.routes import ui
 from api.schemas.devices import LogLine, LogsIn
 from domain.errors import Forbidden, NotFound
@@ -149,12 +150,12 @@ CLAIMS = {
     "tenancy": Claim(
         "docs/api.md", r"Another user's resource answers (\d+), word for word what a resource "
         r"that does not exist answers .* one shared with them but not theirs is (\d+) to change",
-        lambda: (NotFound.status_code, Forbidden.status_code),
+        lambda: (STATUS[NotFound], STATUS[Forbidden]),
         "tests/security/test_cross_token.py, tests/store/test_rules.py"),
     "tenancy, jobs": Claim(
         "docs/api.md", r"another user's job answers (\d+) as if it did not exist.* "
         r"`POST /v1/jobs/\{id\}/cancel` \| 200, .*?; (\d+) when a user names another user's job",
-        lambda: (NotFound.status_code, NotFound.status_code), "tests/security/test_cross_token.py"),
+        lambda: (STATUS[NotFound], STATUS[NotFound]), "tests/security/test_cross_token.py"),
     "token rotation grace": Claim(
         "docs/deploy.md", r"`PHALANX_DEVICE_TOKEN_ROTATION_GRACE_S` \| (\d+) \(24 h\)",
         lambda: (DEFAULTS.device_token_rotation_grace_s,),
