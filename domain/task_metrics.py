@@ -30,6 +30,18 @@ TASK_BUCKETS: tuple[float, ...] = (
 KEY_PREFIX = "phalanx:metrics:task:"
 NAMES_KEY = "phalanx:metrics:tasks"
 KNOWN_TASKS = ("reconcile", "apply_step")
+COUNTS_KEY = "phalanx:metrics:counts"
+# counters the scheduler adds to (`count`): name -> (help, label, the label values every scrape
+# shows, 0 until counted)
+COUNTERS: dict[str, tuple[str, str, tuple[str, ...]]] = {
+    "phalanx_audits": ("Audited nodes compared with the applied result: agreed, or a mismatch "
+                       "(a third device decides)", "outcome", ("agreed", "mismatch")),
+    "phalanx_audit_decisions": ("Mismatches decided by a third device: holder_lost, "
+                                "auditor_lost, no_majority", "outcome",
+                                ("holder_lost", "auditor_lost", "no_majority")),
+    "phalanx_quarantines": ("Devices quarantined because an audit found their result wrong, "
+                            "by device name", "device", ()),
+}
 
 
 @dataclass
@@ -61,6 +73,10 @@ class TaskStatsStore(Protocol):
 
     def read(self) -> dict[str, TaskStats]: ...
 
+    def incr(self, field: str, amount: int) -> None: ...
+
+    def counts(self) -> dict[str, int]: ...
+
 
 class MemoryTaskStats:
     """Embedded mode: the scheduler and `/metrics` share one process."""
@@ -68,6 +84,15 @@ class MemoryTaskStats:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._stats: dict[str, TaskStats] = {}
+        self._counts: dict[str, int] = {}
+
+    def incr(self, field: str, amount: int) -> None:
+        with self._lock:
+            self._counts[field] = self._counts.get(field, 0) + amount
+
+    def counts(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._counts)
 
     def add(self, name: str, seconds: float, ok: bool, now: float) -> None:
         with self._lock:
@@ -85,6 +110,12 @@ class RedisTaskStats:
 
     def __init__(self, url: str) -> None:
         self._redis = redis.Redis.from_url(url, socket_connect_timeout=1, socket_timeout=1)
+
+    def incr(self, field: str, amount: int) -> None:
+        self._redis.hincrby(COUNTS_KEY, field, amount)
+
+    def counts(self) -> dict[str, int]:
+        return {k.decode(): int(v) for k, v in self._redis.hgetall(COUNTS_KEY).items()}
 
     def add(self, name: str, seconds: float, ok: bool, now: float) -> None:
         key = KEY_PREFIX + name
@@ -161,6 +192,30 @@ def observe_task(name: str, seconds: float, ok: bool) -> None:
         log.warning("could not record task metric %s: %s", name, exc)
 
 
+def count(metric: str, label: str, amount: int = 1) -> None:
+    """Add to one of COUNTERS (the label's value: `label`); never fails its caller."""
+    try:
+        active_store().incr(f"{metric}|{label}", int(amount))
+    except Exception as exc:  # Redis down or slow: the scheduler must not notice
+        log.warning("could not count %s{%s}: %s", metric, label, exc)
+
+
+def counter_families(counts: dict[str, int]) -> list[CounterMetricFamily]:
+    """COUNTERS as Prometheus counters, each with its known label values from the start."""
+    families = []
+    for metric, (help_text, label, known) in COUNTERS.items():
+        values = dict.fromkeys(known, 0)
+        for key, n in counts.items():
+            name, _, value = key.partition("|")
+            if name == metric:
+                values[value] = values.get(value, 0) + n
+        family = CounterMetricFamily(metric, help_text, labels=[label])
+        for value, n in sorted(values.items()):
+            family.add_metric([value], float(n))
+        families.append(family)
+    return families
+
+
 class TaskCollector(Collector):
     """Renders the shared task histograms at scrape time."""
 
@@ -190,6 +245,7 @@ class TaskCollector(Collector):
         yield duration
         yield runs
         yield last_ok
+        yield from counter_families(self._store.counts())
 
 
 def _le(bound: float) -> str:

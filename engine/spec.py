@@ -187,6 +187,11 @@ class TrainSpec:
                 raise SpecError(str(exc)) from None
 
     @property
+    def audited(self) -> bool:
+        """Whether the scheduler audits the job's results (a rate or a probation)."""
+        return self.audit_rate > 0 or self.probation_steps > 0
+
+    @property
     def per_shard_batch(self) -> int:
         """m = B / S: samples each shard contributes to every step."""
         return self.global_batch_size // self.shards

@@ -76,6 +76,12 @@ def audit(job_id: str, step: int, shard: int, span: int, role: str) -> str:
     return f"job:{job_id}:audit:{step}:{shard}-{shard + span}:{role}"
 
 
+def audits_planned(job_id: str, step: int) -> str:
+    """Set once the audits of `step` are assigned (scheduler.audits): reconcile assigns them
+    for a step that no step boundary planned (a job's first, a resumed or rewound one)."""
+    return f"job:{job_id}:audit:{step}:planned"
+
+
 def uploader(job_id: str, step: int, shard: int, span: int, role: str = "result") -> str:
     """The device whose upload won the `grad` key (role `result`) or an audit key of that
     node: whom an audit finds lying, and whose unaudited results a checkpoint holds."""

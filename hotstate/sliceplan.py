@@ -15,9 +15,16 @@ from hotstate.blobs import BlobStore
 class SlicePlan:
     nonce: str  # what state t+1's slices are stored under
     cover: tuple[Node, ...]  # the results every slice adds
+    # what the step's audits found (scheduler.audits), recorded with the commit: the devices
+    # whose every result was audited and agreed, and those with a result applied unchecked
+    agreed: tuple[str, ...] = ()
+    unaudited: tuple[str, ...] = ()
 
     def encode(self) -> bytes:
-        return json.dumps({"nonce": self.nonce, "cover": [list(n) for n in self.cover]}).encode()
+        out = {"nonce": self.nonce, "cover": [list(n) for n in self.cover]}
+        if self.agreed or self.unaudited:
+            out.update(agreed=list(self.agreed), unaudited=list(self.unaudited))
+        return json.dumps(out).encode()
 
     @classmethod
     def decode(cls, data: bytes | None) -> SlicePlan | None:
@@ -25,7 +32,9 @@ class SlicePlan:
             return None
         try:
             raw = json.loads(data)
-            return cls(str(raw["nonce"]), tuple((int(lo), int(hi)) for lo, hi in raw["cover"]))
+            return cls(str(raw["nonce"]), tuple((int(lo), int(hi)) for lo, hi in raw["cover"]),
+                       tuple(str(d) for d in raw.get("agreed", ())),
+                       tuple(str(d) for d in raw.get("unaudited", ())))
         except (ValueError, KeyError, TypeError):
             return None
 

@@ -3,7 +3,8 @@ it) read, computed and stored; the step committed and published once every range
 stored. scheduler.tasks.steps runs it for a whole step, scheduler.tasks.slices once per slice:
 the sequence is written here once, the range its parameter.
 
-    plan     the results every range adds (one cover of the tree, engine.tree.choose) and the
+    plan     the results every range adds (one cover of the tree, engine.tree.choose), once
+             their audits agree (scheduler.audits.verify: until then INCOMPLETE), and the
              nonce state t+1 is stored under: a whole step's plan is its apply's own, a sliced
              step's is stored once (first writer wins) and read by each slice's task
     read     state t's range (restored, the job maybe rewound, when the blob store lost it)
@@ -15,8 +16,8 @@ the sequence is written here once, the range its parameter.
              overlaps its message, its checkpoint and its rows); a slice is then marked done
     commit   once every range is stored: the checkpoint when due, then in one transaction the
              guarded UPDATE jobs SET step=t+1, state_nonce=<plan's nonce> WHERE id=:id AND
-             step=t (a sliced step: AND state_nonce=<state t's>), the step's metrics, the
-             checkpoint's row and the step boundary (`StepBoundary`, the extension point the
+             step=t (a sliced step: AND state_nonce=<state t's>), the step's metrics, what
+             its audits found (domain.store.audits), the checkpoint's row and the step boundary (`StepBoundary`, the extension point the
              caller hands in: placement's moves at the boundary commit with the step)
     publish  the long polls woken (the version bumped), then step t's keys dropped
 
@@ -72,7 +73,7 @@ from hotstate.recent import RECENT, RECENT_SLICES
 from hotstate.sliceplan import SlicePlan
 from hotstate.trainstate import StateBlob, state_stored
 from hotstate.version import bump_version
-from scheduler import store_ops
+from scheduler import audits, store_ops
 from scheduler.checkpoints import (
     WrittenCheckpoint,
     prune_checkpoints,
@@ -159,7 +160,10 @@ def plan_step(ctx: SchedulerContext, job: Job, info: JobInfo) -> SlicePlan | Non
                     info.spec.shards)
     if chosen is None:
         return None
-    plan = SlicePlan(keys.new_nonce(), tuple(chosen))
+    audited = audits.verify(ctx, job, info, chosen) if info.spec.audited else audits.Audited()
+    if audited is None:  # a result that needs an audit is not yet checked
+        return None
+    plan = SlicePlan(keys.new_nonce(), tuple(chosen), audited.agreed, audited.unaudited)
     if not sliced:
         return plan
     ctx.blobs.set_if_absent(keys.slice_plan(job.id, job.step, job.state_nonce), plan.encode())
@@ -454,6 +458,8 @@ def commit_rows(ctx: SchedulerContext, job: Job, info: JobInfo, plan: SlicePlan,
                                train_loss=m.train_loss, train_accuracy=m.train_accuracy,
                                lr=m.lr, samples=m.samples, step_seconds=seconds,
                                devices=len(held.devices)))
+        if info.spec.audited:
+            audits.record(session, job.id, m.step, plan.agreed, plan.unaudited)
         if ckpt is not None:
             session.add(ckpt.row(job.id))
             session.flush()
@@ -463,6 +469,8 @@ def commit_rows(ctx: SchedulerContext, job: Job, info: JobInfo, plan: SlicePlan,
             store_ops.release(session, job.id)
         else:
             boundary(ctx, session, job, new_state.step, now, held)
+            if info.spec.audited or held.audits:  # over the holders the boundary left
+                audits.assign_audits(ctx, session, job, info.spec, new_state.step)
         if storing is not None:
             storing.result()  # a failed write rolls the commit back
             if ctx.tuning.apply_pause_s:

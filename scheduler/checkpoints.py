@@ -90,6 +90,21 @@ def prune_checkpoints(session: Session, job_id: str, keep: int) -> list[str]:
     return paths
 
 
+def drop_checkpoints_after(session: Session, job_id: str, step: int) -> list[str]:
+    """Delete a job's checkpoint rows of steps after `step` (a rewind undid them); returns
+    their files' paths for the caller to remove once the deletion is committed."""
+    later = session.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id,
+                                                     Checkpoint.step > step)).all()
+    paths = [row.path for row in later]
+    for row in later:
+        session.delete(row)
+    return paths
+
+
+def checkpoint_steps(session: Session, job_id: str) -> list[int]:
+    return list(session.scalars(select(Checkpoint.step).where(Checkpoint.job_id == job_id)))
+
+
 def remove_files(paths: list[str]) -> None:
     for path in paths:
         Path(path).unlink(missing_ok=True)

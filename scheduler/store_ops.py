@@ -123,6 +123,19 @@ def backups(session: Session, job_id: str) -> dict[int, str]:
     return {int(shard): device for shard, device in rows}
 
 
+def auditors(session: Session, job_id: str, step: int) -> dict[int, frozenset[str]]:
+    """shard -> the devices computing it again for an audit of `step` (scheduler.audits)."""
+    rows = session.execute(
+        select(ShardAssignment.shard, ShardAssignment.span, ShardAssignment.device_id).where(
+            ShardAssignment.job_id == job_id, ShardAssignment.role.in_(("audit", "decide")),
+            ShardAssignment.since_step == step))
+    out: dict[int, set[str]] = defaultdict(set)
+    for shard, span, device in rows:
+        for k in range(int(shard), int(shard) + int(span or 1)):
+            out[k].add(device)
+    return {k: frozenset(v) for k, v in out.items()}
+
+
 def holdings(session: Session, device_id: str) -> tuple[str | None, list[int]]:
     """The job a device works for and every shard it holds there (primary and backup)."""
     rows = session.execute(

@@ -129,9 +129,12 @@ def cordon_device(device_id: str, _: AdminDep, request: Request, session: Sessio
 
 
 @router.post("/{device_id}/uncordon", response_model=DeviceRead)
-def uncordon_device(device_id: str, _: AdminDep, request: Request, session: SessionDep,
+def uncordon_device(device_id: str, admin: AdminDep, request: Request, session: SessionDep,
              clock: ClockDep):
-    return _admin_change(lifecycle.uncordon, device_id, request, session, clock)
+    """Schedulable again; lifts a quarantine too, with an event naming who."""
+    who = admin.name or admin.token_id or "the admin token"
+    return _admin_change(lambda s, d, now: lifecycle.uncordon(s, d, now, by=who), device_id,
+                         request, session, clock)
 
 
 @router.post("/{device_id}/drain", response_model=DeviceRead)

@@ -204,6 +204,9 @@ class DeviceRead(ReadModel):
         default=None, description="the agent build it was told to install, until it runs it")
     upgrade_failed: str | None = Field(
         default=None, description="the last agent version it could not install")
+    quarantine_reason: str | None = Field(
+        default=None, description="why an audit quarantined it (cordoned until an admin "
+        "uncordons it); null when not quarantined")
     capabilities: CapabilitiesRead
     profiles: Annotated[dict[str, Profile], BeforeValidator(stored_profiles)] = Field(
         description="per arch, what the agent measured")

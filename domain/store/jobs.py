@@ -128,6 +128,7 @@ class JobAssignments:
     primaries: dict[int, str]  # shard -> its primary device
     devices: list[str]  # every device holding a shard of the job, primary or backup
     backups: int  # backup assignments (stragglers' shards computed twice)
+    audits: int = 0  # audited nodes' rows (scheduler.audits: roles audit and decide)
 
 
 def job_assignments(session: Session, job_id: str) -> JobAssignments:
@@ -137,7 +138,8 @@ def job_assignments(session: Session, job_id: str) -> JobAssignments:
     ).all()
     return JobAssignments({int(shard): device for shard, device, role in rows if role == "primary"},
                           sorted({device for _, device, _ in rows}),
-                          sum(role == "backup" for _, _, role in rows))
+                          sum(role == "backup" for _, _, role in rows),
+                          sum(role in ("audit", "decide") for _, _, role in rows))
 
 
 def parse_job_states(state: str | None) -> list[str]:

@@ -67,11 +67,38 @@ def cordon(session: Session, device_id: str, now: dt.datetime) -> tuple[Device, 
     return device, changed
 
 
-def uncordon(session: Session, device_id: str, now: dt.datetime) -> tuple[Device, bool]:
+def uncordon(session: Session, device_id: str, now: dt.datetime,
+             by: str | None = None) -> tuple[Device, bool]:
+    """Schedulable again; a quarantine (an audit found its result wrong) is lifted with it,
+    and an event says by whom (`by`: the admin token's name or id)."""
     device = get_device(session, device_id, for_update=True)
+    was = device.quarantine_reason
+    if was is not None:
+        device.quarantine_reason = None
+        events.record(session, "QuarantineLifted",
+                      f"quarantine lifted by {by or 'an admin'} (it was: {was})", now=now,
+                      device_id=device.id, data={"by": by, "was": was})
     changed = _set_flags(session, device, now, cordoned=False, draining=False,
                          reason="Uncordoned", message="uncordoned: schedulable again")
-    return device, changed
+    return device, changed or was is not None
+
+
+def quarantine(session: Session, device_id: str, reason: str, now: dt.datetime,
+               job_id: str | None = None, data: dict | None = None) -> bool:
+    """Cordon a device whose result an audit found wrong (scheduler.audits), with the reason
+    kept on it until an admin uncordons it; False when it is gone or already quarantined."""
+    device = session.scalars(select(Device).where(Device.id == device_id)
+                             .with_for_update()).first()
+    if device is None or device.quarantine_reason is not None:
+        return False
+    device.quarantine_reason = reason
+    events.record(session, "Quarantined", reason, now=now, device_id=device_id, job_id=job_id,
+                  kind="Warning", data=data)
+    _set_flags(session, device, now, cordoned=True, draining=device.draining,
+               reason=DeviceState.CORDONED.value,
+               message="cordoned: quarantined (phalanx devices uncordon lifts it)")
+    session.flush()
+    return True
 
 
 def drain(session: Session, device_id: str, now: dt.datetime) -> tuple[Device, bool]:

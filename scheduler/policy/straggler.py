@@ -28,11 +28,13 @@ def plan_backups(
     missing: Mapping[str, Sequence[int]],
     helpers: Sequence[str],
     backed_up: frozenset[int] = frozenset(),
+    auditing: Mapping[int, frozenset[str]] | None = None,
 ) -> dict[int, str]:
     """Give each late shard (not yet backed up) to a helper, round-robin in the given order.
 
     `missing`: device -> its shards not yet uploaded; `helpers`: devices of the job that are
-    done with this step, best first. A device never backs up its own shards.
+    done with this step, best first. A device never backs up its own shards, nor a shard it
+    audits (`auditing`: shard -> its auditors; an audit compares two devices' results).
     """
     plan: dict[int, str] = {}
     if not helpers:
@@ -42,7 +44,8 @@ def plan_backups(
         for shard in sorted(missing[device]):
             if shard in backed_up:
                 continue
-            choices = [h for h in helpers if h != device]
+            barred = (auditing or {}).get(shard, frozenset())
+            choices = [h for h in helpers if h != device and h not in barred]
             if not choices:
                 continue
             plan[shard] = choices[turn % len(choices)]

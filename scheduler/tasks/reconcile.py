@@ -32,7 +32,7 @@ from engine.jobinfo import job_info_or_reason
 from hotstate import keys, locks
 from hotstate.trainstate import state_stored
 from hotstate.version import bump_version
-from scheduler import store_ops
+from scheduler import audits, store_ops
 from scheduler.celery_app import app
 from scheduler.context import SchedulerContext, get_context
 from scheduler.tasks import stragglers
@@ -170,6 +170,7 @@ def run_reconcile_job(ctx: SchedulerContext, job_id: str) -> str:
             return "moved-on"  # committed since the row was read: the next pass looks again
         if state.step != job.step:
             return "restored"
+    audits.ensure_audits(ctx, job, info)  # a step no boundary planned (the first, a resume)
     if step_complete(ctx, job.id, job.step, info.spec.shards):
         if first_sight_of_a_counted_step(ctx, job.id, job.step, info.spec.shards):
             return "apply-due"

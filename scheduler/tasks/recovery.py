@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 from sqlalchemy import delete, select
 
+from domain.store.audits import forget_unaudited
 from domain.store.db import transaction
 from domain.store.models import Job, StepMetric
 from domain.store.states import Event, update_job
@@ -22,7 +23,12 @@ from hotstate.recent import RECENT, RECENT_SLICES
 from hotstate.trainstate import StateError, decode_state, encode_state
 from hotstate.version import bump_version
 from scheduler import store_ops
-from scheduler.checkpoints import latest_checkpoint, read_checkpoint
+from scheduler.checkpoints import (
+    drop_checkpoints_after,
+    latest_checkpoint,
+    read_checkpoint,
+    remove_files,
+)
 from scheduler.context import SchedulerContext
 from wire.states import ACTIVE_STATES
 
@@ -77,9 +83,11 @@ def store_state(ctx: SchedulerContext, job_id: str, nonce: str, state: TrainStat
     return names
 
 
-def restore_point(ctx: SchedulerContext, job: Job, info: JobInfo) -> TrainState:
-    """The newest state at or before job.step that survives outside the blob store."""
-    at_most = job.step
+def restore_point(ctx: SchedulerContext, job: Job, info: JobInfo,
+                  at_most: int | None = None) -> TrainState:
+    """The newest state at or before job.step (or `at_most`) that survives outside the blob
+    store: a readable checkpoint, else step 0's seeded initial state."""
+    at_most = job.step if at_most is None else at_most
     with ctx.session_factory() as session:
         while at_most >= 0:
             row = latest_checkpoint(session, job.id, at_most)
@@ -120,10 +128,31 @@ def ensure_state(ctx: SchedulerContext, job: Job, info: JobInfo) -> TrainState |
             return None
         bump_version(ctx.blobs)  # long polls hold back work until the weights exist
         return restored
+    return _rewound(ctx, job, restored, nonce, written, lost)
+
+
+def rewind(ctx: SchedulerContext, job: Job, info: JobInfo, to_step: int,
+           event: Event) -> TrainState | None:
+    """Take the job back to the newest readable checkpoint at or before `to_step` (step 0's
+    seeded init without one), through the restore path: an audit found a device lying, and
+    the state after that step may hold its unchecked results (scheduler.audits). Checkpoints
+    after it go (rows and files: they hold what is undone), and so do the audit records'
+    unaudited results past it. None when the job moved meanwhile."""
+    restored = restore_point(ctx, job, info, to_step)
+    nonce = keys.new_nonce()
+    written = store_state(ctx, job.id, nonce, restored, info.slices)
+    return _rewound(ctx, job, restored, nonce, written, event, drop_later=True)
+
+
+def _rewound(ctx: SchedulerContext, job: Job, restored: TrainState, nonce: str,
+             written: list[str], event: Event, drop_later: bool = False) -> TrainState | None:
+    """The job's row moved back to `restored` (stored under `nonce` as `written`), guarded by
+    the step and state it was at; what came after it forgotten."""
+    now, removed = ctx.clock(), []
     with transaction(ctx.session_factory) as session:
         won = update_job(session, job.id, expect={"step": job.step, "state": ACTIVE_STATES,
                                                   "state_nonce": job.state_nonce},
-                         event=lost, now=now,
+                         event=event, now=now,
                          step=restored.step, step_started_at=now, state_nonce=nonce)
         if not won:
             ctx.blobs.delete(*written)
@@ -131,6 +160,10 @@ def ensure_state(ctx: SchedulerContext, job: Job, info: JobInfo) -> TrainState |
         session.execute(delete(StepMetric).where(StepMetric.job_id == job.id,
                                                  StepMetric.step >= restored.step))
         store_ops.drop_backups(session, job.id)
+        if drop_later:
+            removed = drop_checkpoints_after(session, job.id, restored.step)
+            forget_unaudited(session, job.id, restored.step)
+    remove_files(removed)  # after the commit: no row is left pointing at a removed file
     bump_version(ctx.blobs)  # first: a replica's cached job row is stale until it sees this
     drop_step_keys(ctx, job.id, keep_state=restored.step, rewound=True)
     return restored

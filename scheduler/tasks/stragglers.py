@@ -77,7 +77,8 @@ def back_up_late_devices(ctx: SchedulerContext, job: Job, info: JobInfo) -> int:
         able = [d for d in holders if d in views and keepable(req, views[d])]
         fastest_first = sorted(able, key=lambda d: (-device_speed(views[d], req.arch), d))
         helpers = [d for d in fastest_first if d not in missing] + [d for d in fastest_first if d in missing]
-        plan = plan_backups(missing, helpers, frozenset(store_ops.backups(session, job.id)))
+        plan = plan_backups(missing, helpers, frozenset(store_ops.backups(session, job.id)),
+                            store_ops.auditors(session, job.id, job.step))
         if not plan:
             return 0
         store_ops.add_backups(session, job.id, plan, job.step)

@@ -56,6 +56,9 @@ def tiny_spec(**over: Any) -> dict[str, Any]:
         "global_batch_size": 16, "shards": 4, "epochs": 2, "seed": 3, "checkpoint_every": 3,
         "optimizer": {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.0001, "schedule": "cosine"},
         "placement": {"min_devices": 1, "max_devices": 8}, "priority": 0,
+        # no audits unless a test asks (tests/scheduler/test_audits.py): these drive the
+        # protocol by hand, as phones that do not audit each other
+        "verification": {"audit_rate": 0.0, "probation_steps": 0},
     }
     for key, value in over.items():
         if isinstance(value, dict) and isinstance(spec.get(key), dict):
