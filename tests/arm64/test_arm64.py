@@ -98,7 +98,8 @@ def job_spec(selector: dict[str, str], devices: int, shards: int) -> dict[str, A
             "optimizer": {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.0001,
                           "warmup_epochs": 0.5, "schedule": "cosine"},
             "placement": {"min_devices": devices, "max_devices": devices,
-                          "selector": selector}}
+                          "selector": selector},
+            "verification": {"audit_rate": 0.0, "probation_steps": 0}}  # tests/e2e/test_liar.py
 
 
 def run_job(server: LiveServer, spec: dict[str, Any],

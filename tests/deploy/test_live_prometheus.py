@@ -34,7 +34,8 @@ pytestmark = pytest.mark.slow
 
 def spec(name: str, epochs: int) -> dict[str, Any]:
     return {"name": name, "model": {"arch": "mlp"}, "dataset": "digits", "global_batch_size": 128,
-            "shards": 4, "epochs": epochs, "placement": {"min_devices": 1, "max_devices": 3}}
+            "shards": 4, "epochs": epochs, "placement": {"min_devices": 1, "max_devices": 3},
+            "verification": {"audit_rate": 0.0, "probation_steps": 0}}  # tests/e2e/test_liar.py
 
 
 @dataclass

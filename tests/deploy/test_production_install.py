@@ -140,6 +140,7 @@ SPEC = {
     "optimizer": {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.0001, "warmup_epochs": 1,
                   "schedule": "cosine"},
     "placement": {"min_devices": 2, "max_devices": 2},
+    "verification": {"audit_rate": 0.0, "probation_steps": 0},  # audits: tests/e2e/test_liar.py
 }
 
 

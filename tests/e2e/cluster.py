@@ -172,8 +172,11 @@ class Cluster:
         return worker
 
     def start_agent(self, name: str, extra_env: dict[str, str] | None = None,
-                    server: LiveServer | None = None) -> Agent:
-        """Enroll a phone on `server` (default: the first replica) and run its agent."""
+                    server: LiveServer | None = None,
+                    runner: tuple[str, ...] = ("agent",)) -> Agent:
+        """Enroll a phone on `server` (default: the first replica) and run its agent
+        (`runner`: the module and its arguments that run it, e.g. a lying phone's
+        `("phalanx.sim.liar", "--lie", "flip")`)."""
         server = server or self.server
         assert server is not None
         home = self.root / "agents" / name
@@ -191,7 +194,7 @@ class Cluster:
         with agent.log_path.open("ab") as fh:
             # one core per phone: fewer execution candidates to profile, less contention
             agent.process = subprocess.Popen(
-                [self.install.python, "-m", "agent", "run", "--config", str(agent.config)],
+                [self.install.python, "-m", *runner, "run", "--config", str(agent.config)],
                 cwd=self.install.cwd, env=agent.env, stdout=fh, stderr=subprocess.STDOUT,
                 preexec_fn=lambda: os.sched_setaffinity(0, core))
         self.agents.append(agent)

@@ -26,7 +26,8 @@ pytestmark = pytest.mark.slow
 
 SPEC = {"name": "faults", "model": {"arch": "cnn"}, "dataset": "digits",
         "global_batch_size": 256, "shards": 16, "epochs": 4, "seed": 1, "checkpoint_every": 5,
-        "optimizer": {"lr": 0.1, "momentum": 0.9}, "placement": {"min_devices": 1, "max_devices": 8}}
+        "optimizer": {"lr": 0.1, "momentum": 0.9}, "placement": {"min_devices": 1, "max_devices": 8},
+        "verification": {"audit_rate": 0.0, "probation_steps": 0}}  # audits: test_liar.py
 
 
 def run_job(cluster: Cluster, until_step: int) -> str:

@@ -25,6 +25,7 @@ JOB = {
     "global_batch_size": 128, "shards": 8, "epochs": 200,
     "placement": {"min_devices": 1, "max_devices": 4, "selector": {"rack": "t"},
                   "min_battery": 20, "max_temp_c": 45},
+    "verification": {"audit_rate": 0.0, "probation_steps": 0},  # audits: tests/e2e/test_liar.py
 }
 
 
