@@ -11,7 +11,8 @@ and restarted, and a 138-phone gang placed in the 100,000-device fleet.
 2. One `phalanx sim --mode swarm` process (the whole fleet, one core) enrolls `--phones` phones
    over `--connections` shared keep-alive connections, and they heartbeat. Its per-second JSON
    lines (stderr) carry each window's heartbeat latency histogram and answers by status.
-3. Steady: one interval for every phone to find its beat, then `--steady` s measured:
+3. Steady: the first round of heartbeats (until 99% of the phones have beaten, at most
+   `--settle-max` s) and one interval more, then `--steady` s measured:
    heartbeats/s, p50/p99 (the histograms merged over the phase), errors by status, the phones
    the database saw heartbeat within 1.5 intervals at the end.
 4. Storm: every replica's process group SIGKILLed, started again on the same ports at once.
@@ -255,7 +256,17 @@ def phase_enroll(args: argparse.Namespace, watch: SwarmWatch, cpu: CpuMeter) -> 
 
 def phase_steady(args: argparse.Namespace, watch: SwarmWatch, cpu: CpuMeter,
                  conn: psycopg.Connection, replicas: list[Replica]) -> dict[str, Any]:
-    log(f"settling for one interval ({args.interval:g} s)")
+    # the first round is not the steady state: every phone's first heartbeat brings its
+    # capabilities and brings it back from NotReady (the fleet enrolled first); settle until
+    # 99% of the phones have beaten, then one interval more
+    settle_began = time.time()
+    log(f"settling: until 99% have heartbeated (at most {args.settle_max:g} s), then one "
+        f"interval ({args.interval:g} s)")
+    while (count_since(conn, settle_began - 1) < 0.99 * args.phones
+           and time.time() < settle_began + args.settle_max):
+        time.sleep(5)
+    first_round = time.time() - settle_began
+    log(f"first round: {count_since(conn, settle_began - 1)} phones in {first_round:.0f} s")
     time.sleep(args.interval)
     load0, began = os.getloadavg(), time.time()
     cpu.start()
@@ -273,7 +284,7 @@ def phase_steady(args: argparse.Namespace, watch: SwarmWatch, cpu: CpuMeter,
     end = time.time()
     fresh = count_since(conn, end - 1.5 * args.interval)
     out = summarize(watch.between(began, end))
-    out.update(cores=cpu.shares(), load_before=load0, load_after=os.getloadavg(),
+    out.update(first_round_s=round(first_round, 1), cores=cpu.shares(), load_before=load0, load_after=os.getloadavg(),
                load_1min_range=[min(loads, default=0), max(loads, default=0)],
                fresh_within_1_5_intervals=fresh, device_states=states(conn),
                replica_peak_rss_mb=round(peak_rss / 2**20), replica_peak_threads=peak_threads)
@@ -360,6 +371,8 @@ def main() -> None:
                         "(enough that the swarm never queues a heartbeat behind a slow server)")
     parser.add_argument("--repeats", type=int, default=5, help="placement passes timed")
     parser.add_argument("--enroll-timeout", type=float, default=3600.0)
+    parser.add_argument("--settle-max", type=float, default=600.0, help="most seconds for the "
+                        "first round of heartbeats before the steady phase")
     parser.add_argument("--skip", default="", help="phases to skip: storm,placement")
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     parser.add_argument("--pg-url", default=os.environ.get(
@@ -417,28 +430,35 @@ def main() -> None:
         log(f"enrolling {args.phones} phones (logs in {root})")
         result["enroll"] = phase_enroll(args, watch, cpu)
         log(f"enrolled: {result['enroll']}")
+        save(args.out, result)
         result["steady"] = phase_steady(args, watch, cpu, conn, replicas)
         log(f"steady: {json.dumps(result['steady'])}")
+        save(args.out, result)
         if "storm" not in skip:
             result["storm"] = phase_storm(args, watch, cpu, conn, replicas)
-            log(f"storm: back {result['storm']['back_s']}, 5xx after 10 s "
-                f"{result['storm']['5xx_after_10s']}")
+            log(f"storm: {json.dumps(result['storm'])}")
+            save(args.out, result)
         if "placement" not in skip:
-            swarm.send_signal(signal.SIGTERM)  # the placement timing on a quiet machine
-            worker.send_signal(signal.SIGTERM)
-            worker.wait(timeout=60)
+            # the placement timing on a machine without the swarm and the worker (a warm
+            # shutdown would wait for a reconcile pass: minutes at 100,000 devices)
+            swarm.send_signal(signal.SIGTERM)
+            os.killpg(worker.pid, signal.SIGKILL)
+            worker.wait()
             worker = None
             swarm.wait(timeout=120)
             result["placement"] = phase_placement(args, env, replicas[0].url)
             log(f"placement: {result['placement']}")
+            save(args.out, result)
     finally:
-        for p in (swarm, worker):
-            if p is not None and p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-                try:
-                    p.wait(timeout=60)
-                except subprocess.TimeoutExpired:
-                    p.kill()
+        if swarm is not None and swarm.poll() is None:
+            swarm.send_signal(signal.SIGTERM)
+            try:
+                swarm.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                swarm.kill()
+        if worker is not None and worker.poll() is None:
+            os.killpg(worker.pid, signal.SIGKILL)
+            worker.wait()
         for r in replicas:
             if r.process is not None and r.process.poll() is None:
                 r.kill()
@@ -450,10 +470,14 @@ def main() -> None:
             "lag_ms", "endpoints")}
     except ValueError:
         pass
-    text = json.dumps(result, indent=1)
-    if args.out:
-        args.out.write_text(text)
-    print(text)
+    save(args.out, result)
+    print(json.dumps(result, indent=1))
+
+
+def save(out: Path | None, result: dict[str, Any]) -> None:
+    """The result so far (each phase's as it ends: a run cut short keeps what it measured)."""
+    if out is not None:
+        out.write_text(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":
