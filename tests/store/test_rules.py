@@ -352,3 +352,49 @@ def test_a_guarded_job_write_refuses_a_state_and_an_event_without_its_time() -> 
         update_job(None, "job-x", expect={}, state="Running")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="^an event needs its time$"):
         update_job(None, "job-x", expect={}, event=JobEvent("R", "m"))  # type: ignore[arg-type]
+
+
+def test_a_quarantine_cordons_with_its_reason_until_an_admin_lifts_it(factory) -> None:
+    """scheduler.audits: a device whose result an audit found wrong is cordoned with the reason
+    kept on it, once; uncordon lifts it, saying by whom."""
+    dev = add_device(factory, "a", NOW)
+    with transaction(factory) as session:
+        assert lifecycle.quarantine(session, dev, "wrong result at step 4", NOW, job_id=None,
+                                    data={"step": 4})
+        assert not lifecycle.quarantine(session, dev, "again", NOW)  # once
+        assert not lifecycle.quarantine(session, "dev-nope", "x", NOW)
+    with factory() as session:
+        device = session.get(Device, dev)
+        assert (device.state, device.cordoned, device.quarantine_reason) == (
+            "Cordoned", True, "wrong result at step 4")
+        shown = [(e.reason, e.message, e.kind, e.data, utc(e.ts)) for e in session.scalars(
+            select(Event).where(Event.device_id == dev).order_by(Event.id))]
+    assert shown == [
+        ("Quarantined", "wrong result at step 4", "Warning", {"step": 4}, NOW),
+        ("Cordoned", "cordoned: quarantined (phalanx devices uncordon lifts it)", "Normal", {},
+         NOW)]
+    with transaction(factory) as session:
+        device, changed = lifecycle.uncordon(session, dev, NOW, by="alice")
+        assert changed and device.quarantine_reason is None and device.state == "Ready"
+    assert reasons(factory, dev)[2:] == ["QuarantineLifted", "Uncordoned"]
+    with factory() as session:
+        lifted = session.scalars(select(Event).where(Event.reason == "QuarantineLifted")).one()
+    assert (lifted.message, lifted.data) == (
+        "quarantine lifted by alice (it was: wrong result at step 4)",
+        {"by": "alice", "was": "wrong result at step 4"})
+
+
+def test_lifting_a_quarantine_alone_counts_as_a_change(factory) -> None:
+    dev = add_device(factory, "a", NOW)
+    with transaction(factory) as session:
+        lifecycle.quarantine(session, dev, "wrong", NOW)
+        session.get(Device, dev).cordoned = False  # an uncordon before lifts were recorded
+        session.get(Device, dev).state = "Ready"
+    with transaction(factory) as session:
+        device, changed = lifecycle.uncordon(session, dev, NOW)
+        assert changed and device.quarantine_reason is None
+    with factory() as session:
+        lifted = session.scalars(select(Event).where(Event.reason == "QuarantineLifted")).one()
+    assert lifted.message == "quarantine lifted by an admin (it was: wrong)"
+    with transaction(factory) as session:
+        assert lifecycle.uncordon(session, dev, NOW)[1] is False  # nothing left to lift
