@@ -110,6 +110,31 @@ def buffer_pool_panel(rate: str) -> Panel:
     return out
 
 
+def audit_panels(rate: str) -> list[tuple[Panel, int, int]]:
+    """Audits (docs/scheduler.md, "Audits"): nodes compared and how they came out, and every
+    phone quarantined for a result that two others disagreed with, with why."""
+    compared = panel("timeseries", "Audits: nodes compared, mismatches, decisions", [
+        prom(f"max by (outcome) (rate(phalanx_audits_total[{rate}]))", "{{outcome}}"),
+        prom(f"max by (outcome) (rate(phalanx_audit_decisions_total[{rate}]))",
+             "decided: {{outcome}}", ref="B")], "ops",
+        description="Applied results compared byte for byte with a second phone's "
+        "(verification.audit_rate of the nodes, every node of a phone on probation): agreed, "
+        "or a mismatch that a third phone decides (the holder or the auditor lost; no "
+        "majority: all computed again).")
+    quarantined = panel("table", "Quarantined phones", [sql(QUARANTINED, "table"), prom(
+        "max by (device) (phalanx_quarantines_total)", "{{device}}", "table", ref="B")],
+        description="Phones cordoned because an audit found their result wrong (two of three "
+        "agreed against it), with the reason; `phalanx devices uncordon` lifts it (an event "
+        "names who). B: quarantines counted per phone name since the counters began.")
+    return [(compared, 12, 8), (quarantined, 12, 8)]
+
+
+QUARANTINED = """
+    SELECT name AS phone, id, state, quarantine_reason AS reason, updated AS since
+    FROM devices WHERE quarantine_reason IS NOT NULL ORDER BY updated DESC
+"""
+
+
 def fleet_table() -> Panel:
     link = {"title": "Device dashboard", "url": "/d/phalanx-device?var-device=${__data.fields.id}"}
     table = panel("table", "Phones, hottest first", [sql(FLEET_TABLE, "table")],
@@ -188,6 +213,7 @@ def fleet() -> dict:
             prom(f"sum by (when) (rate(phalanx_weights_slices_served_total[{rate}]))",
                  "slice served {{when}}", ref="B")], "ops"), 12, 8),
         (buffer_pool_panel(rate), 12, 8),
+        *audit_panels(rate),
     ])
 
 

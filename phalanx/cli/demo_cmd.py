@@ -25,6 +25,11 @@ def demo(
     keep_running: Annotated[bool, typer.Option(help="leave the server and phones up afterwards")] = False,
     data_dir: Annotated[Optional[Path], typer.Option(help="where the server, phones and checkpoint live")] = None,
     faults: Annotated[bool, typer.Option(help="overheat one phone and kill another mid-run")] = True,
+    liars: Annotated[int, typer.Option(min=0, help="phones that corrupt their results: audits "
+                                       "catch and quarantine them")] = 0,
+    lie: Annotated[str, typer.Option(help="how a liar lies: MODE[:EVERY[:FROM_STEP]], MODE flip "
+                                     "(one float changed) or stale (the previous step's "
+                                     "result)")] = "flip:1:0",
 ) -> None:
     """Run a real training job on an embedded control plane and a simulated fleet of phones."""
     from phalanx.cli.user_cmds import read_spec
@@ -33,7 +38,7 @@ def demo(
 
     spec = read_spec(job) if job else dict(DEFAULT_JOB)
     opts = DemoOptions(phones=phones, job=spec, keep_running=keep_running, data_dir=data_dir,
-                       faults=faults)
+                       faults=faults, liars=min(liars, phones), lie=_lie(lie))
 
     def wait_for_ctrl_c(result: DemoResult) -> None:
         console.print(f"\nserver: {result.server_url}\nadmin token: {result.admin_token}\n"
@@ -88,6 +93,9 @@ def sim(
                                       "auto (swarm above 1,000 phones without --compute)")] = "auto",
     work_every: Annotated[float, typer.Option(help="swarm: seconds between a phone's work polls "
                                               "(wait=0); 0: none")] = 0.0,
+    liars: Annotated[int, typer.Option(min=0, help="--compute: the first N phones corrupt "
+                                       "their results (audits catch them)")] = 0,
+    lie: Annotated[str, typer.Option(help="how a liar lies: MODE[:EVERY[:FROM_STEP]]")] = "flip:1:0",
 ) -> None:
     """Many lightweight simulated phones in one process against a real server."""
     from phalanx.cli.user_cmds import parse_labels, read_spec
@@ -105,7 +113,7 @@ def sim(
                         admin_token=target.token, concurrency=concurrency,
                         compute=compute or job is not None, cleanup=cleanup,
                         labels=parse_labels(label), job=read_spec(job) if job else None,
-                        stop=threading.Event())
+                        stop=threading.Event(), liars=liars, lie=_lie(lie))
     # SIGTERM ends the run early as the duration would: the phones stop, the report is printed
     signal.signal(signal.SIGTERM, lambda *_: opts.stop.set())  # type: ignore[union-attr]
     last = [0.0]
@@ -135,6 +143,17 @@ def sim(
         raise typer.Exit(1)
 
 
+def _lie(text: str) -> str:
+    """A liar's MODE[:EVERY[:FROM_STEP]], checked (exit 2 naming the problem)."""
+    from phalanx.sim.liar import Lie
+
+    try:
+        return str(Lie.parse(text))
+    except ValueError as exc:
+        err.print(f"[red]error:[/red] --lie: {exc}", highlight=False)
+        raise typer.Exit(2) from None
+
+
 def print_report(report: dict) -> None:
     from rich.table import Table
 
@@ -152,6 +171,11 @@ def print_report(report: dict) -> None:
                   f"errors: {report['errors']}  retries: {report['retries']}", highlight=False)
     for kind, n in sorted(report["errors_by_kind"].items()):
         console.print(f"  {n:6d}  {kind}", highlight=False)
+    for liar in report.get("liars") or []:
+        console.print(f"liar {liar['name']} ({liar['lie']}): {liar['lies']} of {liar['results']} "
+                      "results corrupted; " + (f"quarantined: {liar['quarantined']}"
+                                               if liar["quarantined"] else "not caught"),
+                      highlight=False)
     job = report.get("job")
     if job:
         acc = (job.get("metrics") or {}).get("val_accuracy")

@@ -62,6 +62,8 @@ class DemoOptions:
     timeout_s: float = 900.0
     pending_s: float = 120.0  # give up when the job cannot be placed for this long
     refresh_s: float = 1.0
+    liars: int = 0  # the last N phones corrupt their results (phalanx.sim.liar): caught by audits
+    lie: str = "flip:1:0"
 
 
 @dataclass
@@ -97,6 +99,7 @@ class Demo:
         self.client: PhalanxClient | None = None
         self.plan = FaultPlan(heat_at=opts.heat_at, kill_at=opts.kill_at,
                               offline_at=opts.offline_at)
+        self.caught: dict[Any, str] = {}  # ResultMismatch event id -> the phone caught
 
     # -- setting up --------------------------------------------------------------------------
     def say(self, message: str) -> None:
@@ -119,9 +122,11 @@ class Demo:
         for i, profile in enumerate(fleet_mix(self.opts.phones)):
             # every other phone on its battery: the report's energy is what the server can
             # measure, the batteries' draw (a charging phone's draw comes from its charger)
+            liar = i >= self.opts.phones - self.opts.liars
             opts = PhoneOptions(battery_pct=90.0 - 7 * i, plugged=i % 2 == 0,
                                 rooted=i % 3 != 2, time_scale=self.opts.time_scale,
-                                labels={"rack": "a", "slot": str(i + 1)}, seed=i)
+                                labels={"rack": "a", "slot": str(i + 1)}, seed=i,
+                                lie=self.opts.lie if liar else None)
             phones.append(SimulatedPhone(f"phone-{i + 1}", profile,
                                          self.data_dir / "phones" / f"phone-{i + 1}", opts))
         self.say(f"enrolling {len(phones)} phones with the real agent (phalanx-agent enroll)")
@@ -183,8 +188,21 @@ class Demo:
                 time.sleep(self.opts.refresh_s)
                 job = client.job(job_id)
                 events = client.job_events(job_id)
+                self.tell_caught(events)
             live.update(self.frame(job, client.devices(), events, bar))
         return job
+
+    def tell_caught(self, events: list[dict[str, Any]]) -> None:
+        """A line for each phone an audit caught lying (its ResultMismatch event), once."""
+        for ev in events:
+            if ev.get("reason") == "ResultMismatch" and ev.get("id") not in self.caught:
+                self.caught[ev.get("id")] = self.named(str(ev.get("device_id") or "?"))
+                data = ev.get("data") or {}
+                lo, hi = (data.get("node") or [0, 0])[:2]
+                self.say(f"[red]caught a liar:[/red] {self.caught[ev.get('id')]} at step "
+                         f"{data.get('step')}, shards {lo}..{hi - 1}: its result differs "
+                         f"from two other phones'; quarantined (phalanx devices uncordon "
+                         f"lifts it)")
 
     # -- the whole run ---------------------------------------------------------------------------
     def run(self, on_ready: Callable[[DemoResult], None] | None = None) -> DemoResult:
@@ -261,6 +279,8 @@ class Demo:
             f"{r.battery_energy_j:.0f} J of it by those on their batteries (the report's energy, "
             "measured from their telemetry)",
             f"checkpoint: {r.checkpoint}" if r.checkpoint else "checkpoint: (none)",
+            *([f"liars caught by audits: {', '.join(sorted(set(self.caught.values())))}"]
+              if self.opts.liars else []),
             f"report (open it in a browser): {r.report}",
         ]
         for line in lines:  # never wrapped: a path cut in two cannot be pasted

@@ -109,6 +109,8 @@ async def one_step(phone: LightPhone, a: Assignment) -> bool:
     started = time.perf_counter()
     results = await asyncio.to_thread(_compute, built, params, buffers, data, step)
     compute_s = time.perf_counter() - started
+    if phone.liar is not None:  # computed honestly, then corrupted before the upload
+        results = phone.liar.tamper(step, results)
     await phone.fleet.sleep((phone.model.slowdown - 1.0) * compute_s)
     samples = sum(int(r.count) for r in results)
     phone.profiles[built.spec.arch] = {"samples_per_s": round(samples / (compute_s * phone.model.slowdown

@@ -13,6 +13,7 @@ What it reports: requests, requests/s, errors by kind, latency percentiles, per 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import random
 import threading
@@ -27,6 +28,7 @@ from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt,
 
 from agent.runtime.agent import FEATURES, compute_class
 from phalanx.sim.compute import take_work
+from phalanx.sim.liar import Liar, Lie
 from phalanx.sim.model import PhoneModel
 from phalanx.sim.profiles import fleet_mix
 from wire.states import FINISHED_STATES
@@ -53,6 +55,8 @@ class FleetOptions:
     backoff_cap_s: float = 30.0  # longest wait between retries of a failing phone
     stop: threading.Event | None = None  # set from another thread to end the run early
     labels: dict[str, str] = field(default_factory=dict)
+    liars: int = 0  # the first N phones corrupt their results (phalanx.sim.liar; --compute)
+    lie: str = "flip:1:0"  # how: MODE[:EVERY[:FROM_STEP]]
 
 
 @dataclass
@@ -135,6 +139,7 @@ class LightPhone:
         self.load = 0.0
         self.profiles: dict[str, Any] = {}  # measured throughput per arch (--compute)
         self.computed_shards = 0
+        self.liar = Liar(Lie.parse(fleet.opts.lie)) if index < fleet.opts.liars else None
 
     async def call(self, endpoint: str, method: str, path: str, *,
                    expected: tuple[int, ...] = (), **kwargs: Any) -> httpx.Response:
@@ -291,6 +296,8 @@ class Fleet:
                               "exactness", "compute_class")}
             report["job"]["id"] = job_id
             report["computed_shards"] = sum(p.computed_shards for p in self.phones)
+        if self.opts.liars:
+            report["liars"] = await self.liars()
         if self.opts.cleanup and self.opts.admin_token:
             failures = await self.cleanup()
             report["cleanup_errors"] = len(failures)
@@ -310,6 +317,23 @@ class Fleet:
         except httpx.HTTPError:
             return None
         return resp.json() if resp.status_code == 200 else None
+
+    async def liars(self) -> list[dict[str, Any]]:
+        """Each lying phone: its lies, and whether the server quarantined it (and why)."""
+        out = []
+        for phone in self.phones:
+            if phone.liar is None:
+                continue
+            quarantined = None
+            if phone.device_id and self.opts.admin_token:
+                with contextlib.suppress(httpx.HTTPError, ValueError):
+                    resp = await self.http.get(f"/v1/devices/{phone.device_id}",
+                                               headers=self._admin())
+                    quarantined = resp.json().get("quarantine_reason")
+            out.append({"name": phone.name, "device_id": phone.device_id,
+                        "lie": str(phone.liar.lie), "results": phone.liar.results,
+                        "lies": phone.liar.lies, "quarantined": quarantined})
+        return out
 
     async def cleanup(self) -> list[str]:
         """Delete the devices this run enrolled; why each failed delete failed."""

@@ -40,6 +40,7 @@ class PhoneOptions:
     time_scale: float = 10.0
     labels: dict[str, str] = field(default_factory=dict)
     seed: int = 0
+    lie: str | None = None  # a liar (phalanx.sim.liar: MODE[:EVERY[:FROM_STEP]]); None: honest
 
 
 class SimulatedPhone:
@@ -88,8 +89,11 @@ class SimulatedPhone:
         if self.alive:
             return
         self.model.state.faults.dead = False
+        run = self._agent("run")
+        if self.options.lie:  # the same agent, its uploads corrupted on the way out
+            run[1:3] = ["-m", "phalanx.sim.liar", "--lie", self.options.lie]
         with self.log_path.open("ab") as log:
-            self.process = subprocess.Popen(self._agent("run"), env=self.env(), stdout=log,
+            self.process = subprocess.Popen(run, env=self.env(), stdout=log,
                                             stderr=subprocess.STDOUT, start_new_session=True)
         self._cpu_last = None
 
