@@ -150,13 +150,19 @@ def _duration(seconds: float) -> str:
     return "hour" if seconds == 3600 else f"{seconds / 60:g} minutes"
 
 
+def _quarantined(d: dict[str, Any]) -> str:
+    """A mark on a phone an audit quarantined (its reason on hover)."""
+    why = d.get("quarantine_reason")
+    return f' <b style="color:#dc2626" title="{_e(why)}">quarantined</b>' if why else ""
+
+
 def _device_row(d: dict[str, Any], held: int, hot_c: float,
                 history: DeviceHistory | None, span_s: float) -> str:
     tel = d.get("latest_telemetry") or {}
     battery = tel.get("battery_pct")
     rate = history.latest_rate if history else None
     return (f'<tr data-device="{_e(d.get("id"))}"><td>{_e(d.get("name"))}</td>'
-            f"<td>{_state(d.get('state'))}</td><td>{_e(d.get('pause_reason'))}</td>"
+            f"<td>{_state(d.get('state'))}{_quarantined(d)}</td><td>{_e(d.get('pause_reason'))}</td>"
             f'<td class="num">{_temp(d, hot_c)}{_spark(history, "temp", span_s)}</td>'
             f'<td class="num">{_e(None if battery is None else f"{battery:.0f}%")}'
             f"{' ⚡' if tel.get('charging') else ''}{_spark(history, 'battery', span_s)}</td>"

@@ -234,6 +234,16 @@ def _compute_class(job: dict[str, Any]) -> str | None:
     return f"#{fingerprint}" + (f" ({where[same]})" if same in where else "")
 
 
+def _quarantined(events: Sequence[dict[str, Any]], names: dict[str, str]) -> str | None:
+    """The phones audits caught lying in this job (its ResultMismatch events), and when."""
+    caught = {}
+    for e in events:
+        if e.get("reason") == "ResultMismatch" and e.get("device_id"):
+            device = str(e["device_id"])
+            caught.setdefault(names.get(device, device), (e.get("data") or {}).get("step"))
+    return ", ".join(f"{name} (step {step})" for name, step in sorted(caught.items())) or None
+
+
 def render(job: dict[str, Any], metrics: Sequence[dict[str, Any]],
            events: Sequence[dict[str, Any]], names: dict[str, str] | None = None,
            refresh_s: int | None = None) -> str:
@@ -247,6 +257,7 @@ def render(job: dict[str, Any], metrics: Sequence[dict[str, Any]],
              ("parameters", (job.get("plan") or {}).get("parameters")),
              ("exactness", job.get("exactness") or spec.get("exactness")),
              ("compute class", _compute_class(job)),
+             ("quarantined", _quarantined(events, names or {})),
              ("reason", job.get("reason"))]
     rows = "".join(f"<tr><td>{html.escape(k)}</td><td>{html.escape(str(v))}</td></tr>"
                    for k, v in facts if v is not None)
