@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import statistics
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
@@ -42,6 +43,7 @@ from hotstate import keys
 from hotstate.bodies import fetch_bodies
 from hotstate.gradstore import GradBlobError, audit_nodes, body_key_of, unpack
 from hotstate.version import bump_version
+from scheduler import store_ops
 from scheduler.celery_app import app
 from scheduler.checkpoints import checkpoint_steps
 from scheduler.context import SchedulerContext
@@ -94,13 +96,11 @@ def assign_audits(ctx: SchedulerContext, session: Session, job: Job, spec: Train
     primaries = _primaries(session, job.id) if spec.audited else {}
     planned = 0
     if primaries:
-        probation = on_probation(records.verified_steps(session, job.id),
-                                 set(primaries.values()), spec.probation_steps)
-        counts: dict[str, float] = {}
-        for device in primaries.values():
-            counts[device] = counts.get(device, 0.0) + 1.0
+        holders = set(primaries.values())
+        probation = on_probation(records.verified_steps(session, job.id), holders,
+                                 spec.probation_steps)
         plan = plan_audits(primaries, spec.shards, audit_key(job), step, spec.audit_rate,
-                           probation, speeds=counts)
+                           probation, speeds=_speeds(session, holders, spec.arch))
         for (lo, hi), (_, auditor) in sorted(plan.items()):
             session.add(ShardAssignment(job_id=job.id, shard=lo, device_id=auditor, role=AUDIT,
                                         since_step=step, span=hi - lo))
@@ -125,6 +125,18 @@ def ensure_audits(ctx: SchedulerContext, job: Job, info: JobInfo) -> bool:
         return False  # a step boundary planned them meanwhile
     bump_version(ctx.blobs)
     return True
+
+
+def _speeds(session: Session, devices: set[str], arch: str) -> dict[str, float]:
+    """Each device's measured samples/s for the job's model; one without a measurement counts
+    as the median of those with one (1 when none has): an audit goes where the shards held
+    leave the most room, which is where a step's audit delays it least."""
+    rows = session.execute(select(Device.id, Device.profiles).where(
+        Device.id.in_(sorted(devices))))
+    measured = {d: store_ops.stored_speeds(p).get(arch) for d, p in rows}
+    known = [v for v in measured.values() if v]
+    default = statistics.median(known) if known else 1.0
+    return {d: measured.get(d) or default for d in devices}
 
 
 def _primaries(session: Session, job_id: str) -> dict[int, str]:
