@@ -10,9 +10,9 @@ uploads, audit uploads kept apart) and the apply pipeline (`run_apply_step`: the
 checked in its plan, assigned in its commit), on SQLite and the in-memory blob store. The
 phones are threads that behave as phones of one core each: their results are the engine's
 (computed before the step, untimed, so the audits compare real bytes), and each "computes"
-for its shards by sleeping `--shard-ms` a shard (a real phone's per-shard time, measured on
-this machine for the model unless given), so phones work side by side as a fleet does and a
-step lasts as long as its slowest phone, audits included, plus the server's work.
+for its shards by sleeping `--shard-ms` a shard (default 50 ms; 0: the engine's time here),
+so phones work side by side as a fleet does and a step lasts as long as its slowest phone,
+audits included, plus the server's work.
 Printed: per rate, the median step time, its ratio to rate 0 (median of the rounds' ratios),
 audited nodes per step, and the fleet's compute per step over rate 0's.
 """
@@ -49,10 +49,11 @@ from wire.states import DeviceState, JobState
 
 RATES = (0.0, 0.02, 0.1, 1.0)
 DATASET = "synthetic:1x16x16:10:8192"
+ARCH = "mlp"  # light to compute before each step: the phones' time is --shard-ms
 
 
 def spec(rate: float, shards: int, phones: int) -> dict[str, Any]:
-    return {"name": f"audits-{rate}", "model": {"arch": "cnn"}, "dataset": DATASET,
+    return {"name": f"audits-{rate}", "model": {"arch": ARCH}, "dataset": DATASET,
             "global_batch_size": 32 * shards, "shards": shards, "epochs": 1000, "seed": 0,
             "checkpoint_every": 100000,
             "placement": {"min_devices": phones, "max_devices": phones,
@@ -80,7 +81,7 @@ class Bench:
             for device in ids:
                 s.add(Device(id=device, name=device, state=DeviceState.READY.value,
                              labels={"rate": str(rate)}, lease_renewed_at=utcnow(),
-                             profiles={"cnn": {"samples_per_s": 100.0}},
+                             profiles={ARCH: {"samples_per_s": 100.0}},
                              latest_telemetry={"battery_pct": 90, "charging": True},
                              capabilities={"features": list(FEATURES),
                                            "compute_class": compute_class()}))
@@ -161,14 +162,14 @@ def main() -> None:
     parser.add_argument("--shards", type=int, default=16)
     parser.add_argument("--steps", type=int, default=30, help="steps a rate, each round")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--shard-ms", type=float, default=None,
-                        help="a phone's time for one shard (default: measured here)")
+    parser.add_argument("--shard-ms", type=float, default=50.0,
+                        help="a phone's time for one shard (0: the engine's here, measured)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         bench = Bench(Path(tmp), args.phones, args.shards)
         for rate in RATES:
             bench.start(rate)
-        shard_s = args.shard_ms / 1000 if args.shard_ms else shard_seconds(bench)
+        shard_s = args.shard_ms / 1000 if args.shard_ms > 0 else shard_seconds(bench)
         times: dict[float, list[float]] = {r: [] for r in RATES}
         work: dict[float, list[float]] = {r: [] for r in RATES}
         nodes: dict[float, list[int]] = {r: [] for r in RATES}
@@ -185,7 +186,7 @@ def main() -> None:
                 medians[rate] = statistics.median(g[0] for g in got)
             for rate in RATES:
                 ratios[rate].append(medians[rate] / medians[0.0])
-    print(f"{args.phones} phones, {args.shards} shards, cnn on {DATASET}, a shard "
+    print(f"{args.phones} phones, {args.shards} shards, {ARCH} on {DATASET}, a shard "
           f"{shard_s * 1000:.1f} ms on a phone's core; {args.rounds} rounds of {args.steps} "
           f"steps a rate")
     print("| audit_rate | step time (median) | x rate 0 (median of rounds) | mean step time "
