@@ -28,8 +28,9 @@ from domain.store.heartbeats import check_clock
 from domain.store.models import Dataset, Device, Event, Job
 from domain.store.selectors import Requirement, matches, parse_selector, sql_conditions
 from domain.store.states import Event as JobEvent
-from domain.store.states import update_job
+from domain.store.states import transition, update_job
 from domain.store.tokens import Principal
+from wire.states import JobState
 
 NOW = dt.datetime(2026, 12, 7, 12, 0, tzinfo=dt.timezone.utc)
 GRACE = Settings.model_construct().lease_grace_s
@@ -398,3 +399,36 @@ def test_lifting_a_quarantine_alone_counts_as_a_change(factory) -> None:
     assert lifted.message == "quarantine lifted by an admin (it was: wrong)"
     with transaction(factory) as session:
         assert lifecycle.uncordon(session, dev, NOW)[1] is False  # nothing left to lift
+
+
+def test_a_job_write_records_its_event_whole_and_none_without_one(factory) -> None:
+    with transaction(factory) as session:
+        job = Job(name="j", spec={}, state="Pending")
+        session.add(job)
+        session.flush()
+        job_id = job.id
+        started = JobEvent("Started", "placed on 2 devices", "Normal", {"devices": 2})
+        assert transition(session, job_id, JobState.RUNNING, started, now=NOW)
+        warned = JobEvent("Slow", "step 3 waits", "Warning", {"step": 3})
+        assert update_job(session, job_id, expect={"state": "Running"}, event=warned, now=NOW,
+                          reason="slow")
+        assert update_job(session, job_id, expect={}, now=NOW, reason="quiet")  # no event
+    with factory() as session:
+        shown = [(e.reason, e.message, e.kind, e.data, utc(e.ts)) for e in session.scalars(
+            select(Event).where(Event.job_id == job_id).order_by(Event.id))]
+        assert session.get(Job, job_id).reason == "quiet"
+    assert shown == [("Started", "placed on 2 devices", "Normal", {"devices": 2}, NOW),
+                     ("Slow", "step 3 waits", "Warning", {"step": 3}, NOW)]
+
+
+def test_a_quarantine_names_the_job_whose_audit_found_it(factory) -> None:
+    dev = add_device(factory, "a", NOW)
+    with transaction(factory) as session:
+        job = Job(name="j", spec={})
+        session.add(job)
+        session.flush()
+        job_id = job.id
+        assert lifecycle.quarantine(session, dev, "wrong", NOW, job_id=job_id)
+    with factory() as session:
+        event = session.scalars(select(Event).where(Event.reason == "Quarantined")).one()
+    assert event.job_id == job_id
