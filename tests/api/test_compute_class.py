@@ -140,7 +140,7 @@ def test_the_fleet_page_shows_each_phones_compute_class(api):
                             follow_redirects=False)
     assert login.status_code == 303
     page = api.client.get("/ui").text
-    assert "<th>compute class</th>" in page
+    assert '<th><a href="?sort=class" data-sort="class">compute class</a></th>' in page
     assert "<td>x86_64 openblas SkylakeX X86_V4 #be23673d</td>" in page
     # a stored value from before the schema is shown as none, not a 500
     with api.app.state.session_factory.begin() as session:

@@ -11,9 +11,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
 
 from scheduler.policy.audit import steps_to_catch
+from tests.deploy.tools import queries
 from tests.e2e.cluster import Cluster, reference_metrics
 from tests.support.env import ADMIN_TOKEN as ADMIN
 from tests.support.waiting import wait_for
@@ -43,7 +45,7 @@ def cluster(tmp_path: Path, pg_url: str, redis_url: str) -> Iterator[Cluster]:
 
 
 def test_a_job_on_six_phones_one_lying_ends_on_the_reference_and_the_liar_is_quarantined(
-        cluster: Cluster, tmp_path: Path) -> None:
+        cluster: Cluster, tmp_path: Path, pg_url: str) -> None:
     liar = cluster.start_agent("liar", runner=("phalanx.sim.liar", "--lie",
                                                f"flip:1:{LIES_FROM}"))
     phones = [liar, *(cluster.start_agent(f"phone-{i}") for i in range(5))]
@@ -67,6 +69,14 @@ def test_a_job_on_six_phones_one_lying_ends_on_the_reference_and_the_liar_is_qua
     assert facts["step"] - LIES_FROM < steps_to_catch(RATE, 1, 0.999), facts
     device = cluster.device(liar.device_id)
     assert device["state"] == "Cordoned" and device["quarantine_reason"], device
+    # Grafana's fleet dashboard lists it (its panel is empty in the healthy observed cluster
+    # of tests/deploy/test_live_prometheus.py)
+    panel = [q for q in queries("sql") if q.panel == "Quarantined phones"]
+    assert panel
+    with psycopg.connect(pg_url.replace("postgresql+psycopg://", "postgresql://")) as conn:
+        listed = conn.execute(panel[0].text).fetchall()
+    assert [(row[0], row[1], row[2]) for row in listed] == [
+        ("liar", liar.device_id, "Cordoned")], listed
     with cluster.client() as http:
         metrics = http.get("/metrics").text
         quarantined = re.search(r'^phalanx_quarantines_total\{device="liar"\} (\S+)$',
