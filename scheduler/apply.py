@@ -17,8 +17,11 @@ the sequence is written here once, the range its parameter.
     commit   once every range is stored: the checkpoint when due, then in one transaction the
              guarded UPDATE jobs SET step=t+1, state_nonce=<plan's nonce> WHERE id=:id AND
              step=t (a sliced step: AND state_nonce=<state t's>), the step's metrics, what
-             its audits found (domain.store.audits), the checkpoint's row and the step boundary (`StepBoundary`, the extension point the
-             caller hands in: placement's moves at the boundary commit with the step)
+             its audits found (domain.store.audits), the checkpoint's row and the step
+             boundary (`StepBoundary`, the extension point the caller hands in: placement's
+             moves at the boundary commit with the step); every `eval_every` steps the
+             validation split is run on state t+1 first (engine.validation, as the reference
+             trainer does) and its point goes on the step's row
     publish  the long polls woken (the version bumped), then step t's keys dropped
 
 What a crash or a race anywhere leaves is repeated or repaired, never corrupt:
@@ -66,6 +69,7 @@ from engine.slices import Bounds
 from engine.step import ShardResult, StepMetrics, TrainState
 from engine.step import apply_step as engine_apply_step
 from engine.tree import choose
+from engine.validation import ValidationPoint, validate, validation_due
 from hotstate import keys
 from hotstate.bodies import Piece, fetch_bodies, fetch_pieces
 from hotstate.gradstore import GradBlobError, Ref, body_key_of, read_ref, stored_nodes, unpack
@@ -354,10 +358,15 @@ def commit_step(ctx: SchedulerContext, job: Job, info: JobInfo, plan: SlicePlan,
     step = job.step
     final = step + 1 >= info.total_steps
     due = final or (step + 1) % checkpoint_every(ctx, job) == 0
-    stored = _step_stored(ctx, job, info, plan, applied, due)
+    validated = validation_due(info.spec, step + 1)
+    stored = _step_stored(ctx, job, info, plan, applied, due or validated)
     if isinstance(stored, str):
         return stored
     new_state, metrics = stored
+    point = None
+    if validated:  # before the transaction: the rows' lock is not held through the evaluation
+        data = load_dataset(info.spec.dataset, ctx.settings.data_dir)
+        point = validate(info, new_state, data.x_val, data.y_val)
     ckpt = None
     if due:
         try:
@@ -369,7 +378,7 @@ def commit_step(ctx: SchedulerContext, job: Job, info: JobInfo, plan: SlicePlan,
                 return Outcome.RETRY
     try:
         committed = commit_rows(ctx, job, info, plan, metrics, new_state, ckpt, final, boundary,
-                                applied.storing if applied else None)
+                                applied.storing if applied else None, point)
     finally:
         if applied is not None:
             wait([applied.storing])  # whatever the commit did, the write is over
@@ -382,7 +391,8 @@ def commit_step(ctx: SchedulerContext, job: Job, info: JobInfo, plan: SlicePlan,
 
 def _step_stored(ctx: SchedulerContext, job: Job, info: JobInfo, plan: SlicePlan,
                  applied: Applied | None, due: bool) -> tuple[TrainState, StepMetrics] | str:
-    """State t+1 (whole when `due`: a checkpoint is written from it) and the step's metrics,
+    """State t+1 (whole when `due`: a checkpoint is written or the validation run from it)
+    and the step's metrics,
     once every range is stored under `plan`; otherwise the outcome to return."""
     if len(info.slices) == 1 and applied is not None:
         return applied.state, applied.metrics
@@ -427,15 +437,19 @@ def _drop_unnamed(ctx: SchedulerContext, info: JobInfo, applied: Applied | None)
 
 def commit_rows(ctx: SchedulerContext, job: Job, info: JobInfo, plan: SlicePlan,
                 m: StepMetrics, new_state: TrainState, ckpt: WrittenCheckpoint | None,
-                final: bool, boundary: StepBoundary, storing: Future[None] | None) -> bool:
+                final: bool, boundary: StepBoundary, storing: Future[None] | None,
+                point: ValidationPoint | None = None) -> bool:
     """The step's rows in one transaction, committed only if the job is still Running at step
     t (a sliced step: still naming state t, which its plan was made from); the state's write
-    (`storing`) is waited for as its last statement."""
+    (`storing`) is waited for as its last statement. `point`: the validation of state t+1, on
+    the step's row and, while the job runs, in its metrics (the latest)."""
     guard = {"step": m.step} if len(info.slices) == 1 else {"step": m.step,
                                                             "state_nonce": job.state_nonce}
     now = ctx.clock()
     summary = {"train_loss": m.train_loss, "train_accuracy": m.train_accuracy, "lr": m.lr}
-    finished = final_summary(ctx, job, info, m, new_state) if final else None
+    if point is not None:
+        summary.update(val_loss=point.val_loss, val_accuracy=point.val_accuracy)
+    finished = final_summary(ctx, job, info, m, new_state, point) if final else None
     pruned: list[str] = []
     with transaction(ctx.session_factory) as session:
         seconds = (now - job.step_started_at).total_seconds() if job.step_started_at else None
@@ -457,7 +471,9 @@ def commit_rows(ctx: SchedulerContext, job: Job, info: JobInfo, plan: SlicePlan,
                                epoch=(m.step + 1) / info.spec.steps_per_epoch,
                                train_loss=m.train_loss, train_accuracy=m.train_accuracy,
                                lr=m.lr, samples=m.samples, step_seconds=seconds,
-                               devices=len(held.devices)))
+                               devices=len(held.devices),
+                               val_loss=point.val_loss if point else None,
+                               val_accuracy=point.val_accuracy if point else None))
         if info.spec.audited:
             audits.record(session, job.id, m.step, plan.agreed, plan.unaudited)
         if ckpt is not None:
@@ -524,9 +540,10 @@ def checkpoint_failed(ctx: SchedulerContext, job: Job, step: int, exc: OSError,
 
 
 def final_summary(ctx: SchedulerContext, job: Job, info: JobInfo, last: StepMetrics,
-                  state: TrainState) -> dict:
+                  state: TrainState, point: ValidationPoint | None = None) -> dict:
     """Final metrics defined as the reference trainer defines them: the last epoch's mean
-    train loss and accuracy, and validation on the final weights."""
+    train loss and accuracy, and validation on the final weights (`point` when the curve's
+    last point was just measured on them: not run twice)."""
     spe = info.spec.steps_per_epoch
     with ctx.session_factory() as session:
         rows = session.query(StepMetric).filter(
@@ -536,5 +553,6 @@ def final_summary(ctx: SchedulerContext, job: Job, info: JobInfo, last: StepMetr
     losses = [r.train_loss for r in rows if r.train_loss is not None] + [last.train_loss]
     accs = [r.train_accuracy for r in rows if r.train_accuracy is not None] + [last.train_accuracy]
     data = load_dataset(info.spec.dataset, ctx.settings.data_dir)
-    return {**final_metrics(info, state, losses, accs, data.x_val, data.y_val),
+    validated = (point.val_loss, point.val_accuracy) if point else None
+    return {**final_metrics(info, state, losses, accs, data.x_val, data.y_val, validated),
             "last_step_loss": last.train_loss}

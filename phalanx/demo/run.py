@@ -41,6 +41,7 @@ DEFAULT_JOB: dict[str, Any] = {
     "shards": 16,
     "epochs": 20,
     "seed": 0,
+    "eval_every": 10,  # the report's validation curve: a point every 10 steps
     "optimizer": {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.0001,
                   "warmup_epochs": 2, "schedule": "cosine"},
     "placement": {"min_devices": 1, "max_devices": 8, "selector": {"rack": "a"},

@@ -30,6 +30,7 @@ SMALL_JOB = {
     # control plane to move shards: at 5 epochs a fast machine finished first, now and then
     "epochs": 12,
     "seed": 0,
+    "eval_every": 10,  # the validation curve, through the faults
     "optimizer": {"lr": 0.1, "momentum": 0.9, "warmup_epochs": 1, "schedule": "cosine"},
     "placement": {"min_devices": 1, "max_devices": 8, "selector": {"rack": "a"},
                   "min_battery": 20, "max_temp_c": 45},
@@ -129,6 +130,11 @@ def test_demo_trains_through_faults_and_leaves_a_checkpoint(tmp_path: Path) -> N
         # through the faults and the moves, the phones followed the reference trajectory
         ref = reference_metrics(SMALL_JOB, tmp_path / "reference")
         assert rel_diff(job["metrics"]["train_loss"], ref["train_loss"]) < 1e-5, (job, ref)
+        # its validation curve is the reference trainer's, point for point, and drawn
+        assert [{"step": p["step"], "val_loss": p["val_loss"], "val_accuracy": p["val_accuracy"]}
+                for p in curve if p["val_loss"] is not None] == ref["validation"]
+        drawn = re.findall(r'data-series="validation" data-points="(\d+)"', page)
+        assert drawn == [str(len(ref["validation"]))] * 2, drawn  # the loss and the accuracy
 
         with np.load(ckpt, allow_pickle=False) as npz:
             assert len(npz.files) > 0

@@ -8,13 +8,12 @@ from pathlib import Path
 import pytest
 
 from api.schemas.jobs import JobCreate
-from engine.data import load_dataset
-from engine.jobinfo import job_info
+from domain.store.models import StepMetric
 from engine.spec import SpecError, TrainSpec
-from engine.validation import validate, validation_due
+from engine.validation import validation_due
 from phalanx.train_local import run_reference
 from tests.api.conftest import api_on
-from tests.scheduler.helpers import make_ctx, run_to, start_job, stored_state, tiny_spec
+from tests.scheduler.helpers import job, make_ctx, run_to, start_job, tiny_spec
 
 
 @pytest.mark.parametrize(("every", "total", "due"), [
@@ -47,22 +46,41 @@ def test_the_api_answers_422_naming_eval_every(sqlite_url, tmp_path: Path) -> No
     assert JobCreate.model_validate(spec).spec()["eval_every"] == 0  # kept with its default
 
 
-def test_the_cluster_validates_to_the_reference_curve_bit_for_bit(sqlite_url, tmp_path: Path
-                                                                  ) -> None:
-    spec = tiny_spec(eval_every=3)  # 8 steps: points of steps 3, 6 and the last, 8
+@pytest.mark.parametrize("slices", [1, 3], ids=["whole", "sliced"])
+def test_the_cluster_commits_the_reference_curve_bit_for_bit(sqlite_url, tmp_path: Path,
+                                                             slices: int) -> None:
+    spec = tiny_spec(eval_every=3, slices=slices, checkpoint_every=100)  # 8 steps: 3, 6, 8
     reference = run_reference(spec, None, progress=False)
     assert [p["step"] for p in reference["validation"]] == [2, 5, 7]
     last = reference["validation"][-1]
     assert (last["val_loss"], last["val_accuracy"]) == (reference["val_loss"],
                                                         reference["val_accuracy"])
-    ctx = make_ctx(sqlite_url, tmp_path)
+    ctx = make_ctx(sqlite_url, tmp_path, slices_inline=True)
     job_id = start_job(ctx, spec)
-    info = job_info(job_id, spec, ctx.settings.data_dir)
-    data = load_dataset(info.spec.dataset)
-    cluster = []
-    for steps in range(1, info.total_steps + 1):
-        run_to(ctx, job_id, steps)  # the state of `steps` as the step commit holds it
-        if validation_due(info.spec, steps):
-            point = validate(info, stored_state(ctx, job_id, steps), data.x_val, data.y_val)
-            cluster.append(point.__dict__)
-    assert cluster == reference["validation"]
+    run_to(ctx, job_id, 4)
+    running = job(ctx, job_id)  # the latest point in the running job's metrics
+    assert (running.metrics["val_loss"], running.metrics["val_accuracy"]) == (
+        reference["validation"][0]["val_loss"], reference["validation"][0]["val_accuracy"])
+    run_to(ctx, job_id, job(ctx, job_id).total_steps)
+    done = job(ctx, job_id)
+    assert done.state == "Succeeded"
+    with ctx.session_factory() as session:
+        rows = session.query(StepMetric).filter(StepMetric.job_id == job_id).order_by(
+            StepMetric.step).all()
+    assert [r.step for r in rows] == list(range(8))
+    assert [{"step": r.step, "val_loss": r.val_loss, "val_accuracy": r.val_accuracy}
+            for r in rows if r.val_loss is not None] == reference["validation"]
+    assert all(r.val_accuracy is None for r in rows if r.val_loss is None)
+    assert (done.metrics["val_loss"], done.metrics["val_accuracy"]) == (
+        reference["val_loss"], reference["val_accuracy"])
+
+
+def test_without_eval_every_only_the_final_weights_are_validated(sqlite_url, tmp_path: Path
+                                                                 ) -> None:
+    ctx = make_ctx(sqlite_url, tmp_path)
+    job_id = start_job(ctx, tiny_spec())
+    run_to(ctx, job_id, job(ctx, job_id).total_steps)
+    with ctx.session_factory() as session:
+        assert session.query(StepMetric).filter(StepMetric.job_id == job_id,
+                                                StepMetric.val_loss.is_not(None)).count() == 0
+    assert job(ctx, job_id).metrics["val_accuracy"] > 0
