@@ -18,6 +18,9 @@ import numpy as np
 import pytest
 import yaml
 
+from domain.store.db import make_engine, make_session_factory, transaction
+from domain.store.lifecycle import quarantine
+from domain.store.models import utcnow
 from tests.cli.conftest import Cli, one_line_error
 from tests.support.arrays import npz_bytes
 from tests.support.waiting import wait_for
@@ -155,6 +158,30 @@ def test_devices_ls_describe_and_the_admin_actions(
     removed = cli("devices", "rm", dev_id)
     assert removed.exit_code == 0 and "deleted" in removed.stdout
     assert dev_id not in [d["id"] for d in cli.json("devices", "ls")]
+
+
+def test_describe_shows_a_quarantine_and_its_lift(
+        cli: Cli, register_device: Callable[..., dict[str, Any]]) -> None:
+    dev_id = register_device("rack-a-liar")["device_id"]
+    reason = "result mismatch in job job-x at step 7: shards 0..2 (its sha256 1111 != 2222)"
+    engine = make_engine(cli.server.env["PHALANX_DATABASE_URL"])
+    try:
+        with transaction(make_session_factory(engine)) as session:
+            assert quarantine(session, dev_id, reason, utcnow(), job_id=None,
+                              data={"step": 7, "node": [0, 2]})
+    finally:
+        engine.dispose()
+    described = cli("devices", "describe", dev_id)
+    assert described.exit_code == 0, described.output
+    facts, events = described.stdout.split("\nEvents:\n")
+    assert yaml.safe_load(facts)["quarantine_reason"] == reason
+    assert re.search(r"Quarantined\s.*result mismatch in job job-x", events), events
+    assert re.search(r"Quarantined\s.*result mismatch in job job-x", described.stdout)
+    lifted = cli("devices", "uncordon", dev_id)
+    assert lifted.exit_code == 0, lifted.output
+    facts, events = cli("devices", "describe", dev_id).stdout.split("\nEvents:\n")
+    assert yaml.safe_load(facts)["quarantine_reason"] is None
+    assert re.search(r"QuarantineLifted\s", events), events
 
 
 def test_unknown_device_is_one_line_naming_it(cli: Cli) -> None:
