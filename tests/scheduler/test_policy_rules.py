@@ -167,6 +167,15 @@ def test_backups_go_round_robin_over_every_helper() -> None:
     assert plan_backups({"a": [1], "b": [2]}, ["a"]) == {2: "a"}
 
 
+def test_a_shard_is_never_backed_up_by_its_auditor_and_the_next_shard_still_is() -> None:
+    """docs/scheduler.md (Audits): an audit compares two devices' results, so the auditor of a
+    shard never computes its backup; a shard nobody may back up leaves the others' plans."""
+    auditing = {5: frozenset({"h1"}), 6: frozenset({"h1", "h2"})}
+    plan = plan_backups({"slow": [5, 6, 7]}, ["h1", "h2"], auditing=auditing)
+    assert plan == {5: "h2", 7: "h2"}  # 6: both helpers audit it; 7: the second turn
+    assert plan_backups({"slow": [5]}, ["h1"], auditing={4: frozenset({"h1"})}) == {5: "h1"}
+
+
 # --- agent rollouts -------------------------------------------------------------------------
 
 NOW = dt.datetime(2026, 12, 7, 12, 0, tzinfo=dt.timezone.utc)
