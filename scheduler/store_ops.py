@@ -8,11 +8,11 @@ from __future__ import annotations
 import datetime as dt
 import math
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from types import MappingProxyType
 from typing import Any
 
-from sqlalchemy import delete, select
+from sqlalchemy import delete, func, select
 from sqlalchemy.orm import Session
 
 from domain.store.compute_class import fingerprint_of
@@ -21,11 +21,12 @@ from domain.store.states import Event as StateEvent
 from domain.store.states import transition
 from scheduler.policy.quota import Usage
 from scheduler.policy.types import MAX_SPEED, DeviceView
-from wire.states import FINISHED_STATES, JobState
+from wire.states import FINISHED_STATES, DeviceState, JobState
 
 TERMINAL = FINISHED_STATES
 TEMP_RANGE = (-50.0, 200.0)  # a telemetry sample's temperatures (the heartbeat's schema)
 MAX_CORES = 1024  # a device spec's cpu_cores (the registration's schema)
+IN_BATCH = 1000  # ids a query names at once, devices it reads at once
 
 
 def _number(value: Any, low: float = -math.inf, high: float = math.inf) -> float | None:
@@ -103,6 +104,45 @@ def all_device_views(session: Session) -> list[DeviceView]:
     holds = device_jobs(session)
     devices = session.scalars(select(Device).order_by(Device.id))
     return [device_view(d, holds.get(d.id)) for d in devices]
+
+
+def held_device_views(session: Session, holds: Mapping[str, str]) -> list[DeviceView]:
+    """The views of the devices in `holds` (device id -> its job): the holders of every job,
+    read by primary key, without the free fleet."""
+    ids = sorted(holds)
+    views: list[DeviceView] = []
+    for start in range(0, len(ids), IN_BATCH):
+        chunk = ids[start:start + IN_BATCH]
+        views += [device_view(d, holds[d.id]) for d in
+                  session.scalars(select(Device).where(Device.id.in_(chunk)))]
+    return views
+
+
+def free_device_views(session: Session, skip: Collection[str]) -> Iterator[list[DeviceView]]:
+    """The devices that hold no job and are not in `skip`, Ready and uncordoned (the only
+    ones any filter lets through: policy.filters), by id, IN_BATCH at a time: a caller looking
+    for one that fits stops reading at the first batch that has it."""
+    query = (select(Device).where(Device.state == DeviceState.READY.value,
+                                  Device.cordoned.is_(False),
+                                  Device.id.not_in(select(ShardAssignment.device_id)))
+             .order_by(Device.id))
+    after = ""
+    while True:
+        rows = list(session.scalars(query.where(Device.id > after).limit(IN_BATCH)))
+        if not rows:
+            return
+        after = rows[-1].id
+        views = [device_view(d, None) for d in rows if d.id not in skip]
+        if views:
+            yield views
+
+
+def fleet_counts(session: Session) -> tuple[int, int]:
+    """(devices, of them NotReady), counted by the database (the eviction limit's inputs)."""
+    total, not_ready = session.execute(select(
+        func.count(), func.count().filter(Device.state == DeviceState.NOT_READY.value)
+    ).select_from(Device)).one()
+    return int(total), int(not_ready)
 
 
 def primaries(session: Session, job_id: str) -> dict[int, str]:

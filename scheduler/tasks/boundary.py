@@ -98,7 +98,7 @@ def demote_stragglers(ctx: SchedulerContext, session: Session, job: Job, new_ste
     if not slow or len(holders) < 2:
         return []
     req = PlacementRequest.for_job(job)
-    views = {v.id: v for v in store_ops.all_device_views(session) if v.id in holders}
+    views = {v.id: v for v in store_ops.held_device_views(session, dict.fromkeys(holders, job.id))}
     factors = {d: _factor(ctx, job.id, d) for d in holders}
     for device in slow:
         factors[device] *= 0.5

@@ -73,7 +73,8 @@ def back_up_late_devices(ctx: SchedulerContext, job: Job, info: JobInfo) -> int:
         if not missing:
             return 0
         req = PlacementRequest.for_job(job)
-        views = {v.id: v for v in store_ops.all_device_views(session) if v.id in holders}
+        views = {v.id: v for v in store_ops.held_device_views(session,
+                                                              dict.fromkeys(holders, job.id))}
         able = [d for d in holders if d in views and keepable(req, views[d])]
         fastest_first = sorted(able, key=lambda d: (-device_speed(views[d], req.arch), d))
         helpers = [d for d in fastest_first if d not in missing] + [d for d in fastest_first if d in missing]
