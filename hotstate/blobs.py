@@ -10,12 +10,14 @@ import re
 import secrets
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import redis
 from redis.connection import PythonRespSerializer
+
+from hotstate import keys as names
 
 
 class BlobStore(Protocol):
@@ -28,6 +30,13 @@ class BlobStore(Protocol):
     def delete(self, *keys: str) -> None: ...
 
     def keys(self, prefix: str) -> list[str]: ...
+
+    def step_keys(self, job_id: str, lo: int = 0, hi: int | None = None) -> list[str]:
+        """The job's per-step keys of steps lo <= t < hi (None: no bound), read from the index
+        that writes and deletes keep (keys.step_index): one lookup, whatever the keyspace's
+        size. It may name a key gone without a delete (expired, evicted): deleting that key
+        drops its entry."""
+        ...
 
     def exists(self, key: str) -> bool: ...
 
@@ -73,6 +82,22 @@ class MemoryBlobStore:
     def __init__(self) -> None:
         self._data: dict[str, tuple[bytes | memoryview, float | None]] = {}
         self._lock = threading.Lock()
+        # keys.step_index -> {key: step}, kept like Redis's: an expired key leaves its entry
+        self._index: dict[str, dict[str, int]] = {}
+
+    def _note(self, key: str) -> None:
+        found = names.indexed_step(key)
+        if found is not None:
+            self._index.setdefault(found[0], {})[key] = found[1]
+
+    def _unnote(self, key: str) -> None:
+        found = names.indexed_step(key)
+        if found is None:
+            return
+        entries = self._index.get(found[0], {})
+        entries.pop(key, None)
+        if not entries:  # as Redis drops an emptied sorted set
+            self._index.pop(found[0], None)
 
     def _live(self, key: str) -> bytes | None:
         item = self._data.get(key)
@@ -104,9 +129,11 @@ class MemoryBlobStore:
     def set(self, key: str, value: bytes, ttl: float | None = None) -> None:
         with self._lock:
             self._data[key] = (_kept(value), self._expiry(ttl))
+            self._note(key)
 
     def set_if_absent(self, key: str, value: bytes, ttl: float | None = None) -> bool:
         with self._lock:
+            self._note(key)  # as Redis's MULTI does, whoever wins
             if self._live(key) is not None:
                 return False
             self._data[key] = (_kept(value), self._expiry(ttl))
@@ -116,10 +143,17 @@ class MemoryBlobStore:
         with self._lock:
             for key in keys:
                 self._data.pop(key, None)
+                self._unnote(key)
 
     def keys(self, prefix: str) -> list[str]:
         with self._lock:
             return [k for k in list(self._data) if k.startswith(prefix) and self._live(k) is not None]
+
+    def step_keys(self, job_id: str, lo: int = 0, hi: int | None = None) -> list[str]:
+        with self._lock:
+            entries = self._index.get(names.step_index(job_id), {})
+            return [k for k, t in sorted(entries.items(), key=lambda e: (e[1], e[0]))
+                    if lo <= t and (hi is None or t < hi)]
 
     def exists(self, key: str) -> bool:
         with self._lock:
@@ -138,6 +172,7 @@ class MemoryBlobStore:
             value = int(bytes(held)) + amount if held is not None else amount
             expires = self._data[key][1] if held is not None else None  # kept, as INCRBY does
             self._data[key] = (str(value).encode(), expires)
+            self._note(key)
             return value
 
     def delete_if_equal(self, key: str, value: bytes) -> bool:
@@ -146,12 +181,14 @@ class MemoryBlobStore:
             if held is None or bytes(held) != bytes(value):
                 return False
             self._data.pop(key, None)
+            self._unnote(key)
             return True
 
     def flush(self) -> None:
         """Lose every key (tests: what a Redis restart without persistence does)."""
         with self._lock:
             self._data.clear()
+            self._index.clear()
 
     def publish(self, channel: str) -> None:
         pass  # in-process: hotstate.version pokes its watchers directly
@@ -165,10 +202,10 @@ def _kept(value: bytes | bytearray | memoryview) -> bytes | memoryview:
 
 
 MGET_GROUP = 8
-# keys per SCAN call: the keys of a job's finished step are listed this way once a step, so a
-# keyspace of a few thousand keys (per-device keys grow with the fleet) is one round trip, not
-# several (5,000 keys: 1.06 -> 0.70 ms a listing; 20,000: 7.1 -> 3.4 ms), while one call still
-# holds Redis for a millisecond or two at most (a step's results are never listed: which_exist)
+# keys per SCAN call: a finished job's keys are listed this way once (a step's are found in its
+# index, a step's results by which_exist), so a keyspace of a few thousand keys is one round
+# trip, not several (5,000 keys: 1.06 -> 0.70 ms a listing; 20,000: 7.1 -> 3.4 ms), while one
+# call still holds Redis for a millisecond or two at most
 SCAN_COUNT = 10_000
 
 # A value bigger than PART_BYTES is stored as parts of at most that size. Redis reads a big
@@ -223,6 +260,7 @@ class _Parts:
 
 # Lua, so that a head and the parts it names change together (ARGV[1]: the magic). The scripts
 # make part names from the head's: a single Redis (or a primary with replicas), not a Cluster.
+# A deleted key leaves its step index (keys.step_index; '' for a key in none) in the same script.
 _DROP_PARTS = """
 local function drop_parts(key, head)
   if string.sub(head, 1, #ARGV[1]) == ARGV[1] then
@@ -233,19 +271,28 @@ local function drop_parts(key, head)
   end
 end
 """
-# every key of KEYS, with the parts its head names
+# every key of KEYS, with the parts its head names (ARGV[i + 1]: KEYS[i]'s index)
 _DELETE = _DROP_PARTS + """
 local deleted = 0
-for _, key in ipairs(KEYS) do
+for i, key in ipairs(KEYS) do
   drop_parts(key, redis.call('GETRANGE', key, 0, 127))
   deleted = deleted + redis.call('DEL', key)
+  if ARGV[i + 1] ~= '' then redis.call('ZREM', ARGV[i + 1], key) end
 end
 return deleted
 """
-# KEYS[1] and its parts, only while its head is still ARGV[2]
+# KEYS[1] and its parts, only while its head is still ARGV[2] (ARGV[3]: its index)
 _DELETE_IF_HEAD = _DROP_PARTS + """
 if redis.call('GET', KEYS[1]) ~= ARGV[2] then return 0 end
 drop_parts(KEYS[1], ARGV[2])
+if ARGV[3] ~= '' then redis.call('ZREM', ARGV[3], KEYS[1]) end
+return redis.call('DEL', KEYS[1])
+"""
+# KEYS[1], only while it holds ARGV[1] (ARGV[2]: its index): a slow task must not delete what
+# another wrote meanwhile
+_DELETE_IF_EQUAL = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+if ARGV[2] ~= '' then redis.call('ZREM', ARGV[2], KEYS[1]) end
 return redis.call('DEL', KEYS[1])
 """
 # name the parts just written (ARGV[2]: their manifest; ARGV[3]: PX or 0; ARGV[4]: '1' for NX):
@@ -272,17 +319,18 @@ class RedisBlobStore:
     Values over PART_BYTES are written as parts and a manifest in one MULTI/EXEC (a reader sees
     all of it or none; a writer that dies mid-way leaves nothing; a retried one is done once)
     and read back whole. A value one of whose parts is gone (evicted) reads as missing, and its
-    head is deleted so that it can be written again."""
+    head is deleted so that it can be written again. A job's per-step key joins the job's step
+    index (a sorted set, keys.step_index) in the MULTI/EXEC that writes it and leaves it in the
+    script that deletes it: a crash between the two cannot happen, so the index never misses a
+    stored key; it names a key gone only when Redis expired or evicted it, and deleting that
+    name (what dropping a step does) is harmless."""
 
     def __init__(self, url: str) -> None:
         self.url = url
         extra = {"connection_class": _big_value_connection()} if url.startswith("redis://") else {}
         self._redis = redis.Redis.from_url(url, socket_timeout=30, health_check_interval=30,
                                            **extra)
-        # compare-and-delete: a slow task must not delete what another wrote meanwhile
-        self._delete_if_equal = self._redis.register_script(
-            "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) "
-            "end return 0")
+        self._delete_if_equal = self._redis.register_script(_DELETE_IF_EQUAL)
         self._delete = self._redis.register_script(_DELETE)
         self._which_exist = self._redis.register_script(
             "local out = {} for i, key in ipairs(KEYS) do "
@@ -314,7 +362,7 @@ class RedisBlobStore:
                 return b"".join(pieces)
             again = self._redis.get(key)
             if again == head:  # lost for good (evicted, or expired before its head)
-                self._delete_if_head(keys=[key], args=[_PARTS_MAGIC, head])
+                self._delete_if_head(keys=[key], args=[_PARTS_MAGIC, head, _index_of(key)])
                 return None
             head = again
         return None
@@ -367,9 +415,21 @@ class RedisBlobStore:
         other databases of one server (tests, several deployments) do not wake each other."""
         return f"phalanx:{self._redis.connection_pool.connection_kwargs.get('db', 0)}:{name}"
 
+    def _indexed(self, key: str, command: Callable[[Any], Any]) -> Any:
+        """`command(client)`'s reply; a per-step key joins its index in the same MULTI/EXEC
+        (any other key: the one command alone, as before)."""
+        found = names.indexed_step(key)
+        if found is None:
+            return command(self._redis)
+        pipe = self._redis.pipeline(transaction=True)
+        command(pipe)
+        pipe.zadd(found[0], {key: found[1]})
+        return pipe.execute()[0]
+
     def set(self, key: str, value: bytes, ttl: float | None = None) -> None:
         if not _in_parts(value):
-            replaced = _Parts.of(self._redis.set(key, _sendable(value), px=_ms(ttl), get=True))
+            replaced = _Parts.of(self._indexed(key, lambda r: r.set(
+                key, _sendable(value), px=_ms(ttl), get=True)))
             if replaced is not None:  # a value in parts overwritten by a small one
                 self._redis.delete(*replaced.keys(key))
             return
@@ -377,7 +437,8 @@ class RedisBlobStore:
 
     def set_if_absent(self, key: str, value: bytes, ttl: float | None = None) -> bool:
         if not _in_parts(value):
-            return bool(self._redis.set(key, _sendable(value), nx=True, px=_ms(ttl)))
+            return bool(self._indexed(key, lambda r: r.set(
+                key, _sendable(value), nx=True, px=_ms(ttl))))
         if self._redis.exists(key):
             return False  # the usual loser (a duplicate upload) sends nothing
         return self._put_parts(key, value, ttl, nx=True)
@@ -390,6 +451,9 @@ class RedisBlobStore:
         pipe = self._redis.pipeline(transaction=True)
         for i, name in enumerate(parts.keys(key)):
             pipe.set(name, view[i * PART_BYTES:(i + 1) * PART_BYTES], px=_ms(ttl))
+        found = names.indexed_step(key)
+        if found is not None:  # whoever wins an NX, the key is there: indexed either way
+            pipe.zadd(found[0], {key: found[1]})
         # EVAL, not EVALSHA: no SCRIPT EXISTS round trip before each write, no NOSCRIPT
         # inside the EXEC (after a SCRIPT FLUSH or a failover) with the parts already queued
         pipe.eval(_PUT_HEAD, 1, key, _PARTS_MAGIC, parts.manifest(), _ms(ttl) or 0,
@@ -398,13 +462,17 @@ class RedisBlobStore:
 
     def delete(self, *keys: str) -> None:
         if keys:
-            self._delete(keys=list(keys), args=[_PARTS_MAGIC])
+            self._delete(keys=list(keys), args=[_PARTS_MAGIC, *map(_index_of, keys)])
 
     def keys(self, prefix: str) -> list[str]:
         """The keys under `prefix` (never the parts of a value: they go with their head)."""
         pattern = _glob_escape(prefix) + "*"
         return [name for name in (k.decode() for k in self._redis.scan_iter(
             match=pattern, count=SCAN_COUNT)) if not _PART_KEY.search(name)]
+
+    def step_keys(self, job_id: str, lo: int = 0, hi: int | None = None) -> list[str]:
+        top = "+inf" if hi is None else f"({hi}"
+        return [k.decode() for k in self._redis.zrangebyscore(names.step_index(job_id), lo, top)]
 
     def exists(self, key: str) -> bool:
         return bool(self._redis.exists(key))
@@ -418,15 +486,15 @@ class RedisBlobStore:
         return [c == 49 for c in self._which_exist(keys=keys)] if keys else []
 
     def incr(self, key: str, amount: int) -> int:
-        return int(self._redis.incrby(key, amount))
+        return int(self._indexed(key, lambda r: r.incrby(key, amount)))
 
     def delete_if_equal(self, key: str, value: bytes) -> bool:
         head = self._redis.get(key) if _in_parts(value) else None
         if _Parts.of(head) is None:  # a small value (claims, locks), or one not in parts
-            return bool(self._delete_if_equal(keys=[key], args=[value]))
+            return bool(self._delete_if_equal(keys=[key], args=[value, _index_of(key)]))
         if self._whole(key, head) != value:
             return False
-        return bool(self._delete_if_head(keys=[key], args=[_PARTS_MAGIC, head]))
+        return bool(self._delete_if_head(keys=[key], args=[_PARTS_MAGIC, head, _index_of(key)]))
 
     def flush(self) -> None:
         self._redis.flushdb()
@@ -445,6 +513,12 @@ def _big_value_connection() -> type:
             return packer or PythonRespSerializer(self._buffer_cutoff, self.encoder.encode)
 
     return BigValueConnection
+
+
+def _index_of(key: str) -> str:
+    """The step index `key` is in, or '' (the scripts' "none")."""
+    found = names.indexed_step(key)
+    return "" if found is None else found[0]
 
 
 def _ms(ttl: float | None) -> int | None:

@@ -106,6 +106,20 @@ def job_prefix(job_id: str) -> str:
     return f"job:{job_id}:"
 
 
+def step_index(job_id: str) -> str:
+    """A sorted set of the job's per-step keys (those step_of_key reads), scored by step:
+    hotstate.blobs adds a key in the transaction that writes it and removes it in the one that
+    deletes it, so a step's keys are dropped without a SCAN of the keyspace. Outside the job's
+    prefix: `keys(job_prefix)` lists strings only."""
+    return f"steps:{job_id}"
+
+
+def indexed_step(key: str) -> tuple[str, int] | None:
+    """(the job's step index, the step) of a per-step key; None for any other key."""
+    step = step_of_key(key)
+    return None if step is None else (step_index(key.split(":", 2)[1]), step)
+
+
 def apply_claim(job_id: str, step: int) -> str:
     """Set when apply_step(job, step) is enqueued; expires so a lost task is re-enqueued."""
     return f"job:{job_id}:apply:{step}"

@@ -502,8 +502,8 @@ def publish(ctx: SchedulerContext, job: Job, info: JobInfo, plan: SlicePlan,
     is stored (RECENT), and this process's API serves the weights message as made (other
     processes encode it from the state: one message per step and process instead of 12.9 MB
     more through Redis on the step's critical path). The phones wake first (a sliced step's
-    slice waiters too): dropping the step's keys lists the job's keys (a SCAN, 3-4 ms in a
-    keyspace of 20,000), and nothing of step t+1 depends on it."""
+    slice waiters too): nothing of step t+1 depends on dropping the step's keys (two round
+    trips: read from the job's step index, then deleted with their entries, not a SCAN)."""
     sliced = len(info.slices) > 1
     if applied is not None and not sliced:
         RECENT.remember(job.id, applied.state, plan.nonce, applied.weights)

@@ -191,7 +191,8 @@ def release_finished(ctx: SchedulerContext, job: Job) -> str:
             events.record(session, "Released",
                           f"{job.state}: released {released} shard assignment(s)",
                           now=ctx.clock(), job_id=job.id)
-    keep_final = [k for k in ctx.blobs.keys(keys.job_prefix(job.id))]
+    # and what the step index still names (keys Redis expired): it goes once emptied
+    keep_final = {*ctx.blobs.keys(keys.job_prefix(job.id)), *ctx.blobs.step_keys(job.id)}
     if keep_final:
         ctx.blobs.delete(*keep_final)
     if released:

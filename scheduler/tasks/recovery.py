@@ -182,13 +182,14 @@ def _still_names(ctx: SchedulerContext, job: Job) -> bool:
 def drop_step_keys(ctx: SchedulerContext, job_id: str, keep_state: int, rewound: bool = False) -> None:
     """Delete a job's per-step keys older than `keep_state` (after a rewind: every other step's).
 
-    Routine cleanup must never touch later steps: the job may have advanced meanwhile.
+    Routine cleanup must never touch later steps: the job may have advanced meanwhile. The keys
+    come from the job's step index, not a SCAN: every applied step and reconcile pass drops, and
+    a SCAN walks the whole keyspace (6.4 ms at 20,000 keys, growing with the fleet). A key the
+    index lacks (written before it existed) is left to the job's final cleanup (reconcile).
     """
-    stale = []
-    for key in ctx.blobs.keys(keys.job_prefix(job_id)):
-        step = keys.step_of_key(key)
-        if step is not None and (step < keep_state or (rewound and step != keep_state)):
-            stale.append(key)
+    stale = ctx.blobs.step_keys(job_id, 0, keep_state)
+    if rewound:
+        stale += ctx.blobs.step_keys(job_id, keep_state + 1)
     if stale:
         ctx.blobs.delete(*stale)
 
