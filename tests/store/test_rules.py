@@ -374,15 +374,16 @@ def test_a_quarantine_cordons_with_its_reason_until_an_admin_lifts_it(factory) -
         ("Quarantined", "wrong result at step 4", "Warning", {"step": 4}, NOW),
         ("Cordoned", "cordoned: quarantined (phalanx devices uncordon lifts it)", "Normal", {},
          NOW)]
+    later = NOW + dt.timedelta(hours=3)  # the lift's time is the admin's, not the quarantine's
     with transaction(factory) as session:
-        device, changed = lifecycle.uncordon(session, dev, NOW, by="alice")
+        device, changed = lifecycle.uncordon(session, dev, later, by="alice")
         assert changed and device.quarantine_reason is None and device.state == "Ready"
     assert reasons(factory, dev)[2:] == ["QuarantineLifted", "Uncordoned"]
     with factory() as session:
         lifted = session.scalars(select(Event).where(Event.reason == "QuarantineLifted")).one()
-    assert (lifted.message, lifted.data) == (
+    assert (lifted.message, lifted.data, utc(lifted.ts)) == (
         "quarantine lifted by alice (it was: wrong result at step 4)",
-        {"by": "alice", "was": "wrong result at step 4"})
+        {"by": "alice", "was": "wrong result at step 4"}, later)
 
 
 def test_lifting_a_quarantine_alone_counts_as_a_change(factory) -> None:
