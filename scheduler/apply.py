@@ -86,6 +86,7 @@ from scheduler.checkpoints import (
 )
 from scheduler.context import SchedulerContext
 from scheduler.tasks.recovery import (
+    drop_job_keys,
     drop_step_keys,
     ensure_state,
     load_slice,
@@ -503,14 +504,19 @@ def publish(ctx: SchedulerContext, job: Job, info: JobInfo, plan: SlicePlan,
     processes encode it from the state: one message per step and process instead of 12.9 MB
     more through Redis on the step's critical path). The phones wake first (a sliced step's
     slice waiters too): nothing of step t+1 depends on dropping the step's keys (two round
-    trips: read from the job's step index, then deleted with their entries, not a SCAN)."""
+    trips: read from the job's step index, then deleted with their entries, not a SCAN). The
+    final step drops every key of the job (one SCAN of its prefix, once per job: keys the index
+    never named go too)."""
     sliced = len(info.slices) > 1
     if applied is not None and not sliced:
         RECENT.remember(job.id, applied.state, plan.nonce, applied.weights)
     bump_version(ctx.blobs)
     if sliced:
         bump_version(ctx.blobs, keys.SLICES_VERSION)
-    drop_step_keys(ctx, job.id, keep_state=job.step + 1)
+    if job.step + 1 >= info.total_steps:  # it succeeded: its weights are in its checkpoint
+        drop_job_keys(ctx, job.id)
+    else:
+        drop_step_keys(ctx, job.id, keep_state=job.step + 1)
 
 
 # -- checkpoints and the final metrics --------------------------------------------------------

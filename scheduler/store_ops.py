@@ -12,7 +12,7 @@ from collections.abc import Collection, Iterable, Iterator, Mapping
 from types import MappingProxyType
 from typing import Any
 
-from sqlalchemy import delete, func, select
+from sqlalchemy import delete, exists, func, select
 from sqlalchemy.orm import Session
 
 from domain.store.compute_class import fingerprint_of
@@ -124,7 +124,7 @@ def free_device_views(session: Session, skip: Collection[str]) -> Iterator[list[
     for one that fits stops reading at the first batch that has it."""
     query = (select(Device).where(Device.state == DeviceState.READY.value,
                                   Device.cordoned.is_(False),
-                                  Device.id.not_in(select(ShardAssignment.device_id)))
+                                  ~exists().where(ShardAssignment.device_id == Device.id))
              .order_by(Device.id))
     after = ""
     while True:

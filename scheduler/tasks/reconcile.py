@@ -37,7 +37,7 @@ from scheduler.celery_app import app
 from scheduler.context import SchedulerContext, get_context
 from scheduler.tasks import stragglers
 from scheduler.tasks.placement import placement_pass
-from scheduler.tasks.recovery import drop_step_keys, ensure_state
+from scheduler.tasks.recovery import drop_job_keys, drop_step_keys, ensure_state
 from scheduler.tasks.steps import enqueue_apply, step_complete
 from scheduler.tasks.upgrades import upgrade_pass
 from wire.states import JobState
@@ -191,10 +191,7 @@ def release_finished(ctx: SchedulerContext, job: Job) -> str:
             events.record(session, "Released",
                           f"{job.state}: released {released} shard assignment(s)",
                           now=ctx.clock(), job_id=job.id)
-    # and what the step index still names (keys Redis expired): it goes once emptied
-    keep_final = {*ctx.blobs.keys(keys.job_prefix(job.id)), *ctx.blobs.step_keys(job.id)}
-    if keep_final:
-        ctx.blobs.delete(*keep_final)
+    drop_job_keys(ctx, job.id)
     if released:
         bump_version(ctx.blobs)
     return f"released:{released}"

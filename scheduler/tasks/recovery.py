@@ -152,7 +152,7 @@ def _rewound(ctx: SchedulerContext, job: Job, restored: TrainState, nonce: str,
     with transaction(ctx.session_factory) as session:
         won = update_job(session, job.id, expect={"step": job.step, "state": ACTIVE_STATES,
                                                   "state_nonce": job.state_nonce},
-                         event=event, now=now,
+                         event=event, now=now, metrics=_before(job.metrics),
                          step=restored.step, step_started_at=now, state_nonce=nonce)
         if not won:
             ctx.blobs.delete(*written)
@@ -169,6 +169,12 @@ def _rewound(ctx: SchedulerContext, job: Job, restored: TrainState, nonce: str,
     return restored
 
 
+def _before(metrics: dict | None) -> dict:
+    """A rewound job's metrics without the validation point of weights it no longer has (the
+    step rows from the restored step on are deleted with it; the next point comes again)."""
+    return {k: v for k, v in (metrics or {}).items() if k not in ("val_loss", "val_accuracy")}
+
+
 def _still_names(ctx: SchedulerContext, job: Job) -> bool:
     """Whether the job's row still names the state `job` names. A reconcile that read the row
     just before a commit finds that state dropped: nothing was lost, and a restore (a model
@@ -179,13 +185,23 @@ def _still_names(ctx: SchedulerContext, job: Job) -> bool:
     return row is not None and tuple(row) == (job.step, job.state_nonce)
 
 
+def drop_job_keys(ctx: SchedulerContext, job_id: str) -> None:
+    """Delete every hot key of a job that has ended: the keys under its prefix (one SCAN,
+    once per job) and what its step index still names (keys Redis expired; the index goes
+    once emptied). The SCAN also finds keys the index never named (written before it
+    existed, or an index Redis evicted)."""
+    stale = {*ctx.blobs.keys(keys.job_prefix(job_id)), *ctx.blobs.step_keys(job_id)}
+    if stale:
+        ctx.blobs.delete(*stale)
+
+
 def drop_step_keys(ctx: SchedulerContext, job_id: str, keep_state: int, rewound: bool = False) -> None:
     """Delete a job's per-step keys older than `keep_state` (after a rewind: every other step's).
 
     Routine cleanup must never touch later steps: the job may have advanced meanwhile. The keys
     come from the job's step index, not a SCAN: every applied step and reconcile pass drops, and
     a SCAN walks the whole keyspace (6.4 ms at 20,000 keys, growing with the fleet). A key the
-    index lacks (written before it existed) is left to the job's final cleanup (reconcile).
+    index lacks (written before it existed) is left to the job's final cleanup (drop_job_keys).
     """
     stale = ctx.blobs.step_keys(job_id, 0, keep_state)
     if rewound:

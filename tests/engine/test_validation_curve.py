@@ -9,9 +9,12 @@ import pytest
 
 from api.schemas.jobs import JobCreate
 from domain.store.models import StepMetric
+from domain.store.states import Event
+from engine.jobinfo import job_info
 from engine.spec import SpecError, TrainSpec
 from engine.validation import validation_due
 from phalanx.train_local import run_reference
+from scheduler.tasks.recovery import rewind
 from tests.api.conftest import api_on
 from tests.scheduler.helpers import job, make_ctx, run_to, start_job, tiny_spec
 
@@ -84,3 +87,24 @@ def test_without_eval_every_only_the_final_weights_are_validated(sqlite_url, tmp
         assert session.query(StepMetric).filter(StepMetric.job_id == job_id,
                                                 StepMetric.val_loss.is_not(None)).count() == 0
     assert job(ctx, job_id).metrics["val_accuracy"] > 0
+
+
+def test_a_rewound_job_forgets_its_undone_point_and_ends_on_the_reference_curve(
+        sqlite_url, tmp_path: Path) -> None:
+    spec = tiny_spec(eval_every=2, checkpoint_every=2)  # points of steps 2, 4, 6, 8
+    reference = run_reference(spec, None, progress=False)
+    ctx = make_ctx(sqlite_url, tmp_path)
+    job_id = start_job(ctx, spec)
+    run_to(ctx, job_id, 5)
+    assert job(ctx, job_id).metrics["val_accuracy"] == reference["validation"][1]["val_accuracy"]
+    info = job_info(job_id, spec, ctx.settings.data_dir)
+    assert rewind(ctx, job(ctx, job_id), info, 3, Event("RewoundForAudit", "a test")) is not None
+    back = job(ctx, job_id)
+    assert back.step == 2 and "val_accuracy" not in back.metrics  # step 4's weights are undone
+    run_to(ctx, job_id, back.total_steps)
+    with ctx.session_factory() as session:
+        rows = session.query(StepMetric).filter(StepMetric.job_id == job_id,
+                                                StepMetric.val_loss.is_not(None)).order_by(
+            StepMetric.step).all()
+    assert [{"step": r.step, "val_loss": r.val_loss, "val_accuracy": r.val_accuracy}
+            for r in rows] == reference["validation"]

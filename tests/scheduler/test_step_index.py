@@ -194,6 +194,27 @@ def test_an_entry_without_its_key_or_a_key_without_its_entry_stalls_no_step(
     assert ctx.blobs.keys(keys.job_prefix(job_id)) == [] and index_gone(ctx.blobs, job_id)
 
 
+def test_a_job_that_succeeds_leaves_no_key_not_even_one_its_index_never_named(
+        ctx: SchedulerContext) -> None:
+    """Its final commit releases its assignments, so no reconcile pass comes back for it: the
+    final step's publish drops the whole job (the state it ended at, and keys written before
+    the index or whose index Redis evicted), while another job's keys stay."""
+    job_id = start_job(ctx)
+    other = "job-other"
+    ctx.blobs.set(keys.grad(other, 0, 0), b"another job's result")
+    unindexed = keys.upload_body(job_id, 0, "from-before-the-index")
+    write_unindexed(ctx.blobs, unindexed)
+    run_to(ctx, job_id, 1)
+    assert ctx.blobs.exists(unindexed)  # a routine drop never lists the keyspace
+    with ctx.session_factory() as s:
+        total = s.get(Job, job_id).total_steps  # type: ignore[union-attr]
+    run_to(ctx, job_id, total)
+    with ctx.session_factory() as s:
+        assert s.get(Job, job_id).state == "Succeeded"  # type: ignore[union-attr]
+    assert ctx.blobs.keys(keys.job_prefix(job_id)) == [] and index_gone(ctx.blobs, job_id)
+    assert ctx.blobs.keys(keys.job_prefix(other)) and ctx.blobs.step_keys(other)
+
+
 def test_a_rewind_drops_every_other_steps_keys_and_a_routine_drop_only_earlier_ones(
         ctx: SchedulerContext) -> None:
     job_id = start_job(ctx)
