@@ -19,6 +19,7 @@ import numpy as np
 
 from engine.checkpoint import save_npz, state_to_arrays
 from engine.data import load_dataset
+from engine.optim import lr_at
 from engine.runner import final_metrics, job_model, shard_gradient
 from engine.sampler import shard_indices
 from engine.step import apply_step, initial_state
@@ -109,8 +110,6 @@ def _epoch_row(job, state, data, epoch, losses, accs, spe, t0,
     seconds = time.perf_counter() - t0
     ts = job.spec
     point = validated or validate(job, state, data.x_val, data.y_val)
-    from engine.optim import lr_at
-
     return EpochRow(epoch + 1, state.step, float(np.mean(losses)), float(np.mean(accs)),
                     point.val_loss if point else None, point.val_accuracy if point else None,
                     lr_at(ts, state.step - 1), spe * ts.global_batch_size / max(seconds, 1e-9))

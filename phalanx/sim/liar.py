@@ -24,6 +24,8 @@ from typing import Any
 
 import numpy as np
 
+from agent.cli import main as agent_main
+from agent.client import Client
 from engine.step import ShardResult
 from wire.messages import WireError, decode_results, encode_results
 
@@ -110,8 +112,6 @@ def _copy(r: ShardResult) -> ShardResult:
 
 def patch_agent(lie: Lie) -> Liar:
     """Make this process's agent a liar: its client's gradient uploads go through the lie."""
-    from agent.client import Client
-
     liar = Liar(lie)
     honest = Client.upload_gradients
 
@@ -134,8 +134,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lie", type=Lie.parse, default=Lie())
     args, rest = p.parse_known_args(argv)
     patch_agent(args.lie)
-    from agent.cli import main as agent_main
-
     return agent_main(rest)
 
 

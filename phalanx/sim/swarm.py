@@ -42,6 +42,10 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
+from agent import __version__
+from agent.runtime.agent import FEATURES
+from engine.models import ARCHS, CUSTOM
+from phalanx.sim.fleet import this_class
 from phalanx.sim.profiles import fleet_mix
 from phalanx.sim.rawhttp import Connection, Response, TransportError, connect, encode_request
 from phalanx.sim.swarm_stats import SwarmStats
@@ -127,11 +131,6 @@ SAMPLE = (b'{"ts":%.3f,"battery_pct":%.1f,"charging":%s,"battery_temp_c":%.1f,'
 
 def heartbeat_tail() -> bytes:
     """What follows the samples in every phone's heartbeat: what a fresh agent sends."""
-    from agent import __version__
-    from agent.runtime.agent import FEATURES
-    from engine.models import ARCHS, CUSTOM
-    from phalanx.sim.fleet import this_class
-
     caps: dict[str, Any] = {"backends": ["numpy"], "archs": [*ARCHS, CUSTOM],
                             "features": list(FEATURES)}
     if (facts := this_class()) is not None:
