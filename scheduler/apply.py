@@ -19,10 +19,12 @@ the sequence is written here once, the range its parameter.
              step=t (a sliced step: AND state_nonce=<state t's>), the step's metrics, what
              its audits found (domain.store.audits), the checkpoint's row and the step
              boundary (`StepBoundary`, the extension point the caller hands in: placement's
-             moves at the boundary commit with the step); every `eval_every` steps the
-             validation split is run on state t+1 first (engine.validation, as the reference
-             trainer does) and its point goes on the step's row
-    publish  the long polls woken (the version bumped), then step t's keys dropped
+             moves at the boundary commit with the step); the final step's validation is
+             measured first and committed with it (the job's result)
+    publish  the long polls woken (the version bumped), then step t's keys dropped; every
+             `eval_every` steps the validation split is run on state t+1 (engine.validation,
+             as the reference trainer does) and its point written on the step's row: the
+             phones compute step t+1 meanwhile
 
 What a crash or a race anywhere leaves is repeated or repaired, never corrupt:
 - state t+1 is stored under a nonce no row names until the commit names it: a crash between
@@ -52,7 +54,7 @@ from functools import partial
 from typing import Protocol
 
 import numpy as np
-from sqlalchemy import select
+from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from domain.store import events
@@ -364,10 +366,10 @@ def commit_step(ctx: SchedulerContext, job: Job, info: JobInfo, plan: SlicePlan,
     if isinstance(stored, str):
         return stored
     new_state, metrics = stored
-    point = None
-    if validated:  # before the transaction: the rows' lock is not held through the evaluation
-        data = load_dataset(info.spec.dataset, ctx.settings.data_dir)
-        point = validate(info, new_state, data.x_val, data.y_val)
+    # the final point is part of the job's result: measured before its commit; any other
+    # after the publish, so the phones compute step t+1 meanwhile (a large validation split
+    # takes seconds, and the claim on the step expires after apply_claim_ttl_s)
+    point = _validation_point(ctx, info, new_state) if validated and final else None
     ckpt = None
     if due:
         try:
@@ -387,7 +389,34 @@ def commit_step(ctx: SchedulerContext, job: Job, info: JobInfo, plan: SlicePlan,
         _drop_unnamed(ctx, info, applied)  # never named: nobody reads it
         return Outcome.STALE
     publish(ctx, job, info, plan, applied)
+    if validated and not final:
+        record_validation(ctx, job.id, plan.nonce, metrics.step,
+                          _validation_point(ctx, info, new_state))
     return Outcome.APPLIED
+
+
+def _validation_point(ctx: SchedulerContext, info: JobInfo, state: TrainState
+                      ) -> ValidationPoint | None:
+    """The validation of `state` (engine.validation, as the reference trainer computes it)."""
+    data = load_dataset(info.spec.dataset, ctx.settings.data_dir)
+    return validate(info, state, data.x_val, data.y_val)
+
+
+def record_validation(ctx: SchedulerContext, job_id: str, nonce: str, step: int,
+                      point: ValidationPoint | None) -> None:
+    """Step `step`'s point on its row, and in the job's metrics while the job still stands on
+    the state it was measured on (`nonce`); a rewind since deleted the row: nothing is
+    written."""
+    if point is None:
+        return
+    values = {"val_loss": point.val_loss, "val_accuracy": point.val_accuracy}
+    with transaction(ctx.session_factory) as session:
+        session.execute(update(StepMetric).where(StepMetric.job_id == job_id,
+                                                 StepMetric.step == step).values(**values))
+        metrics = session.scalar(select(Job.metrics).where(Job.id == job_id))
+        update_job(session, job_id, expect={"step": step + 1, "state_nonce": nonce,
+                                            "state": JobState.RUNNING.value},
+                   metrics={**(metrics or {}), **values})
 
 
 def _step_stored(ctx: SchedulerContext, job: Job, info: JobInfo, plan: SlicePlan,
@@ -442,14 +471,12 @@ def commit_rows(ctx: SchedulerContext, job: Job, info: JobInfo, plan: SlicePlan,
                 point: ValidationPoint | None = None) -> bool:
     """The step's rows in one transaction, committed only if the job is still Running at step
     t (a sliced step: still naming state t, which its plan was made from); the state's write
-    (`storing`) is waited for as its last statement. `point`: the validation of state t+1, on
-    the step's row and, while the job runs, in its metrics (the latest)."""
+    (`storing`) is waited for as its last statement. `point`: the final step's validation
+    (the others' are recorded after the publish: record_validation)."""
     guard = {"step": m.step} if len(info.slices) == 1 else {"step": m.step,
                                                             "state_nonce": job.state_nonce}
     now = ctx.clock()
     summary = {"train_loss": m.train_loss, "train_accuracy": m.train_accuracy, "lr": m.lr}
-    if point is not None:
-        summary.update(val_loss=point.val_loss, val_accuracy=point.val_accuracy)
     finished = final_summary(ctx, job, info, m, new_state, point) if final else None
     pruned: list[str] = []
     with transaction(ctx.session_factory) as session:

@@ -14,6 +14,7 @@ from engine.jobinfo import job_info
 from engine.spec import SpecError, TrainSpec
 from engine.validation import validation_due
 from phalanx.train_local import run_reference
+from scheduler import apply
 from scheduler.tasks.recovery import rewind
 from tests.api.conftest import api_on
 from tests.scheduler.helpers import job, make_ctx, run_to, start_job, tiny_spec
@@ -108,3 +109,22 @@ def test_a_rewound_job_forgets_its_undone_point_and_ends_on_the_reference_curve(
             StepMetric.step).all()
     assert [{"step": r.step, "val_loss": r.val_loss, "val_accuracy": r.val_accuracy}
             for r in rows] == reference["validation"]
+
+
+def test_a_point_is_measured_after_its_step_commits_and_the_last_one_before(
+        sqlite_url, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The phones need not wait for a validation: step t+1's work is out before a point of
+    t is measured; only the final point, part of the job's result, comes before its commit."""
+    spec = tiny_spec(eval_every=3)  # points of steps 3, 6 and 8 (the last)
+    ctx = make_ctx(sqlite_url, tmp_path)
+    job_id = start_job(ctx, spec)
+    seen: list[tuple[int, int]] = []  # (the state's steps, the job's step when measured)
+    real = apply.validate
+
+    def watching(info, state, x, y):
+        seen.append((state.step, job(ctx, job_id).step))
+        return real(info, state, x, y)
+
+    monkeypatch.setattr(apply, "validate", watching)
+    run_to(ctx, job_id, job(ctx, job_id).total_steps)
+    assert seen == [(3, 3), (6, 6), (8, 7)]
