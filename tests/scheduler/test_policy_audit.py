@@ -14,6 +14,7 @@ from scheduler.policy.audit import (
     chosen_inside,
     drawn,
     judge,
+    least_loaded,
     needs_audit,
     on_probation,
     p_uncaught,
@@ -166,3 +167,63 @@ def test_two_of_three_decide(holder: bytes, auditor: bytes, decider: bytes | Non
 def test_where_a_job_rewinds(first: int | None, checkpoints: list[int],
                              target: int | None) -> None:
     assert rewind_target(first, checkpoints) == target
+
+
+# -- the second mutation run's survivors (docs/testing.md) -------------------------------------
+
+def test_one_probation_step_still_puts_a_new_device_on_probation() -> None:
+    assert on_probation({}, ["new"], 1) == {"new"}
+    assert on_probation({"old": 1}, ["old"], 1) == frozenset()
+
+
+def test_at_a_fractional_rate_exactly_the_drawn_nodes_are_audited() -> None:
+    # each holder uploads several nodes (its shards are not contiguous): every one is judged
+    primaries = {k: ("a", "b", "c")[k % 3] for k in range(24)}
+    covers = {d: tree.cover([k for k, h in primaries.items() if h == d], 24) for d in "abc"}
+    assert all(len(nodes) > 3 for nodes in covers.values())
+    for step in range(6):
+        plan = plan_audits(primaries, 24, "job-key", step, 0.4, probation=())
+        want = {node for nodes in covers.values() for node in nodes
+                if drawn("job-key", step, node, 0.4)}
+        assert set(plan) == want and 0 < len(want) < sum(map(len, covers.values()))
+        assert all(needs_audit("job-key", step, n, 0.4, "a", ()) == drawn("job-key", step, n, 0.4)
+                   for n in covers["a"])
+
+
+@pytest.mark.parametrize("speeds,most", [
+    ({"d0": 0.5, "d1": 0.05, "d2": 0.05, "d3": 0.05}, "d0"),  # speeds below 1 still count
+    ({"d2": 5.0}, "d2"),  # a device without a measured speed counts as 1 (not 2: then 2)
+])
+def test_the_fastest_relative_to_the_others_takes_the_most_audits(speeds, most) -> None:
+    primaries = {k: f"d{k // 4}" for k in range(16)}
+    plan = plan_audits(primaries, 16, "key", 5, rate=1.0, probation=(), speeds=speeds)
+    taken = {d: sum(a == d for _, a in plan.values()) for d in ("d0", "d1", "d2", "d3")}
+    assert taken[most] == 3 and sum(taken.values()) == 4, taken
+
+
+def test_an_auditor_s_load_grows_by_the_size_of_the_node_it_took() -> None:
+    """a holds 0..7 (one node of 8), b 8..11 and c 12..15 (nodes of 4); everyone audited.
+    a's node goes to b (4 < 8 shards of work; c ties, b is first): b has 12. b's to c (4):
+    c has 8. c's to a (8 < 12). With b at half speed, a's node goes to c (b's 4 shards weigh
+    8), and so on from loads grown by each node's size."""
+    primaries = {k: "a" if k < 8 else "b" if k < 12 else "c" for k in range(16)}
+    plan = plan_audits(primaries, 16, "key", 0, rate=1.0, probation=())
+    assert plan == {(0, 8): ("a", "b"), (8, 12): ("b", "c"), (12, 16): ("c", "a")}
+    slow_b = plan_audits(primaries, 16, "key", 0, rate=1.0, probation=(),
+                         speeds={"a": 1.0, "b": 0.5, "c": 1.0})
+    assert slow_b[(0, 8)] == ("a", "c")  # b's 4 shards take it as long as 8 elsewhere
+
+
+@pytest.mark.parametrize("order,work,speed,expected", [
+    (["b", "a"], {"b": 1.0}, {}, "a"),  # no audits yet counts as no work
+    (["a", "b"], {"a": 1.0, "b": 1.0}, {"b": 1.5}, "b"),  # no speed counts as 1
+    (["a", "b"], {"a": 2.0, "b": 2.0}, {}, "a"),  # ties: the first
+    ([], {}, {}, None),
+])
+def test_the_least_loaded_by_work_per_speed(order, work, speed, expected) -> None:
+    assert least_loaded(order, work, speed) == expected
+
+
+def test_a_larger_node_starting_where_the_audited_one_starts_cannot_be_compared() -> None:
+    assert chosen_inside((4, 6), [(0, 4), (4, 8), (8, 16)]) is None
+    assert chosen_inside((4, 8), [(0, 4), (4, 12), (12, 16)]) is None
