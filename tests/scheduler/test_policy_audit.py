@@ -227,3 +227,32 @@ def test_the_least_loaded_by_work_per_speed(order, work, speed, expected) -> Non
 def test_a_larger_node_starting_where_the_audited_one_starts_cannot_be_compared() -> None:
     assert chosen_inside((4, 6), [(0, 4), (4, 8), (8, 16)]) is None
     assert chosen_inside((4, 8), [(0, 4), (4, 12), (12, 16)]) is None
+
+
+def test_the_draw_is_the_documented_keyed_blake2b_of_step_and_node() -> None:
+    """docs/scheduler.md: BLAKE2b-64 of "step:lo:hi" keyed by the job's audit key (its first 64
+    bytes), read big-endian as a fraction of 2^64, audited below the rate: every replica and
+    worker, of any version, draws the same nodes."""
+    import hashlib
+
+    for key in ("job-key", "k" * 100):  # a key past BLAKE2b's 64 bytes is cut, not refused
+        for step, node in ((0, (0, 1)), (7, (4, 8)), (123, (8, 16))):
+            mac = hashlib.blake2b(f"{step}:{node[0]}:{node[1]}".encode(), digest_size=8,
+                                  key=key.encode()[:64]).digest()
+            u = int.from_bytes(mac, "big") / 2.0 ** 64
+            for rate in (0.1, 0.5, 0.9):
+                assert drawn(key, step, node, rate) == (u < rate)
+
+
+def test_steps_to_catch_is_the_least_t_by_its_definition() -> None:
+    """The least T with (1 - r)^(n T) <= 1 - confidence, searched one step at a time."""
+    for rate in (0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 0.7, 0.9):
+        for n in (1, 2, 3, 8, 40):
+            for confidence in (0.5, 0.75, 0.9, 0.99, 0.999):
+                t = 1
+                while p_uncaught(rate, n, t) > 1.0 - confidence:
+                    t += 1
+                assert steps_to_catch(rate, n, confidence) == t, (rate, n, confidence)
+    assert steps_to_catch(0.02, 8) == steps_to_catch(0.02, 8, 0.99)  # 99% unless told
+    with pytest.raises(ValueError, match="never audited at rate 0 without probation"):
+        steps_to_catch(0.0, 4)
