@@ -276,6 +276,8 @@ def optimizer_step(grads: Sequence[np.ndarray] | GradBlocks, params: np.ndarray,
     list order; vectors, or GradBlocks) divided by `grad_divisor`; `slots`: the parameter
     tensors (LARS scales each). `done`: told of each block once final (BlockDone; LARS,
     which needs whole tensors first, tells of the whole vector at the end)."""
+    if hp.kind not in STATE_SLOTS:  # before its state's width is asked of it (a KeyError)
+        raise ValueError(f"unknown optimizer {hp.kind!r}; one of {', '.join(OPTIMIZERS)}")
     n = params.size
     width = len(STATE_SLOTS[hp.kind]) * n
     if opt_state.size != width:
@@ -289,13 +291,11 @@ def optimizer_step(grads: Sequence[np.ndarray] | GradBlocks, params: np.ndarray,
         _fused(_blocks(grads), n, lambda block, g: _adamw_block(
             block, g, params, opt_state, new_params, new_state, hp, decay_mask, grad_divisor),
             workers, done)
-    elif hp.kind == "lars":
+    else:  # lars
         _lars(_blocks(grads), params, opt_state, new_params, new_state, hp, decay_mask, slots,
               grad_divisor)
         if done is not None:
             done(slice(0, n))
-    else:
-        raise ValueError(f"unknown optimizer {hp.kind!r}; one of {', '.join(OPTIMIZERS)}")
     return new_params, new_state
 
 

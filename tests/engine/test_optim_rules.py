@@ -124,8 +124,41 @@ def test_each_optimizer_is_its_formula_on_the_sum_over_the_divisor(kind, divisor
         state[N:] = np.abs(state[N:])  # a second moment is never negative
     got_p, got_s = optimizer_step(grads, params, state, hp, mask, SLOTS, grad_divisor=divisor)
     want_p, want_s = _formula(kind, grads, params, state, hp, mask, divisor)
+    assert got_p.dtype == got_s.dtype == np.float32  # what the weights message carries
     np.testing.assert_allclose(got_p, want_p, rtol=2e-7, atol=1e-12)
     np.testing.assert_allclose(got_s, want_s, rtol=2e-7, atol=1e-12)
     if kind == "lars":  # the zero kernel and the zero gradient's kernel: no trust ratio
         d = hp.weight_decay * params[10:20].astype(np.float64)
         np.testing.assert_allclose(got_s[10:20], 0.9 * state[10:20] + d, rtol=2e-7)
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adamw", "lars"])
+def test_a_step_without_results_updates_from_a_zero_gradient(kind) -> None:
+    hp = Hyper(kind, 0.1, 3, weight_decay=5e-4, trust_coefficient=0.02)
+    _, params, mask, state = _case()
+    state = np.abs(state[:len(STATE_SLOTS[kind]) * N])
+    seen: list[slice] = []
+    got_p, got_s = optimizer_step([], params, state, hp, mask, SLOTS, done=seen.append)
+    want_p, want_s = _formula(kind, [np.zeros(N, np.float32)], params, state, hp, mask, 1.0)
+    np.testing.assert_allclose(got_p, want_p, rtol=2e-7, atol=1e-12)
+    np.testing.assert_allclose(got_s, want_s, rtol=2e-7, atol=1e-12)
+    assert sorted(i for b in seen for i in range(*b.indices(N))) == list(range(N))
+
+
+def test_without_a_divisor_the_sum_is_the_gradient() -> None:
+    grads, params, mask, state = _case()
+    hp = Hyper("sgd", 0.1, 1, weight_decay=5e-4)
+    plain = optimizer_step(grads, params, state[:N], hp, mask, SLOTS)
+    ones = optimizer_step(grads, params, state[:N], hp, mask, SLOTS, grad_divisor=1.0)
+    assert plain[0].tobytes() == ones[0].tobytes() and plain[1].tobytes() == ones[1].tobytes()
+
+
+def test_a_wrong_state_or_optimizer_is_refused_saying_what_it_holds() -> None:
+    grads, params, mask, state = _case()
+    with pytest.raises(ValueError) as wrong:
+        optimizer_step(grads, params, state, Hyper("sgd", 0.1, 1), mask, SLOTS)
+    assert str(wrong.value) == ("sgd keeps 1 vector(s) of state per parameter; "
+                                "the state holds 2")
+    with pytest.raises(ValueError) as wrong:
+        optimizer_step(grads, params, state, Hyper("rmsprop", 0.1, 1), mask, SLOTS)
+    assert str(wrong.value) == "unknown optimizer 'rmsprop'; one of sgd, adamw, lars"
