@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from itertools import combinations
 
 import numpy as np
 import pytest
@@ -94,3 +95,44 @@ def test_the_spec_refuses_a_slice_count_out_of_range() -> None:
         TrainSpec.from_job_spec({"model": {"arch": "cnn"}, "dataset": "digits", "slices": 0})
     with pytest.raises(SpecError, match="slices must be in"):
         TrainSpec.from_job_spec({"model": {"arch": "cnn"}, "dataset": "digits", "slices": 65})
+
+
+def _slots(sizes: list[int]) -> list[Slot]:
+    offsets = np.cumsum([0, *sizes[:-1]])
+    return [Slot(f"t{i}", int(off), (size,)) for i, (off, size) in enumerate(zip(offsets, sizes))]
+
+
+def _best_largest(sizes: list[int], parts: int) -> int:
+    """The least largest slice over every way to cut `sizes`, in order, into `parts` slices."""
+    edges = np.cumsum([0, *sizes])
+    return min(max(int(edges[b] - edges[a]) for a, b in zip((0, *cut), (*cut, len(sizes))))
+               for cut in combinations(range(1, len(sizes)), parts - 1))
+
+
+def test_the_largest_slice_is_the_least_any_cut_between_tensors_allows() -> None:
+    rng = np.random.default_rng(11)
+    for _ in range(300):
+        sizes = [int(s) for s in rng.integers(1, 20, size=int(rng.integers(1, 8)))]
+        for parts in range(1, len(sizes) + 1):
+            bounds = slice_bounds(_slots(sizes), sum(sizes), parts)
+            assert len(bounds) == parts, (sizes, parts, bounds)
+            assert max(hi - lo for lo, hi in bounds) == _best_largest(sizes, parts), (sizes, parts)
+
+
+@pytest.mark.parametrize(("sizes", "parts", "expected"), [
+    # one tensor of one element first: its end is a cut like any other
+    ([1, 4, 5], 3, [(0, 1), (1, 5), (5, 10)]),
+    # packed into 2 at the least capacity (10), then the largest divisible slice is halved as
+    # evenly as it goes (2+1+1 | 3+3), then again the largest ([3, 3])
+    ([10, 2, 1, 1, 3, 3], 4, [(0, 10), (10, 14), (14, 17), (17, 20)]),
+    # two divisible slices of equal size: the first is split
+    ([5, 1, 1, 5, 1, 1], 5, [(0, 5), (5, 6), (6, 7), (7, 12), (12, 14)]),
+])
+def test_how_slices_are_split_to_reach_their_count(sizes, parts, expected) -> None:
+    assert slice_bounds(_slots(sizes), sum(sizes), parts) == expected
+
+
+def test_zero_slices_are_refused_saying_so() -> None:
+    with pytest.raises(SliceError) as refused:
+        slice_bounds(_slots([3, 4]), 7, 0)
+    assert str(refused.value) == "slices must be >= 1"
