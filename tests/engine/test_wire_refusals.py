@@ -77,6 +77,9 @@ WEIGHTS_REFUSALS = {
     "empty": (b"", {}, "truncated: 0 bytes is shorter than the header"),
     "one byte short of a prefix": (WEIGHTS[:14], {},
                                    "truncated: 14 bytes is shorter than the header"),
+    "a prefix and nothing more": (WEIGHTS[:15], {},
+                                  f"truncated: header of {PREFIX.unpack_from(WEIGHTS)[2]} bytes "
+                                  "does not fit in 15 bytes"),
     "bad magic": (b"PHLXX" + WEIGHTS[5:], {}, "bad magic b'PHLXX': not a Phalanx wire message"),
     "version": (WEIGHTS[:5] + struct.pack("<H", 2) + WEIGHTS[7:], {},
                 "unsupported wire version 2 (this side speaks 1)"),
@@ -141,6 +144,8 @@ def shard_edit(i: int = 0, **change) -> Callable[[dict], object]:
 
 RESULTS_REFUSALS = {
     "kind": (WEIGHTS, {}, "expected a results message, got 'weights'"),
+    "job": (RESULTS, {"expect_job": "job-2"}, "message is for job 'job-1', expected 'job-2'"),
+    "n_params": (RESULTS, {"n_params": 9}, "n_params is 10, this model has 9"),
     "n_stats": (RESULTS, {"n_stats": 3}, "n_stats is 2, this model has 3"),
     "dtype": (edited(RESULTS, lambda h: h.update(dtype="int8")), {},
               "results dtype must be one of float32, float16, bfloat16, got 'int8'"),
@@ -267,6 +272,8 @@ def test_slices_join_only_as_one_cover_from_zero_saying_what_is_wrong() -> None:
     refused(lambda: join_weights("job-1", 4, [edited(sliced(0, 4), lambda h: h.update(
         dtype="float16"))]), "weights dtype must be float32, got 'float16'")
     refused(lambda: join_weights("job-1", 5, [sliced(0, 10)]), "message is for step 4, expected 5")
+    refused(lambda: join_weights("job-2", 4, [sliced(0, 10)]),
+            "message is for job 'job-1', expected 'job-2'")
 
 
 def test_a_weights_message_filled_out_of_order_blocks_names_the_gap() -> None:
