@@ -14,6 +14,7 @@ These are also the tests `scripts/mutation store` judges the rules by (docs/test
 from __future__ import annotations
 
 import datetime as dt
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -343,6 +344,37 @@ def test_a_flag_change_waits_for_another_writer_of_the_device(pg_url: str) -> No
                 verb(other, dev, NOW)
             other.rollback()
             holder.rollback()
+    engine.dispose()
+
+
+@pytest.mark.parametrize(("verb", "reason", "start"), [
+    (lifecycle.uncordon, "Uncordoned", {"cordoned": True, "state": "Cordoned"}),
+    (lifecycle.drain, "Draining", {}),
+])
+def test_two_admins_changing_a_device_at_once_record_the_change_once(
+        pg_url: str, verb, reason: str, start: dict) -> None:
+    """The second reads the row after the first commits (FOR UPDATE), so it finds nothing left
+    to change: one event, not a second from a row read before the first's commit."""
+    engine = make_engine(pg_url)
+    factory = make_session_factory(engine)
+    dev = add_device(factory, "a", NOW, **start)
+    second: list[bool] = []
+    with factory() as first:
+        assert verb(first, dev, NOW)[1]  # changed, uncommitted, the row held
+
+        def other_admin() -> None:
+            with factory() as other:
+                second.append(verb(other, dev, NOW)[1])
+                other.commit()
+
+        racer = threading.Thread(target=other_admin)
+        racer.start()
+        racer.join(0.3)  # it waits for the row
+        assert racer.is_alive()
+        first.commit()
+    racer.join(10)
+    assert second == [False]
+    assert reasons(factory, dev).count(reason) == 1
     engine.dispose()
 
 
