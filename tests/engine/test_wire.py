@@ -17,6 +17,7 @@ from wire.messages import (
     decode_results,
     decode_weights,
     encode_results,
+    encode_results_parts,
     encode_weights,
     join_weights,
 )
@@ -246,8 +247,6 @@ def test_results_in_parts_are_the_message_without_copying_float32_arrays(dtype):
     """The parts an agent writes or sends one after the other join into exactly the message;
     a float32 gradient goes out as a view of the agent's own array (a phone does not hold the
     model-sized message twice)."""
-    from wire.messages import encode_results_parts
-
     sent = _results()
     parts = encode_results_parts("job-1", 3, sent, dtype)
     assert b"".join(parts) == encode_results("job-1", 3, sent, dtype)
@@ -361,3 +360,11 @@ def test_every_message_puts_its_arrays_at_an_aligned_offset_and_unpadded_ones_st
     joined = b"".join(join_weights("job-1", 7, slices))
     assert _payload_offset(joined) % PAYLOAD_ALIGN == 0
     assert joined == messages["weights"]
+
+
+def test_float64_arrays_go_out_as_float32_and_results_default_to_float32() -> None:
+    wide = encode_weights("job-1", 3, PARAMS.astype(np.float64), BUFFERS.astype(np.float64))
+    assert wide == encode_weights("job-1", 3, PARAMS, BUFFERS)
+    sent = _results()
+    assert b"".join(encode_results_parts("job-1", 3, sent)) == encode_results(
+        "job-1", 3, sent, "float32")
