@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -12,14 +11,6 @@ from engine.step import TrainState
 from hotstate.blobs import MGET_GROUP, PART_BYTES, BlobStore, MemoryBlobStore, RedisBlobStore
 from hotstate.locks import acquire, release
 from hotstate.trainstate import StateError, decode_state, encode_state, read_weights
-
-
-@pytest.fixture(params=["memory", "redis"])
-def store(request: pytest.FixtureRequest) -> Iterator[BlobStore]:
-    if request.param == "memory":
-        yield MemoryBlobStore()
-    else:
-        yield RedisBlobStore(request.getfixturevalue("redis_url"))
 
 
 def test_set_get_delete(store: BlobStore) -> None:

@@ -5,7 +5,6 @@ the same transaction, and an entry whose key is gone, or a key it lacks, stalls 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,14 +19,6 @@ from scheduler.tasks.reconcile import run_reconcile_job
 from scheduler.tasks.recovery import drop_step_keys
 from scheduler.tasks.steps import run_apply_step
 from tests.scheduler.helpers import run_to, start_job, store_param_ctx, upload_all
-
-
-@pytest.fixture(params=["memory", "redis"])
-def store(request: pytest.FixtureRequest) -> Iterator[BlobStore]:
-    if request.param == "memory":
-        yield MemoryBlobStore()
-    else:
-        yield RedisBlobStore(request.getfixturevalue("redis_url"))
 
 
 @pytest.fixture(params=["memory", "redis"])
