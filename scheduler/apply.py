@@ -388,7 +388,7 @@ def commit_step(ctx: SchedulerContext, job: Job, info: JobInfo, plan: SlicePlan,
     if not committed:
         _drop_unnamed(ctx, info, applied)  # never named: nobody reads it
         return Outcome.STALE
-    publish(ctx, job, info, plan, applied)
+    publish(ctx, job, info, plan, applied, final)
     if validated and not final:
         record_validation(ctx, job.id, plan.nonce, metrics.step,
                           _validation_point(ctx, info, new_state))
@@ -422,8 +422,8 @@ def record_validation(ctx: SchedulerContext, job_id: str, nonce: str, step: int,
 def _step_stored(ctx: SchedulerContext, job: Job, info: JobInfo, plan: SlicePlan,
                  applied: Applied | None, due: bool) -> tuple[TrainState, StepMetrics] | str:
     """State t+1 (whole when `due`: a checkpoint is written or the validation run from it)
-    and the step's metrics,
-    once every range is stored under `plan`; otherwise the outcome to return."""
+    and the step's metrics, once every range is stored under `plan`; otherwise the outcome to
+    return."""
     if len(info.slices) == 1 and applied is not None:
         return applied.state, applied.metrics
     step, slices = job.step, len(info.slices)
@@ -525,7 +525,7 @@ def commit_rows(ctx: SchedulerContext, job: Job, info: JobInfo, plan: SlicePlan,
 
 
 def publish(ctx: SchedulerContext, job: Job, info: JobInfo, plan: SlicePlan,
-            applied: Applied | None) -> None:
+            applied: Applied | None, final: bool) -> None:
     """After the commit: the next step of this process reads a whole state from memory while it
     is stored (RECENT), and this process's API serves the weights message as made (other
     processes encode it from the state: one message per step and process instead of 12.9 MB
@@ -540,7 +540,7 @@ def publish(ctx: SchedulerContext, job: Job, info: JobInfo, plan: SlicePlan,
     bump_version(ctx.blobs)
     if sliced:
         bump_version(ctx.blobs, keys.SLICES_VERSION)
-    if job.step + 1 >= info.total_steps:  # it succeeded: its weights are in its checkpoint
+    if final:  # it succeeded: its weights are in its checkpoint
         drop_job_keys(ctx, job.id)
     else:
         drop_step_keys(ctx, job.id, keep_state=job.step + 1)

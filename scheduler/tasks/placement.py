@@ -77,20 +77,12 @@ class Fleet:
     def any_free_fits(self, req: PlacementRequest) -> bool:
         """Whether a device that holds no job passes `req`'s filters; read in batches up to
         the first that has one (a healthy fleet: the first batch)."""
-        if self.whole:
-            return bool(feasible(req, [d for d in self.by_id.values() if d.job_id is None])[0])
-        here = [d for d in self.by_id.values() if d.job_id is None]  # freed in this pass
+        here = [d for d in self.by_id.values() if d.job_id is None]  # all, or freed in this pass
         if feasible(req, here)[0]:
             return True
-        return any(feasible(req, batch)[0]
-                   for batch in store_ops.free_device_views(self.session, self.by_id))
-
-    def counts(self) -> tuple[int, int]:
-        """(devices, of them NotReady)."""
-        if self.whole:
-            views = self.by_id.values()
-            return len(views), sum(1 for d in views if d.state == DeviceState.NOT_READY)
-        return store_ops.fleet_counts(self.session)
+        return not self.whole and any(
+            feasible(req, batch)[0]
+            for batch in store_ops.free_device_views(self.session, self.by_id))
 
     def of(self, job_id: str) -> list[DeviceView]:
         return [d for d in self.by_id.values() if d.job_id == job_id]
@@ -140,12 +132,12 @@ class EvictionBudget:
         self.limits = EvictionLimits(window_s=ctx.tuning.eviction_window_s)
         raw = ctx.blobs.get(keys.EVICTIONS)
         self.recent: list[float] = prune(json.loads(raw) if raw else [], self.now, self.limits)
-        self.fleet = fleet
+        self.session = fleet.session
         self.sizes: tuple[int, int] | None = None  # counted when an eviction is first asked for
 
     def take(self) -> bool:
-        if self.sizes is None:
-            self.sizes = self.fleet.counts()
+        if self.sizes is None:  # a pass changes no device's state: the database's counts
+            self.sizes = store_ops.fleet_counts(self.session)
         fleet_size, not_ready = self.sizes
         if allowed_evictions(fleet_size, not_ready, self.recent, self.now, self.limits) <= 0:
             return False
