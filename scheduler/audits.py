@@ -479,7 +479,8 @@ def _delete_results_of(ctx: SchedulerContext, job: Job, device: str) -> None:
     """Every result of the step that `device` uploaded (its own and its audits), with the
     record of who uploaded it: computed again by others."""
     prefix = f"job:{job.id}:by:{job.step}:"
-    found = ctx.blobs.keys(prefix)
+    found = [k for k in ctx.blobs.step_keys(job.id, job.step, job.step + 1)
+             if k.startswith(prefix)]  # the step's index, not a SCAN of the keyspace
     doomed: list[str] = []
     for key, who in zip(found, ctx.blobs.get_many(found)):
         if who is None or who.decode() != device:
