@@ -9,7 +9,6 @@ import re
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -61,17 +60,6 @@ def assert_matches_reference(job: dict[str, Any], spec: dict[str, Any], tmp_path
     assert rel_diff(got, ref["train_loss"]) < TOLERANCE, (got, ref)
     assert job["step"] == ref["steps"]
     assert job["metrics"]["val_accuracy"] == pytest.approx(ref["val_accuracy"], abs=0.01)
-
-
-@pytest.fixture
-def cluster(tmp_path: Path, pg_url: str, redis_url: str) -> Iterator[Cluster]:
-    c = Cluster(tmp_path, pg_url, ADMIN, redis_url=redis_url)
-    try:
-        c.start_server()
-        c.start_worker()
-        yield c
-    finally:
-        c.stop()
 
 
 def reasons(c: Cluster, job_id: str) -> list[str]:

@@ -7,7 +7,6 @@ bit, and the liar is quarantined within the steps the audit rate predicts."""
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +16,6 @@ import pytest
 from scheduler.policy.audit import steps_to_catch
 from tests.deploy.tools import queries
 from tests.e2e.cluster import Cluster, reference_metrics
-from tests.support.env import ADMIN_TOKEN as ADMIN
 from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.slow
@@ -31,17 +29,6 @@ SPEC: dict[str, Any] = {
     "placement": {"min_devices": 5, "max_devices": 6},
     "verification": {"audit_rate": RATE, "probation_steps": PROBATION},
 }
-
-
-@pytest.fixture
-def cluster(tmp_path: Path, pg_url: str, redis_url: str) -> Iterator[Cluster]:
-    c = Cluster(tmp_path, pg_url, ADMIN, redis_url=redis_url)
-    try:
-        c.start_server()
-        c.start_worker()
-        yield c
-    finally:
-        c.stop()
 
 
 def test_a_job_on_six_phones_one_lying_ends_on_the_reference_and_the_liar_is_quarantined(
