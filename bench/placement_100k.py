@@ -20,6 +20,7 @@ cumulative time. Target (issue 45): < 200 ms.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import io
 import json
@@ -30,6 +31,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +50,20 @@ GANG_SPEC = {
     "optimizer": {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.0, "schedule": "cosine"},
     "placement": {"min_devices": 138, "max_devices": 138}, "priority": 0,
 }
+
+
+@contextlib.contextmanager
+def scratch_database(pg_url: str, prefix: str) -> Iterator[str]:
+    """A fresh database on `pg_url`'s server, migrated; dropped on the way out."""
+    db = f"{prefix}_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(libpq_url(pg_url), autocommit=True) as admin:
+        admin.execute(f'CREATE DATABASE "{db}"')
+        try:
+            db_url = pg_url.rpartition("/")[0] + "/" + db
+            upgrade(db_url)
+            yield db_url
+        finally:
+            admin.execute(f'DROP DATABASE IF EXISTS "{db}" WITH (FORCE)')
 
 
 def fill_devices(db_url: str, n: int) -> None:
@@ -168,12 +184,7 @@ def main() -> None:
 
     from domain.settings import Settings
 
-    db = f"place_{uuid.uuid4().hex[:8]}"
-    admin = psycopg.connect(libpq_url(args.pg_url), autocommit=True)
-    admin.execute(f'CREATE DATABASE "{db}"')
-    db_url = args.pg_url.rpartition("/")[0] + "/" + db
-    try:
-        upgrade(db_url)
+    with scratch_database(args.pg_url, "place") as db_url:
         t0 = time.perf_counter()
         fill_devices(db_url, args.devices)
         filled = time.perf_counter() - t0
@@ -181,8 +192,6 @@ def main() -> None:
                             data_dir=Path(tempfile.mkdtemp(prefix="phalanx-place-")))
         result = time_placement(settings, submit_gang(settings), args.repeats, args.profile)
         result["fill_s"] = round(filled, 1)
-    finally:
-        admin.execute(f'DROP DATABASE IF EXISTS "{db}" WITH (FORCE)')
     profile = result.pop("profile", None)
     if profile:
         print(profile, file=sys.stderr)

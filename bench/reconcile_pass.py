@@ -26,17 +26,12 @@ import statistics
 import sys
 import tempfile
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
-import psycopg
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from placement_100k import ADMIN, fill_devices, submit_gang  # noqa: E402  (bench/)
-
-from domain.store.db import libpq_url, upgrade  # noqa: E402
+from placement_100k import ADMIN, fill_devices, scratch_database, submit_gang  # noqa: E402
 
 
 def median_ms(xs: list[float]) -> float:
@@ -103,21 +98,13 @@ def main() -> None:
 
     rows = []
     for n in (int(x) for x in args.fleets.split(",")):
-        db = f"recon_{uuid.uuid4().hex[:8]}"
-        admin = psycopg.connect(libpq_url(args.pg_url), autocommit=True)
-        admin.execute(f'CREATE DATABASE "{db}"')
-        db_url = args.pg_url.rpartition("/")[0] + "/" + db
-        try:
-            upgrade(db_url)
+        with scratch_database(args.pg_url, "recon") as db_url:
             fill_devices(db_url, n)
             settings = Settings(database_url=db_url, redis_url=args.redis_url,
                                 admin_token=ADMIN,
                                 data_dir=Path(tempfile.mkdtemp(prefix="phalanx-recon-")))
             got = {"devices": n, **measure(settings, args.repeats),
                    "load": [round(x, 2) for x in os.getloadavg()]}
-        finally:
-            admin.execute(f'DROP DATABASE IF EXISTS "{db}" WITH (FORCE)')
-            admin.close()
         print(json.dumps(got), flush=True)
         rows.append(got)
     print("| devices | pass, lazy: wall | CPU | pass, whole fleet: wall | CPU | "
